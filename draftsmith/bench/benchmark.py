@@ -1,0 +1,93 @@
+"""Stage `benchmark`: held-out prompts through the speculative engine and through plain greedy
+decoding; acceptance length, tokens/s of each, and whether the outputs are identical."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+from draftsmith.artifacts import (
+    Descriptor,
+    StagePlan,
+    atomic_write_json,
+    finish_stage,
+    stage_output,
+)
+from draftsmith.config import BenchmarkConfig, TargetConfig
+from draftsmith.data.merge import read_split
+from draftsmith.progress import Progress
+from draftsmith.serve.deploy import load_embedded_engine, prompt_ids
+from draftsmith.serve.embedded import greedy_generate
+from draftsmith.target import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
+                  merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
+    engine, spec = load_embedded_engine(deployment, target_cfg)
+    tokenizer = load_tokenizer(target)
+    rows = read_split(merged, "validation")
+    if not rows:
+        raise ValueError("benchmark: the validation split is empty; raise "
+                         "merge.validation_fraction so there are held-out prompts")
+    prompts = [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
+    eos = tokenizer.eos_token_id
+    for prompt in prompts[: cfg.warmup_prompts]:
+        engine.generate(prompt, cfg.max_new_tokens, eos)
+        greedy_generate(engine.runner, prompt, cfg.max_new_tokens, eos)
+
+    per_prompt = []
+    progress = Progress("benchmark", total=len(prompts), unit="prompt")
+    for prompt in prompts:
+        speculative = engine.generate(prompt, cfg.max_new_tokens, eos)
+        greedy = greedy_generate(engine.runner, prompt, cfg.max_new_tokens, eos)
+        per_prompt.append({
+            "prompt_tokens": len(prompt),
+            "completion_tokens": len(speculative.tokens),
+            "verify_rounds": speculative.verify_rounds,
+            "round_tokens": sum(speculative.round_tokens),
+            "speculative_s": speculative.seconds,
+            "greedy_s": greedy.seconds,
+            "identical": speculative.tokens == greedy.tokens,
+        })
+        progress.update(1)
+    progress.close()
+
+    rounds = sum(p["verify_rounds"] for p in per_prompt)
+    acceptance = sum(p["round_tokens"] for p in per_prompt) / max(rounds, 1)
+    spec_tokens = sum(p["completion_tokens"] for p in per_prompt)
+    spec_tps = spec_tokens / sum(p["speculative_s"] for p in per_prompt)
+    greedy_tps = spec_tokens / sum(p["greedy_s"] for p in per_prompt)
+    lossless = all(p["identical"] for p in per_prompt)
+    summary = {
+        "engine": spec["engine"], "num_steps": spec["num_steps"], "prompts": len(per_prompt),
+        "acceptance_length": round(acceptance, 3),
+        "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
+        "speedup": round(spec_tps / greedy_tps, 3), "lossless": lossless,
+    }
+    verdict = (f"speculation is {summary['speedup']:.2f}x plain greedy decoding"
+               if summary["speedup"] >= 1 else
+               f"WARNING: speculation is slower than plain decoding ({summary['speedup']:.2f}x)")
+    with stage_output(plan) as out:
+        atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
+                                                "per_prompt": per_prompt})
+        (out / "report.md").write_text(markdown_report(summary, verdict))
+    log.info("benchmark: acceptance length %.2f, %.1f tok/s speculative vs %.1f greedy, "
+             "lossless %s; %s", acceptance, spec_tps, greedy_tps, lossless, verdict)
+    if not lossless:
+        bad = [i for i, p in enumerate(per_prompt) if not p["identical"]]
+        log.error("benchmark: outputs differ from greedy decoding on prompts %s", bad)
+    return finish_stage(plan, counts={"prompts": len(per_prompt), "tokens": spec_tokens},
+                        figures={**summary, "verdict": verdict,
+                                 "report": str(out / "report.md")})
+
+
+def markdown_report(summary: dict, verdict: str) -> str:
+    rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+    return f"# draftsmith benchmark\n\n| metric | value |\n|---|---|\n{rows}\n\n**{verdict}**\n"
+
+
+def load_report(benchmark: Descriptor) -> dict:
+    with open(benchmark.dir / "report.json") as f:
+        return json.load(f)

@@ -1,0 +1,47 @@
+"""Capture the aux hidden states and the final (normed) hidden state of a transformers target.
+
+Canonical convention (REFERENCE.md section 1): aux id i is the OUTPUT of decoder layer i, which
+transformers returns as hidden_states[i + 1]. Forward hooks on exactly those layers capture
+them, so the other L+1 hidden states are never materialised.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def decoder_of(model):
+    """The decoder stack (embeddings, layers, final norm) of a *ForCausalLM model."""
+    base = getattr(model, "model", None)
+    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
+        raise TypeError(f"{type(model).__name__}: expected a decoder with .model.layers and "
+                        ".model.norm (Llama-style); this architecture is not supported yet")
+    return base
+
+
+class HiddenStateCapture:
+    def __init__(self, model, aux_layer_ids: list[int]):
+        self.model, self.aux_layer_ids = model, aux_layer_ids
+        self.decoder = decoder_of(model)
+        self._captured: dict[int, torch.Tensor] = {}
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
+        """input_ids, attention_mask [B, T] -> aux [B, T, K*H], final [B, T, H]."""
+        handles = [self.decoder.layers[i].register_forward_hook(self._hook(i))
+                   for i in self.aux_layer_ids]
+        try:
+            self._captured.clear()
+            out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, K*H]
+            final = out.last_hidden_state  # [B, T, H], after model.norm
+        finally:
+            for h in handles:
+                h.remove()
+            self._captured.clear()
+        return aux, final

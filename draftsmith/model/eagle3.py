@@ -1,0 +1,230 @@
+"""The EAGLE-3 drafter, as SGLang's `LlamaForCausalLMEagle3` runs it (REFERENCE.md section 2).
+
+    h      = fc(cat(aux_1, aux_2, aux_3))                        # [B, T, H]  step 0 only
+    x      = cat(input_layernorm(embed(tok)), hidden_norm(h))    # [B, T, 2H]
+    h'     = h + o_proj(attn(q, k, v of x))                      # residual is h before its norm
+    out    = h' + mlp(post_attention_layernorm(h'))              # [B, T, H]  -> next step's h
+    logits = lm_head(norm(out))                                  # [B, T, draft_vocab]
+
+Anchor indexing for test-time training (TTT): at step j, anchor t sits at position t + j, reads
+the embedding of token t+j+1 and predicts token t+j+2; its hidden input is step j-1's `out` at
+the same anchor. It attends causally to the step-0 keys of its document and to its own keys of
+steps 1..j (one diagonal per step), which is exactly what it sees when drafting a chain.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+
+class Eagle3Config(BaseModel):
+    """Shape of the drafter. Attention and MLP sizes follow the target's unless set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    hidden_size: int
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int
+    vocab_size: int  # the target's vocab (embedding rows)
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]  # canonical: output of decoder layer i
+    hidden_act: str = "silu"
+
+    @classmethod
+    def from_target(cls, target_config: dict, aux_layer_ids: list[int],
+                    draft_vocab_size: int) -> Eagle3Config:
+        hidden = target_config["hidden_size"]
+        heads = target_config["num_attention_heads"]
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=target_config["intermediate_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=target_config.get("num_key_value_heads") or heads,
+            head_dim=target_config.get("head_dim") or hidden // heads,
+            rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
+            rope_theta=target_config.get("rope_theta", 10000.0),
+            rope_scaling=target_config.get("rope_scaling"),
+            max_position_embeddings=target_config.get("max_position_embeddings", 4096),
+            vocab_size=target_config["vocab_size"],
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=hidden,
+            aux_layer_ids=aux_layer_ids,
+        )
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(
+            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size, hidden_act=self.hidden_act, num_hidden_layers=1,
+        )
+
+
+class Eagle3Attention(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = (cfg.num_attention_heads,
+                                                  cfg.num_key_value_heads, cfg.head_dim)
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, past_kv, mask):
+        """x [B, T, 2H]; past_kv (k, v) [B, n_kv, S, d] or None; mask [B|1, 1, T, S+T] bool.
+        Returns the output [B, T, H] and this call's (k, v) [B, n_kv, T, d]."""
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        keys = k if past_kv is None else torch.cat([past_kv[0], k], dim=2)  # [B, nkv, S+T, d]
+        values = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)  # [B, nkv, S+T, d]
+        y = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
+        )  # [B, nh, T, d]
+        y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
+        return self.o_proj(y), (k, v)
+
+
+class Eagle3DecoderLayer(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Eagle3Attention(cfg)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(cfg.llama_config())
+
+    def forward(self, embeds, hidden, cos, sin, past_kv=None, mask=None):
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B,T,2H]
+        attn, kv = self.self_attn(x, cos, sin, past_kv, mask)  # [B, T, H]
+        hidden = hidden + attn  # [B, T, H]
+        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, T, H]
+        return hidden, kv
+
+
+class Eagle3Drafter(nn.Module):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        k = len(cfg.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.fc = nn.Linear(k * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=1 / math.sqrt(module.in_features))
+        # Copied from the target before use: NaN makes a forgotten copy fail loudly.
+        nn.init.constant_(self.embed_tokens.weight, float("nan"))
+        with torch.no_grad():
+            self.d2t.fill_(0)
+            self.t2d.fill_(False)
+
+    def load_target_parts(self, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
+                          target_head: torch.Tensor | None = None) -> None:
+        """Copy the target's embedding and the vocab map; optionally start lm_head from the
+        target head's rows for the draft vocab."""
+        with torch.no_grad():
+            self.embed_tokens.weight.copy_(embed)
+            self.d2t.copy_(d2t)
+            self.t2d.copy_(t2d)
+            if target_head is not None:
+                self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
+
+    def rope(self, hidden: torch.Tensor, position_ids: torch.Tensor):
+        return self.rotary(hidden, position_ids)  # cos, sin [B, T, d]
+
+    def step(self, input_ids, hidden, position_ids, past_kv=None, mask=None):
+        """One drafting step. input_ids [B, T]; hidden [B, T, H] (fc output at step 0, the
+        previous step's output after); position_ids [B, T]. Returns out [B, T, H] (pre-norm,
+        the next step's hidden), logits [B, T, D] and this step's (k, v)."""
+        embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
+        cos, sin = self.rope(hidden, position_ids)
+        out, kv = self.midlayer(embeds, hidden, cos, sin, past_kv, mask)  # [B, T, H]
+        logits = self.lm_head(self.norm(out))  # [B, T, D]
+        return out, logits, kv
+
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, K*Ht] -> [B, T, H]
+
+    def forward_ttt(self, input_ids, aux, position_ids, document_ids, steps: int):
+        """Unrolled TTT over packed rows. input_ids/position_ids/document_ids [B, T] (position ids
+        restart at 0 in each document); aux [B, T, K*Ht]. Returns logits per step, each
+        [B, T, D], where step j at anchor t predicts token t+j+2."""
+        B, T = input_ids.shape
+        masks = ttt_masks(document_ids, steps)
+        hidden = self.project_aux(aux)  # [B, T, H]
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        all_logits = []
+        for j in range(steps):
+            next_tokens = shift_left(input_ids, j + 1)  # [B, T] token t+j+1 at anchor t
+            past = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if keys else None
+            hidden, logits, (k, v) = self.step(next_tokens, hidden, position_ids + j, past,
+                                               masks[j])
+            keys.append(k)
+            values.append(v)
+            all_logits.append(logits)
+        return all_logits
+
+
+def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
+    """Along dim 1 of x [B, T, ...]: x[:, t + n] at index t; positions past the end get `fill`."""
+    out = torch.full_like(x, fill)
+    if n < x.shape[1]:
+        out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def ttt_masks(document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """Boolean attention masks for TTT, one per step: [B, 1, T, (j+1)*T] for step j.
+
+    Step-0 keys: causal and within the same document. Keys of steps 1..j: only the query's own
+    anchor (a diagonal). True = may attend.
+    """
+    B, T = document_ids.shape
+    idx = torch.arange(T, device=document_ids.device)
+    same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
+    causal = same_doc & (idx[None, :, None] >= idx[None, None, :])  # [B, T, T]
+    diagonal = torch.eye(T, dtype=torch.bool, device=document_ids.device).expand(B, T, T)
+    blocks = [causal]
+    masks = []
+    for j in range(steps):
+        if j:
+            blocks.append(diagonal)
+        masks.append(torch.cat(blocks, dim=-1)[:, None])  # [B, 1, T, (j+1)T]
+    return masks

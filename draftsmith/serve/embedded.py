@@ -1,0 +1,169 @@
+"""An in-process speculative decoder: a transformers target + an exported EAGLE-3 drafter.
+
+Chain drafting, greedy verification, KV caches for both models. It loads the drafter from the
+exported SGLang files (never from training memory), so what it measures is what gets shipped.
+
+One round, with tokens x_0..x_n known and the target's aux states known for positions 0..n-1:
+  1. drafter step 0 over the new anchors t (aux state t, embedding of token t+1); its cache
+     keeps these keys for good. The last anchor drafts d_1.
+  2. steps 1..k-1 draft d_2..d_k, each feeding its own output hidden and the previous draft.
+  3. the target verifies [x_n, d_1..d_k] in one forward; the longest prefix of drafts equal to
+     the target's argmax is accepted, plus the target's own next token (the bonus).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import DynamicCache
+
+from draftsmith.export.sglang import WEIGHTS_FILE, config_from_sglang, validate_sglang
+from draftsmith.extract.capture import decoder_of
+from draftsmith.model.eagle3 import Eagle3Drafter
+
+
+@dataclass
+class Generation:
+    tokens: list[int]
+    seconds: float
+    round_tokens: list[int] = field(default_factory=list)  # tokens kept per verify forward
+
+    @property
+    def verify_rounds(self) -> int:
+        return len(self.round_tokens)
+
+    @property
+    def acceptance_length(self) -> float:
+        """Tokens produced per target verify forward (SGLang's accept length)."""
+        return sum(self.round_tokens) / max(self.verify_rounds, 1)
+
+
+class TargetRunner:
+    """The target with a KV cache and forward hooks on the aux layers."""
+
+    def __init__(self, model, aux_layer_ids: list[int]):
+        self.model = model
+        self.aux_layer_ids = aux_layer_ids
+        # transformers renamed `past_key_values` to `cache` in 5.x; accept both.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._captured: dict[int, torch.Tensor] = {}
+        layers = decoder_of(model).layers
+        for i in aux_layer_ids:
+            layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, layer_id: int):
+        def hook(_module, _inputs, output):
+            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
+        return hook
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], cache: DynamicCache):
+        """Returns argmax [T] and aux states [1, T, K*H] for the new tokens."""
+        ids = torch.tensor([input_ids], device=self.model.device)  # [1, T]
+        logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache}).logits
+        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)  # [1, T, K*H]
+        return logits[0].argmax(-1), aux  # [T], [1, T, K*H]
+
+
+class EmbeddedSpeculativeEngine:
+    def __init__(self, target_model, drafter: Eagle3Drafter, num_steps: int):
+        self.drafter = drafter.eval()
+        self.runner = TargetRunner(target_model, drafter.config.aux_layer_ids)
+        self.num_steps = num_steps
+        self.device = target_model.device
+        self.draft_to_target = drafter.draft_to_target_ids()  # [D]
+
+    @classmethod
+    def load(cls, target_model, drafter_dir: str | Path, num_steps: int):
+        """Load the drafter from exported SGLang files (validated first)."""
+        validate_sglang(drafter_dir)
+        config = json.loads((Path(drafter_dir) / "config.json").read_text())
+        drafter = Eagle3Drafter(config_from_sglang(config))
+        state = load_file(str(Path(drafter_dir) / WEIGHTS_FILE))
+        state["embed_tokens.weight"] = decoder_of(target_model).embed_tokens.weight.detach()
+        drafter.load_state_dict(state, strict=True)
+        dtype = next(target_model.parameters()).dtype
+        return cls(target_model, drafter.to(target_model.device, dtype), num_steps)
+
+    @torch.inference_mode()
+    def _draft(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache):
+        """Run step 0 over anchors drafted_upto..n-1, then the chain. Returns the drafts and
+        the drafter's step-0 cache extended with the new anchors."""
+        n = len(tokens) - 1
+        dev = self.device
+        new = n - drafted_upto
+        ids = torch.tensor([tokens[drafted_upto + 1 : n + 1]], device=dev)  # [1, new]
+        positions = torch.arange(drafted_upto, n, device=dev)[None]  # [1, new]
+        causal = torch.ones(new, new, dtype=torch.bool, device=dev).tril()  # [new, new]
+        mask = torch.cat([torch.ones(new, drafted_upto, dtype=torch.bool, device=dev), causal],
+                         dim=-1)[None, None]  # [1, 1, new, n]
+        hidden = self.drafter.project_aux(aux[:, drafted_upto:n])  # [1, new, H]
+        out, logits, (k, v) = self.drafter.step(ids, hidden, positions, cache, mask)
+        cache = (k, v) if cache is None else (torch.cat([cache[0], k], 2),
+                                              torch.cat([cache[1], v], 2))
+        drafts = [int(self.draft_to_target[logits[0, -1].argmax()])]
+        hidden, chain_kv = out[:, -1:], cache
+        for j in range(1, self.num_steps):
+            out, logits, (k, v) = self.drafter.step(
+                torch.tensor([[drafts[-1]]], device=dev), hidden,
+                torch.tensor([[n - 1 + j]], device=dev), chain_kv, None)
+            chain_kv = (torch.cat([chain_kv[0], k], 2), torch.cat([chain_kv[1], v], 2))
+            drafts.append(int(self.draft_to_target[logits[0, -1].argmax()]))
+            hidden = out
+        return drafts, cache
+
+    def generate(self, prompt: list[int], max_new_tokens: int, eos_id: int | None) -> Generation:
+        started = time.perf_counter()
+        cache = DynamicCache()
+        argmax, aux = self.runner.forward(prompt, cache)
+        tokens = [*prompt, int(argmax[-1])]
+        result = Generation(tokens=[], seconds=0.0)
+        drafter_cache, drafted_upto = None, 0
+        while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_id:
+            n = len(tokens) - 1
+            drafts, drafter_cache = self._draft(tokens, aux, drafted_upto, drafter_cache)
+            drafted_upto = n
+            argmax, new_aux = self.runner.forward([tokens[n], *drafts], cache)
+            verified = argmax.tolist()
+            accepted = 0
+            while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+                accepted += 1
+            produced = _truncate([*drafts[:accepted], verified[accepted]],
+                                 max_new_tokens - (len(tokens) - len(prompt)), eos_id)
+            tokens += produced
+            result.round_tokens.append(len(produced))
+            aux = torch.cat([aux, new_aux[:, : accepted + 1]], dim=1)  # [1, n+a+1, K*H]
+            rejected = len(drafts) - accepted
+            if rejected:
+                cache.crop(-rejected)  # negative: drop that many positions from the end
+        result.tokens = _truncate(tokens[len(prompt):], max_new_tokens, eos_id)
+        result.seconds = time.perf_counter() - started
+        return result
+
+
+def greedy_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
+                    eos_id: int | None) -> Generation:
+    """Plain greedy decoding with the same target and KV cache: the baseline."""
+    started = time.perf_counter()
+    cache = DynamicCache()
+    argmax, _ = runner.forward(prompt, cache)
+    tokens = [int(argmax[-1])]
+    while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
+        argmax, _ = runner.forward([tokens[-1]], cache)
+        tokens.append(int(argmax[-1]))
+    return Generation(tokens=_truncate(tokens, max_new_tokens, eos_id),
+                      seconds=time.perf_counter() - started, round_tokens=[1] * (len(tokens) - 1))
+
+
+def _truncate(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+    tokens = tokens[:max_new_tokens]
+    if eos_id in tokens:
+        tokens = tokens[: tokens.index(eos_id) + 1]
+    return tokens

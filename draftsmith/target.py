@@ -1,0 +1,179 @@
+"""The target model: where it is, what it is (family, layers), its fingerprint, how to load it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from draftsmith.artifacts import Descriptor, external_descriptor, hash_json, sha256_file
+from draftsmith.config import TargetConfig
+
+log = logging.getLogger(__name__)
+
+BUILTIN_TINY = "builtin:tiny"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+# model_type -> the family whose rule SGLang applies to eagle_aux_hidden_state_layer_ids.
+_FAMILIES = {
+    "deepseek_v2": "deepseek",
+    "deepseek_v3": "deepseek",
+    "deepseek_v32": "deepseek",
+    "kimi_k2": "deepseek",
+    "kimi_k25": "deepseek",
+    "glm_moe_dsa": "deepseek",
+    "glm4_moe_lite": "deepseek",
+    "gpt_oss": "gpt-oss",
+    "qwen2": "qwen",
+    "qwen3": "qwen",
+    "qwen3_moe": "qwen",
+}
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
+
+def tiny_target_path() -> Path:
+    from draftsmith.tiny_target import RECIPE_VERSION
+
+    return cache_root() / f"tiny-target-v{RECIPE_VERSION}"
+
+
+def family_of(model_config: dict[str, Any]) -> str:
+    model_type = model_config.get("model_type", "")
+    if model_type in _FAMILIES:
+        return _FAMILIES[model_type]
+    text_config = model_config.get("text_config")  # multimodal wrappers (Kimi-K2.5)
+    if isinstance(text_config, dict):
+        return family_of(text_config)
+    return "llama"
+
+
+def text_config_of(model_config: dict[str, Any]) -> dict[str, Any]:
+    text_config = model_config.get("text_config")
+    return text_config if isinstance(text_config, dict) else model_config
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default: outputs of layers 1, L//2-1 and L-4 (canonical convention)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"extract.aux_layer_ids={ids}: ids {bad} are outside 0..{num_layers - 1} "
+            f"(id i = output of decoder layer i; this target has {num_layers} layers)"
+        )
+    if len(set(ids)) != len(ids) or sorted(ids) != ids:
+        raise ValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and ascending")
+    return ids
+
+
+def target_fingerprint(path: Path) -> str:
+    """Hash of the config and tokenizer files and of each weight file's name and size.
+
+    Hashing terabytes of weights on every run is not an option; a changed checkpoint that keeps
+    every file size is not detected.
+    """
+    material: dict[str, Any] = {}
+    for f in sorted(path.iterdir()):
+        if not f.is_file():
+            continue
+        if f.suffix in (".json", ".jinja", ".txt", ".model", ".py"):
+            material[f.name] = sha256_file(f)
+        elif f.suffix in (".safetensors", ".bin", ".pt"):
+            material[f.name] = f.stat().st_size
+    return hash_json(material)[:16]
+
+
+def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor:
+    """Find (or for builtin:tiny, build and cache) the target and describe it."""
+    if cfg.model == BUILTIN_TINY:
+        path = tiny_target_path()
+        if not (path / "config.json").is_file():
+            from draftsmith.tiny_target import build_tiny_target
+
+            log.info("building the tiny demo target (once; cached at %s)", path)
+            build_tiny_target(path, train_steps=tiny_train_steps)
+    else:
+        path = Path(cfg.model).expanduser()
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"target.model={cfg.model!r}: no config.json there. Give a local model directory "
+                f"(weights, config.json, tokenizer) or {BUILTIN_TINY!r} for the CPU demo target."
+            )
+    model_config = json.loads((path / "config.json").read_text())
+    text = text_config_of(model_config)
+    family = family_of(model_config) if cfg.family == "auto" else cfg.family
+    return external_descriptor(
+        "target",
+        path.resolve(),
+        target_fingerprint(path),
+        family=family,
+        model_type=text.get("model_type"),
+        num_layers=text["num_hidden_layers"],
+        hidden_size=text["hidden_size"],
+        vocab_size=text["vocab_size"],
+        max_position_embeddings=text.get("max_position_embeddings"),
+    )
+
+
+def load_tokenizer(target: Descriptor):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    if tokenizer.chat_template is None:
+        raise ValueError(f"{target.path}: the tokenizer has no chat template; draftsmith needs one "
+                         "to tokenise conversations the way the target is served")
+    return tokenizer
+
+
+def load_target_model(path: str | Path, device: str = "cpu", dtype: str = "float32"):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model.to(device).eval()
+
+
+def _weight_files(path: Path) -> dict[str, Path]:
+    """tensor name -> safetensors file, from the index when the checkpoint is sharded."""
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / file for name, file in weight_map.items()}
+    from safetensors import safe_open
+
+    files = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as handle:
+            files.update({name: f for name in handle.keys()})  # noqa: SIM118
+    return files
+
+
+def load_target_head_and_embedding(target: Descriptor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens [V, H], lm_head [V, H]) read straight from the weight files, without
+    loading the rest of the model (a 1T-parameter target has them in one or two shards)."""
+    from safetensors import safe_open
+
+    files = _weight_files(Path(target.path))
+
+    def find(suffix: str) -> str | None:
+        matches = sorted((n for n in files if n.endswith(suffix)), key=len)
+        return matches[0] if matches else None
+
+    embed_name = find("embed_tokens.weight")
+    head_name = find("lm_head.weight") or embed_name  # tied embeddings
+    if embed_name is None:
+        raise KeyError(f"{target.path}: no '*embed_tokens.weight' tensor in the weight files")
+    tensors = []
+    for name in (embed_name, head_name):
+        with safe_open(str(files[name]), framework="pt") as handle:
+            tensors.append(handle.get_tensor(name))
+    return tensors[0], tensors[1]

@@ -1,0 +1,52 @@
+"""Pack samples into rows of a fixed token budget; attention never crosses samples."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from draftsmith.extract.store import Sample
+
+
+@dataclass
+class PackedRow:
+    input_ids: torch.Tensor  # [T] int64
+    loss_mask: torch.Tensor  # [T] bool
+    aux: torch.Tensor  # [T, K*H]
+    final: torch.Tensor  # [T, H]
+    position_ids: torch.Tensor  # [T] restarts at 0 in each sample
+    document_ids: torch.Tensor  # [T] index of the sample within the row
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.numel()
+
+
+def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
+    """First-fit in the given order; a sample longer than a row is cut to the row size."""
+    rows: list[list[Sample]] = []
+    used: list[int] = []
+    for sample in samples:
+        n = min(len(sample.input_ids), row_tokens)
+        for i, u in enumerate(used):
+            if u + n <= row_tokens:
+                rows[i].append(sample)
+                used[i] += n
+                break
+        else:
+            rows.append([sample])
+            used.append(n)
+    return [_concat(row, row_tokens) for row in rows]
+
+
+def _concat(samples: list[Sample], row_tokens: int) -> PackedRow:
+    parts = [(s, min(len(s.input_ids), row_tokens)) for s in samples]
+    return PackedRow(
+        input_ids=torch.cat([s.input_ids[:n] for s, n in parts]),  # [T]
+        loss_mask=torch.cat([s.loss_mask[:n] for s, n in parts]).bool(),  # [T]
+        aux=torch.cat([s.aux[:n] for s, n in parts]),  # [T, K*H]
+        final=torch.cat([s.final[:n] for s, n in parts]),  # [T, H]
+        position_ids=torch.cat([torch.arange(n) for _, n in parts]),  # [T]
+        document_ids=torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(parts)]),  # [T]
+    )
