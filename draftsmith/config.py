@@ -197,6 +197,8 @@ def _format_validation_error(source: str, err: ValidationError) -> str:
         loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
         if e["type"] == "extra_forbidden":
             lines.append(f"  {loc}: unknown key; check its spelling against examples/tiny.yaml")
+        elif e["type"] == "value_error":
+            lines.append(f"  {loc}: {e['msg'].removeprefix('Value error, ')}")
         else:
             lines.append(f"  {loc}: {e['msg']} (got {e.get('input')!r})")
     return "\n".join(lines)

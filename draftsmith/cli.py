@@ -1,0 +1,153 @@
+"""The `draftsmith` command.
+
+The CLI is the one place in the engine package that reaches up into the orchestration layer:
+`run` and `demo` execute the Prefect flow (imported lazily, so `draftsmith --help` and config
+checks stay fast and Prefect-free).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from draftsmith.config import STAGES, ConfigError, PipelineConfig, load_config
+from draftsmith.plan import select_stages
+
+app = typer.Typer(
+    help="Train EAGLE-3 drafters for a target LLM and ship them to SGLang.\n\n"
+    "Stages: generate -> merge -> extract -> train -> fix-keys -> deploy -> benchmark.",
+    no_args_is_help=True,
+    add_completion=False,
+)
+console = Console(stderr=True)
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+SetOption = Annotated[list[str] | None, typer.Option(
+    "--set", help="Override a config value, e.g. --set train.epochs=2 (repeatable).")]
+
+
+def _prepare_environment() -> None:
+    # No analytics calls from a machine that may have no network; engine logs in Prefect's log.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+
+def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
+    try:
+        return load_config(config_path, overrides or [])
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _run_flow(config: PipelineConfig, stages: list[str]) -> dict[str, dict]:
+    _prepare_environment()
+    from flows.pipeline import pipeline
+
+    return pipeline(config, stages)
+
+
+def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
+    table = Table(title="draftsmith run", show_header=True)
+    table.add_column("stage")
+    table.add_column("state")
+    table.add_column("result", overflow="fold")
+    lossless = True
+    for stage in STAGES:
+        if stage not in results:
+            continue
+        d = results[stage]["descriptor"]
+        counts, figures = d["counts"], d["figures"]
+        if stage == "generate":
+            text = f"{counts['records']} records, {counts['generated']} answered by the target"
+        elif stage == "merge":
+            text = (f"{counts['train_records']} train / {counts['validation_records']} validation "
+                    f"records, {counts['train_tokens']} train tokens, draft vocab covers "
+                    f"{100 * figures['draft_vocab_coverage']:.1f}%")
+        elif stage == "extract":
+            text = f"{counts['tokens']} tokens, aux layers {figures['aux_layer_ids']}"
+        elif stage == "train":
+            steps = sorted(k for k in figures if k.startswith("full_acc_"))
+            accs = ", ".join(f"{figures[k]:.3f}" for k in steps)
+            text = (f"validation full_acc per step [{accs}], loss_0 {figures['loss_0']:.3f}, "
+                    f"simulated tau {figures['tau']:.2f}")
+        elif stage == "fix_keys":
+            text = f"{figures['format']} drafter validated: {figures['drafter_dir']}"
+        elif stage == "deploy":
+            text = f"{figures['engine']} engine, {figures['num_steps']} draft steps"
+        else:
+            lossless = figures["lossless"]
+            text = (f"measured acceptance length {figures['acceptance_length']:.2f}, "
+                    f"{figures['speculative_tokens_per_s']} vs {figures['greedy_tokens_per_s']} "
+                    f"tok/s, lossless {'yes' if lossless else 'NO'}\n{figures['verdict']}\n"
+                    f"report: {figures['report']}")
+        table.add_row(stage.replace("_", "-"), results[stage]["state"], text)
+    return table, lossless
+
+
+def _finish(results: dict[str, dict]) -> None:
+    table, lossless = _summary(results)
+    Console().print(table)
+    if not lossless:
+        console.print("[red]speculative outputs differ from greedy decoding: this is a bug[/red]")
+        raise typer.Exit(1)
+
+
+@app.command()
+def demo(
+    run_root: Annotated[Path, typer.Option(help="Where the demo writes its stages.")] = Path(
+        "runs/demo"),
+    set_: SetOption = None,
+) -> None:
+    """Run the whole pipeline on the tiny CPU target and print a summary.
+
+    The target is built locally on first use and cached; a second run finds every stage cached.
+    """
+    overrides = [f"run_root={run_root.resolve()}", *(set_ or [])]
+    config = _load(EXAMPLES / "tiny.yaml", overrides)
+    _finish(_run_flow(config, list(STAGES)))
+
+
+@app.command()
+def run(
+    config: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. examples/tiny.yaml.")],
+    only: Annotated[str | None, typer.Option(help="Run this one stage.")] = None,
+    from_: Annotated[str | None, typer.Option("--from", help="Start at this stage.")] = None,
+    to: Annotated[str | None, typer.Option(help="Stop after this stage.")] = None,
+    set_: SetOption = None,
+) -> None:
+    """Run the pipeline, or part of it, from a config file.
+
+    Stages before the selection must already be complete for this config; their outputs are
+    read from disk.
+    """
+    pipeline_config = _load(config, set_)
+    try:
+        stages = select_stages(only, from_, to)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    _finish(_run_flow(pipeline_config, stages))
+
+
+@app.command()
+def validate(
+    config: Annotated[Path, typer.Argument(help="Pipeline YAML to check.")],
+    set_: SetOption = None,
+) -> None:
+    """Check a config file (keys, types, constraints) without running anything."""
+    pipeline_config = _load(config, set_)
+    console.print(f"[green]{config}: valid[/green] (run_root {pipeline_config.run_root}, "
+                  f"{len(pipeline_config.data.sources)} data sources)")
+
+
+if __name__ == "__main__":
+    app()

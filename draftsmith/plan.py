@@ -1,0 +1,66 @@
+"""Which settings each stage's cache key covers, and which stages a run executes.
+
+A stage's key covers exactly the settings that change its output, so changing the benchmark
+settings re-runs only the benchmark, and new data re-runs everything from generate on. Device
+choices are left out on purpose: moving a run to another device must not redo finished work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from draftsmith.artifacts import Descriptor, external_descriptor, sha256_file
+from draftsmith.config import STAGES, ConfigError, PipelineConfig
+
+
+def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
+    dtype = config.target.dtype
+    if stage == "generate":
+        return {"generate": config.generate.model_dump(), "target_dtype": dtype,
+                "sources": [s.model_dump(exclude={"path"}) for s in config.data.sources]}
+    if stage == "merge":
+        return {"merge": config.merge.model_dump()}
+    if stage == "extract":
+        return {"extract": config.extract.model_dump(), "target_dtype": dtype}
+    if stage == "train":
+        return {"train": config.train.model_dump(exclude={"device", "log_every"})}
+    if stage == "fix_keys":
+        return {"fix_keys": config.fix_keys.model_dump()}
+    if stage == "deploy":
+        return {"deploy": config.deploy.model_dump(), "target_dtype": dtype}
+    if stage == "benchmark":
+        return {"benchmark": config.benchmark.model_dump(), "target_dtype": dtype}
+    raise ValueError(f"unknown stage {stage!r}")
+
+
+def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
+    """Content fingerprints of the source files: new data means new keys downstream."""
+    out = []
+    for source in config.data.sources:
+        try:
+            fingerprint = sha256_file(source.path)[:16]
+        except FileNotFoundError:
+            raise ConfigError(f"data.sources[{source.name}].path={source.path}: file not found"
+                              ) from None
+        out.append(external_descriptor("data", source.path, fingerprint))
+    return out
+
+
+def select_stages(only: str | None = None, start: str | None = None,
+                  stop: str | None = None) -> list[str]:
+    def index(flag: str, name: str) -> int:
+        normalised = name.replace("-", "_")
+        if normalised not in STAGES:
+            raise ConfigError(f"{flag} {name}: unknown stage; choose from "
+                              + ", ".join(s.replace("_", "-") for s in STAGES))
+        return STAGES.index(normalised)
+
+    if only and (start or stop):
+        raise ConfigError("--only cannot be combined with --from/--to")
+    if only:
+        return [STAGES[index("--only", only)]]
+    first = index("--from", start) if start else 0
+    last = index("--to", stop) if stop else len(STAGES) - 1
+    if first > last:
+        raise ConfigError(f"--from {start} comes after --to {stop}")
+    return list(STAGES[first : last + 1])

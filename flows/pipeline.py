@@ -1,0 +1,85 @@
+"""The draftsmith pipeline as one Prefect flow:
+
+    generate -> merge -> extract -> train -> fix-keys -> deploy -> benchmark
+
+Each stage is a task (tasks/stages.py) that returns a small descriptor of what it wrote; the
+flow plans each stage's output directory from its config and inputs, runs the selected stages
+and reads the finished outputs of the others from disk.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Engine logs ("draftsmith.*") go to the Prefect run log too; must be set before Prefect loads.
+os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
+
+from prefect import flow, get_run_logger  # noqa: E402
+from prefect.states import State  # noqa: E402
+
+from draftsmith.artifacts import Descriptor, load_descriptor, plan_stage  # noqa: E402
+from draftsmith.config import STAGES, PipelineConfig  # noqa: E402
+from draftsmith.logs import configure_logging  # noqa: E402
+from draftsmith.plan import data_descriptors, key_material  # noqa: E402
+from tasks import stages as stage_tasks  # noqa: E402
+
+TASKS = {
+    "generate": stage_tasks.generate,
+    "merge": stage_tasks.merge,
+    "extract": stage_tasks.extract,
+    "train": stage_tasks.train,
+    "fix_keys": stage_tasks.fix_keys,
+    "deploy": stage_tasks.deploy,
+    "benchmark": stage_tasks.benchmark,
+}
+
+
+@flow(name="draftsmith-pipeline")
+def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[str, dict]:
+    """Run the selected stages (all by default). Returns, per stage, its descriptor and the
+    final state name: Completed, Cached, or Reused (not selected, read from disk)."""
+    configure_logging(log_file=Path(config.run_root) / "draftsmith.log", console=False)
+    logger = get_run_logger()
+    selected = set(stages or STAGES)
+    target = stage_tasks.resolve_target(config.target)
+    results: dict[str, dict] = {}
+
+    def run(stage: str, inputs: list[Descriptor], *args) -> Descriptor:
+        plan = plan_stage(config.run_root, stage, key_material(config, stage), inputs)
+        if stage not in selected:
+            descriptor = load_descriptor(plan)
+            results[stage] = {"state": "Reused", "descriptor": descriptor.model_dump()}
+            return descriptor
+        task = TASKS[stage].with_options(refresh_cache=not plan.is_complete())
+        state: State = task(plan, *args, return_state=True)
+        descriptor = state.result()
+        results[stage] = {"state": state.name, "descriptor": descriptor.model_dump()}
+        logger.info("stage %s: %s (%s)", stage, state.name, descriptor.path)
+        return descriptor
+
+    # stage -> (the outputs it reads, the arguments of its task after the plan)
+    out: dict[str, Descriptor] = {"target": target}
+    wiring = {
+        "generate": (["target"], lambda: (config.generate, config.data, config.target,
+                                          out["target"])),
+        "merge": (["generate", "target"], lambda: (config.merge, out["generate"], out["target"])),
+        "extract": (["merge", "target"], lambda: (config.extract, config.target, out["merge"],
+                                                  out["target"])),
+        "train": (["extract", "merge", "target"], lambda: (config.train, out["extract"],
+                                                           out["merge"], out["target"])),
+        "fix_keys": (["train", "target"], lambda: (config.fix_keys, out["train"],
+                                                   out["target"])),
+        "deploy": (["fix_keys", "merge", "target"], lambda: (
+            config.deploy, config.target, out["fix_keys"], out["merge"], out["target"])),
+        "benchmark": (["deploy", "merge", "target"], lambda: (
+            config.benchmark, config.target, out["deploy"], out["merge"], out["target"])),
+    }
+    last = max(STAGES.index(s) for s in selected)
+    for stage in STAGES[: last + 1]:
+        reads, args = wiring[stage]
+        inputs = [out[name] for name in reads]
+        if stage == "generate":
+            inputs += data_descriptors(config)
+        out[stage] = run(stage, inputs, *args())
+    return results

@@ -1,0 +1,169 @@
+"""Prefect tasks: one thin wrapper per stage. Each adds retries, a cache key, logs and artifacts
+around the engine function and nothing else.
+
+Caching: the cache key is the stage's plan (a hash of its config and its inputs' fingerprints,
+see draftsmith.artifacts) plus where it writes. The flow passes `refresh_cache=True` when the
+stage's directory is not complete on disk, so a cached descriptor whose files have gone is
+recomputed instead of being returned dangling.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from prefect import get_run_logger, task
+from prefect.artifacts import (
+    create_markdown_artifact,
+    create_progress_artifact,
+    create_table_artifact,
+    update_progress_artifact,
+)
+
+from draftsmith import progress as engine_progress
+from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
+from draftsmith.config import (
+    BenchmarkConfig,
+    DataConfig,
+    DeployConfig,
+    ExtractConfig,
+    FixKeysConfig,
+    GenerateConfig,
+    MergeConfig,
+    TargetConfig,
+    TrainConfig,
+)
+
+
+def plan_cache_key(_context, parameters) -> str:
+    plan: StagePlan = parameters["plan"]
+    return f"draftsmith-{plan.stage}-{plan.key}-{hash_json(plan.path)[:8]}"
+
+
+STAGE_TASK = dict(cache_key_fn=plan_cache_key, persist_result=True, retries=2,
+                  retry_delay_seconds=[5, 30])
+
+
+@contextmanager
+def progress_artifact(stage: str) -> Iterator[None]:
+    """Mirror the engine's progress reports into one Prefect progress artifact."""
+    artifact_id = create_progress_artifact(0.0, description=f"{stage} progress")
+
+    def listener(p: engine_progress.Progress) -> None:
+        if p.total:
+            update_progress_artifact(artifact_id, min(100.0, 100.0 * p.done / p.total))
+
+    engine_progress.add_listener(listener)
+    try:
+        yield
+    finally:
+        engine_progress.remove_listener(listener)
+    update_progress_artifact(artifact_id, 100.0)
+
+
+def _already_done(plan: StagePlan) -> Descriptor | None:
+    """A retry or a rerun after Prefect's cache was cleared finds the finished directory."""
+    if plan.is_complete():
+        get_run_logger().info("%s: complete output found at %s, reusing it", plan.stage, plan.path)
+        return read_descriptor(plan)
+    return None
+
+
+@task(name="resolve-target", retries=1)
+def resolve_target(cfg: TargetConfig) -> Descriptor:
+    from draftsmith.target import resolve_target as resolve
+
+    return resolve(cfg)
+
+
+@task(name="generate", **STAGE_TASK)
+def generate(plan: StagePlan, cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
+             target: Descriptor) -> Descriptor:
+    from draftsmith.generate.stage import run_generate
+
+    if done := _already_done(plan):
+        return done
+    with progress_artifact("generate"):
+        return run_generate(cfg, data, target_cfg, target, plan)
+
+
+@task(name="merge", **STAGE_TASK)
+def merge(plan: StagePlan, cfg: MergeConfig, generated: Descriptor,
+          target: Descriptor) -> Descriptor:
+    import json
+
+    from draftsmith.data.merge import run_merge
+
+    if done := _already_done(plan):
+        return done
+    descriptor = run_merge(cfg, generated, target, plan)
+    stats = json.loads((descriptor.dir / "stats.json").read_text())
+    create_table_artifact([{"source": s, **c} for s, c in stats.items()],
+                          description="merge: records and tokens per source")
+    return descriptor
+
+
+@task(name="extract", **STAGE_TASK)
+def extract(plan: StagePlan, cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor,
+            target: Descriptor) -> Descriptor:
+    from draftsmith.extract.stage import run_extract
+
+    if done := _already_done(plan):
+        return done
+    with progress_artifact("extract"):
+        return run_extract(cfg, target_cfg, merged, target, plan)
+
+
+@task(name="train", **{**STAGE_TASK, "retries": 1})
+def train(plan: StagePlan, cfg: TrainConfig, hidden: Descriptor, merged: Descriptor,
+          target: Descriptor) -> Descriptor:
+    import json
+
+    from draftsmith.train.trainer import METRICS_FILE, run_train
+
+    if done := _already_done(plan):
+        return done
+    with progress_artifact("train"):
+        descriptor = run_train(cfg, hidden, merged, target, plan)
+    rows = [json.loads(line) for line in (descriptor.dir / METRICS_FILE).read_text().splitlines()]
+    create_table_artifact([r for r in rows if r["split"] == "validation"],
+                          description="train: validation metrics per epoch")
+    create_markdown_artifact(
+        f"# training\n\nbest validation tau **{descriptor.figures['tau']:.3f}**\n\n"
+        f"charts: `{descriptor.dir / 'training.png'}`, `{descriptor.dir / 'training.svg'}`",
+        description="train: summary")
+    return descriptor
+
+
+@task(name="fix-keys", **STAGE_TASK)
+def fix_keys(plan: StagePlan, cfg: FixKeysConfig, trained: Descriptor,
+             target: Descriptor) -> Descriptor:
+    from draftsmith.export.fix_keys import run_fix_keys
+
+    if done := _already_done(plan):
+        return done
+    return run_fix_keys(cfg, trained, target, plan)
+
+
+@task(name="deploy", **STAGE_TASK)
+def deploy(plan: StagePlan, cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor,
+           merged: Descriptor, target: Descriptor) -> Descriptor:
+    from draftsmith.serve.deploy import run_deploy
+
+    if done := _already_done(plan):
+        return done
+    return run_deploy(cfg, target_cfg, exported, merged, target, plan)
+
+
+@task(name="benchmark", **STAGE_TASK)
+def benchmark(plan: StagePlan, cfg: BenchmarkConfig, target_cfg: TargetConfig,
+              deployment: Descriptor, merged: Descriptor, target: Descriptor) -> Descriptor:
+    from draftsmith.bench.benchmark import run_benchmark
+
+    if done := _already_done(plan):
+        return done
+    with progress_artifact("benchmark"):
+        descriptor = run_benchmark(cfg, target_cfg, deployment, merged, target, plan)
+    create_markdown_artifact((descriptor.dir / "report.md").read_text(),
+                             key="draftsmith-benchmark", description="benchmark report")
+    return descriptor

@@ -1,0 +1,144 @@
+"""The real Prefect flow, end to end, on the tiny target trained as the demo trains it.
+
+One Prefect test harness (a temporary API and database) serves the whole module. The runs
+share one run root, in order: a full run, a rerun (all cached), a benchmark-only change, a
+data change, a deleted stage directory, and the CLI on the finished outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from draftsmith.config import STAGES, parse_config
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def prefect_api(tmp_path_factory):
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture(scope="module")
+def trained_target_cache(tmp_path_factory):
+    """DRAFTSMITH_CACHE holding the demo's tiny target (trained, so acceptance is real)."""
+    cache = tmp_path_factory.mktemp("draftsmith-cache")
+    old = os.environ.get("DRAFTSMITH_CACHE")
+    os.environ["DRAFTSMITH_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("DRAFTSMITH_CACHE", None)
+    else:
+        os.environ["DRAFTSMITH_CACHE"] = old
+
+
+@pytest.fixture(scope="module")
+def base_raw(tmp_path_factory):
+    """examples/tiny.yaml, smaller: fewer records and epochs, data copied so a test can edit it."""
+    data_dir = tmp_path_factory.mktemp("data")
+    raw = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
+    for source in raw["data"]["sources"]:
+        copy = data_dir / os.path.basename(source["path"])
+        shutil.copy(REPO / "examples" / source["path"], copy)
+        source["path"] = str(copy)
+        source["limit"] = 90
+    raw["run_root"] = str(tmp_path_factory.mktemp("runs") / "tiny")
+    raw["train"]["epochs"] = 6
+    raw["benchmark"]["num_prompts"] = 8
+    return raw
+
+
+def run_pipeline(raw: dict, stages: list[str] | None = None) -> dict[str, dict]:
+    from flows.pipeline import pipeline
+
+    return pipeline(parse_config(json.loads(json.dumps(raw))), stages)
+
+
+def states(results: dict[str, dict]) -> dict[str, str]:
+    return {stage: r["state"] for stage, r in results.items()}
+
+
+@pytest.fixture(scope="module")
+def first_run(prefect_api, trained_target_cache, base_raw):
+    return run_pipeline(base_raw)
+
+
+def test_full_run_completes_every_stage_and_the_drafter_pays(first_run):
+    assert states(first_run) == {stage: "Completed" for stage in STAGES}
+    bench = first_run["benchmark"]["descriptor"]["figures"]
+    assert bench["lossless"] is True
+    assert bench["acceptance_length"] > 1.5
+    train = first_run["train"]["descriptor"]["figures"]
+    assert train["tau"] > 1.5 and 0 < train["full_acc_0"] <= 1
+    generate = first_run["generate"]["descriptor"]["counts"]
+    assert generate["records"] == 180 and generate["generated"] == 180
+
+
+def test_second_run_is_all_cached(first_run, base_raw):
+    again = run_pipeline(base_raw)
+    assert states(again) == {stage: "Cached" for stage in STAGES}
+    assert again["benchmark"]["descriptor"] == first_run["benchmark"]["descriptor"]
+
+
+def test_changing_benchmark_settings_reruns_only_the_benchmark(first_run, base_raw):
+    raw = json.loads(json.dumps(base_raw))
+    raw["benchmark"]["max_new_tokens"] = 24
+    results = run_pipeline(raw)
+    expected = {stage: "Cached" for stage in STAGES}
+    expected["benchmark"] = "Completed"
+    assert states(results) == expected
+
+
+def test_a_cached_stage_whose_directory_is_gone_is_recomputed(first_run, base_raw):
+    shutil.rmtree(first_run["deploy"]["descriptor"]["path"])
+    results = run_pipeline(base_raw)
+    assert results["deploy"]["state"] == "Completed"
+    assert os.path.isdir(results["deploy"]["descriptor"]["path"])
+    # Same inputs, same deterministic output: the benchmark downstream stays cached.
+    assert results["benchmark"]["state"] == "Cached"
+
+
+def test_new_data_reruns_from_generate(first_run, base_raw):
+    raw = json.loads(json.dumps(base_raw))
+    path = raw["data"]["sources"][1]["path"]
+    with open(path, "a") as f:
+        f.write(json.dumps({"id": "new-1", "messages": [
+            {"role": "user", "content": "Complete this function from demo.py:\ndef add(a, b):"}
+        ]}) + "\n")
+    raw["data"]["sources"][1]["limit"] = None
+    results = run_pipeline(raw, ["generate", "merge", "extract"])
+    assert states(results) == {"generate": "Completed", "merge": "Completed",
+                               "extract": "Completed"}
+    assert results["generate"]["descriptor"]["counts"]["records"] > 180
+
+
+def test_cli_runs_one_stage_from_finished_outputs(first_run, base_raw, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(base_raw))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftsmith.cli", "run", str(config), "--only", "fix-keys"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "fix-keys" in proc.stdout and "drafter validated" in proc.stdout
+
+
+def test_only_a_stage_whose_inputs_are_missing_names_the_stage_to_run(prefect_api, base_raw,
+                                                                      tmp_path):
+    raw = json.loads(json.dumps(base_raw))
+    raw["run_root"] = str(tmp_path / "empty")
+    with pytest.raises(FileNotFoundError, match=r"stage 'generate'.*--to generate"):
+        run_pipeline(raw, ["merge"])
