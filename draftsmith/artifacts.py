@@ -75,7 +75,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> None:
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode())
+    text = json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n"
+    atomic_write_bytes(path, text.encode())
 
 
 @contextmanager
@@ -176,7 +177,9 @@ def finish_stage(
     return descriptor
 
 
-def external_descriptor(stage: str, path: str | Path, fingerprint: str, **figures: Any) -> Descriptor:
+def external_descriptor(
+    stage: str, path: str | Path, fingerprint: str, **figures: Any
+) -> Descriptor:
     """Describe an input that no stage wrote (a target model, a data file)."""
     return Descriptor(stage=stage, path=str(path), key=fingerprint, fingerprint=fingerprint,
                       figures=figures)

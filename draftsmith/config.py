@@ -56,7 +56,9 @@ class DataConfig(StrictModel):
         names = [s.name for s in self.sources]
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
-            raise ValueError(f"data.sources: duplicate source names {dupes}; give each a unique name")
+            raise ValueError(
+                f"data.sources: duplicate source names {dupes}; give each a unique name"
+            )
         return self
 
 

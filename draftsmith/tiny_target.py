@@ -136,8 +136,8 @@ def _training_rows(tokenizer, seq_len: int) -> torch.Tensor:
     for module, signature, body in stdlib_functions():
         if is_heldout(signature):
             continue
-        stream += tokenizer.apply_chat_template(function_chat(module, signature, body), tokenize=True,
-                                                return_dict=False)
+        chat = function_chat(module, signature, body)
+        stream += tokenizer.apply_chat_template(chat, tokenize=True, return_dict=False)
     n_rows = len(stream) // seq_len
     return torch.tensor(stream[: n_rows * seq_len]).view(n_rows, seq_len)  # [N, S]
 
@@ -177,12 +177,13 @@ def build_tiny_target(
                  train_steps, len(rows), seq_len)
         generator = torch.Generator().manual_seed(seed)
         optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * s / train_steps))
-        )
+        def warmup_cosine(step: int) -> float:
+            return min(1.0, (step + 1) / 20) * 0.5 * (1 + math.cos(math.pi * step / train_steps))
+
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine)
         progress = Progress("tiny target training", total=train_steps, unit="step")
         model.train()
-        for step in range(train_steps):
+        for _ in range(train_steps):
             batch = rows[torch.randint(len(rows), (batch_size,), generator=generator)]  # [B, S]
             loss = model(input_ids=batch, labels=batch).loss
             loss.backward()

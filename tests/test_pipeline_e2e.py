@@ -109,14 +109,16 @@ def test_a_cached_stage_whose_directory_is_gone_is_recomputed(first_run, base_ra
     assert results["benchmark"]["state"] == "Cached"
 
 
-def test_new_data_reruns_from_generate(first_run, base_raw):
+def test_new_data_reruns_from_generate(first_run, base_raw, tmp_path):
     raw = json.loads(json.dumps(base_raw))
-    path = raw["data"]["sources"][1]["path"]
-    with open(path, "a") as f:
+    source = raw["data"]["sources"][1]
+    grown = tmp_path / "openai-grown.jsonl"  # a new file: the other tests keep the old data
+    shutil.copy(source["path"], grown)
+    with open(grown, "a") as f:
         f.write(json.dumps({"id": "new-1", "messages": [
             {"role": "user", "content": "Complete this function from demo.py:\ndef add(a, b):"}
         ]}) + "\n")
-    raw["data"]["sources"][1]["limit"] = None
+    source["path"], source["limit"] = str(grown), None
     results = run_pipeline(raw, ["generate", "merge", "extract"])
     assert states(results) == {"generate": "Completed", "merge": "Completed",
                                "extract": "Completed"}

@@ -136,7 +136,10 @@ def load_source(
         stats.read += 1
         if not isinstance(row, dict):
             raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {row!r:.200}")
-        row_format = detect_format(row) if fmt == "auto" else fmt
+        try:
+            row_format = detect_format(row) if fmt == "auto" else fmt
+        except DataFormatError as err:  # say which of many sources (and which line) it is
+            raise DataFormatError(f"data source {name!r} ({path}:{lineno}): {err}") from None
         try:
             records.append(to_record(row, row_format, name))
         except (DataFormatError, KeyError) as err:

@@ -95,7 +95,8 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
             "train_tokens": sum(len(r["input_ids"]) for r in rows["train"]),
             "train_masked_tokens": sum(sum(r["loss_mask"]) for r in rows["train"]),
         },
-        figures={"draft_vocab_coverage": round(coverage, 4), "draft_vocab_size": cfg.draft_vocab_size},
+        figures={"draft_vocab_coverage": round(coverage, 4),
+                 "draft_vocab_size": cfg.draft_vocab_size},
     )
 
 

@@ -18,7 +18,8 @@ def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
 
     Templates that mark assistant text with `{% generation %}` give the mask directly. For the
     others, each assistant turn's tokens are found by rendering the conversation up to that turn
-    with and without it; a template that re-tokenises earlier turns differently is an error.
+    with and without it (less the whitespace the template adds after the turn's end token); a
+    template that re-tokenises earlier turns differently is an error.
     """
     messages = [m.model_dump(include={"role", "content"}) for m in record.messages]
     if "{% generation %}" in (tokenizer.chat_template or ""):
@@ -37,6 +38,11 @@ def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
                 "of the full conversation, so the assistant tokens cannot be located; add "
                 "{% generation %} markers to the template"
             )
-        for pos in range(len(before), len(through)):
+        # What the template writes after the turn's end token (ChatML's "\n") is not the
+        # assistant's: leave trailing whitespace-only tokens out, as {% generation %} does.
+        end = len(through)
+        while end > len(before) and not tokenizer.decode(through[end - 1 : end]).strip():
+            end -= 1
+        for pos in range(len(before), end):
             mask[pos] = 1
     return ids, mask

@@ -69,7 +69,7 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                 answers = generator.complete(
                     [[m.model_dump(include={"role", "content"}) for m in p] for _, p in batch]
                 )
-                for (index, prompt), answer in zip(batch, answers):
+                for (index, prompt), answer in zip(batch, answers, strict=True):
                     records[index] = records[index].model_copy(update={"messages": [
                         *prompt, Message(role="assistant", content=answer.text)]})
                     completion_tokens += answer.completion_tokens

@@ -54,6 +54,12 @@ class Eagle3Config(BaseModel):
                     draft_vocab_size: int) -> Eagle3Config:
         hidden = target_config["hidden_size"]
         heads = target_config["num_attention_heads"]
+        # transformers 5 keeps RoPE settings under rope_parameters; older configs at top level.
+        rope = target_config.get("rope_parameters") or {}
+        rope_theta = target_config.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_scaling = target_config.get("rope_scaling")
+        if rope_scaling is None and rope.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(
             hidden_size=hidden,
             intermediate_size=target_config["intermediate_size"],
@@ -61,8 +67,8 @@ class Eagle3Config(BaseModel):
             num_key_value_heads=target_config.get("num_key_value_heads") or heads,
             head_dim=target_config.get("head_dim") or hidden // heads,
             rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
-            rope_theta=target_config.get("rope_theta", 10000.0),
-            rope_scaling=target_config.get("rope_scaling"),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=target_config.get("max_position_embeddings", 4096),
             vocab_size=target_config["vocab_size"],
             draft_vocab_size=draft_vocab_size,

@@ -55,8 +55,13 @@ class TargetRunner:
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
         self._captured: dict[int, torch.Tensor] = {}
         layers = decoder_of(model).layers
-        for i in aux_layer_ids:
-            layers[i].register_forward_hook(self._hook(i))
+        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in aux_layer_ids]
+
+    def close(self) -> None:
+        """Take the hooks off the target, so the model can be reused by another runner."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _hook(self, layer_id: int):
         def hook(_module, _inputs, output):

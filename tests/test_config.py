@@ -1,0 +1,256 @@
+"""draftsmith.config: YAML in, validated; errors name the dotted key and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.config import (
+    ConfigError,
+    DeployConfig,
+    PipelineConfig,
+    apply_overrides,
+    load_config,
+    parse_config,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLES = REPO / "examples"
+
+
+def write_config(directory: Path, raw: dict, name: str = "config.yaml") -> Path:
+    path = directory / name
+    path.write_text(yaml.safe_dump(raw))
+    return path
+
+
+def minimal_raw(**sections) -> dict:
+    raw = {"data": {"sources": [{"name": "demo", "path": "data.jsonl"}]}}
+    raw.update(sections)
+    return raw
+
+
+# --- the shipped examples ---------------------------------------------------------------------
+
+
+def test_tiny_example_validates_and_resolves_data_paths():
+    config = load_config(EXAMPLES / "tiny.yaml")
+    assert isinstance(config, PipelineConfig)
+    assert config.target.model == "builtin:tiny"
+    assert [s.name for s in config.data.sources] == ["stdlib-sharegpt", "stdlib-openai"]
+    for source in config.data.sources:
+        assert Path(source.path).is_absolute()
+        assert Path(source.path).is_file(), source.path
+    assert config.merge.draft_vocab_size == 1024
+    assert config.extract.aux_layer_ids is None
+    assert Path(config.run_root).is_absolute()
+
+
+def test_kimi_example_validates():
+    config = load_config(EXAMPLES / "kimi-k2.5-8gpu.yaml")
+    assert config.target.family == "deepseek"
+    assert config.target.tp_size == 8
+    assert config.extract.aux_layer_ids == [2, 30, 58]
+    assert config.deploy.engine == "sglang"
+    assert config.deploy.speculative_algorithm == "EAGLE3"
+    assert config.deploy.extra_args == ["--cuda-graph-max-bs-decode", "8"]
+    # Absolute paths are kept as written.
+    assert config.data.sources[0].path == "/mnt/shared/datasets/sharegpt.jsonl"
+    assert config.run_root == "/mnt/shared/draftsmith/kimi-k2.5"
+
+
+def test_missing_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_top_level_must_be_a_mapping(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match="mapping"):
+        load_config(path)
+
+
+# --- unknown keys and bad values ---------------------------------------------------------------
+
+
+def test_unknown_top_level_key_is_named(tmp_path):
+    path = write_config(tmp_path, minimal_raw(trian={"epochs": 2}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "trian: unknown key" in str(err.value)
+    assert str(path) in str(err.value)
+
+
+def test_unknown_nested_key_is_named_with_dots(tmp_path):
+    path = write_config(tmp_path, minimal_raw(train={"epoch": 2}))
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert "train.epoch: unknown key" in str(err.value)
+
+
+def test_unknown_key_in_a_source_names_its_index(tmp_path):
+    raw = minimal_raw()
+    raw["data"]["sources"][0]["limt"] = 3
+    with pytest.raises(ConfigError, match=r"data\.sources\.0\.limt: unknown key"):
+        load_config(write_config(tmp_path, raw))
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "dotted"),
+    [
+        ("train", {"lr": -1}, "train.lr"),
+        ("train", {"epochs": "many"}, "train.epochs"),
+        ("train", {"epochs": 0}, "train.epochs"),
+        ("merge", {"validation_fraction": 1.5}, "merge.validation_fraction"),
+        ("deploy", {"port": 70000}, "deploy.port"),
+        ("target", {"dtype": "float8"}, "target.dtype"),
+    ],
+)
+def test_bad_value_names_the_key(tmp_path, section, values, dotted):
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, minimal_raw(**{section: values})))
+    message = str(err.value)
+    assert f"  {dotted}: " in message
+    (value,) = values.values()
+    assert repr(value) in message  # the offending input is shown
+
+
+def test_data_section_is_required(tmp_path):
+    with pytest.raises(ConfigError, match="data"):
+        load_config(write_config(tmp_path, {"run_root": "x"}))
+
+
+def test_duplicate_source_names_refused(tmp_path):
+    raw = {"data": {"sources": [{"name": "a", "path": "1.jsonl"}, {"name": "a", "path": "2.jsonl"},
+                                {"name": "b", "path": "3.jsonl"}]}}
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(tmp_path, raw))
+    assert "duplicate source names ['a']" in str(err.value)
+
+
+def test_parse_config_names_its_source():
+    with pytest.raises(ConfigError, match=r"^my-source: invalid configuration"):
+        parse_config(minimal_raw(train={"epoch": 1}), "my-source")
+
+
+# --- overrides -------------------------------------------------------------------------------
+
+
+def test_apply_overrides_parses_yaml_values():
+    raw = minimal_raw(train={"epochs": 5})
+    out = apply_overrides(raw, ["train.epochs=2", "extract.aux_layer_ids=[1, 2, 3]",
+                                "merge.dedup=false", "train.lr=1.0e-4", "run_root=/tmp/x",
+                                "deploy.extra_args=['--flag=1']"])
+    assert out["train"]["epochs"] == 2
+    assert out["extract"]["aux_layer_ids"] == [1, 2, 3]
+    assert out["merge"]["dedup"] is False
+    assert out["train"]["lr"] == pytest.approx(1e-4)
+    assert out["run_root"] == "/tmp/x"
+    assert out["deploy"]["extra_args"] == ["--flag=1"]  # only the first '=' splits
+
+
+def test_apply_overrides_creates_missing_and_empty_sections():
+    raw = {"train": None}
+    apply_overrides(raw, ["train.epochs=3", "benchmark.num_prompts=4"])
+    assert raw == {"train": {"epochs": 3}, "benchmark": {"num_prompts": 4}}
+
+
+@pytest.mark.parametrize("bad", ["train.epochs", "=3", ""])
+def test_malformed_override_is_an_error(bad):
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        apply_overrides(minimal_raw(), [bad])
+
+
+def test_override_through_a_value_is_an_error():
+    with pytest.raises(ConfigError, match="'run_root' is a value, not a section"):
+        apply_overrides({"run_root": "x"}, ["run_root.sub=1"])
+
+
+def test_load_config_overrides_are_validated(tmp_path):
+    path = write_config(tmp_path, minimal_raw())
+    config = load_config(path, ["train.epochs=2", "merge.dedup=no", "extract.aux_layer_ids=[0,2,4]",
+                                "deploy.num_steps=2", "deploy.num_draft_tokens=3"])
+    assert config.train.epochs == 2
+    assert config.merge.dedup is False
+    assert config.extract.aux_layer_ids == [0, 2, 4]
+    assert (config.deploy.num_steps, config.deploy.num_draft_tokens) == (2, 3)
+    with pytest.raises(ConfigError, match="train.epoch: unknown key"):
+        load_config(path, ["train.epoch=2"])
+    with pytest.raises(ConfigError, match=r"  train\.lr: "):
+        load_config(path, ["train.lr=-1"])
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(path, ["train.lr"])
+
+
+# --- deploy constraints (REFERENCE.md section 4) -------------------------------------------------
+
+
+def test_eagle_algorithm_refused_for_eagle3_drafters(tmp_path):
+    with pytest.raises(ValueError, match="EAGLE3"):
+        DeployConfig(speculative_algorithm="EAGLE")
+    path = write_config(tmp_path, minimal_raw(deploy={"speculative_algorithm": "EAGLE"}))
+    with pytest.raises(ConfigError, match="deploy.speculative_algorithm='EAGLE'"):
+        load_config(path)
+
+
+def test_topk_one_requires_steps_plus_one_draft_tokens():
+    assert DeployConfig(num_steps=5, eagle_topk=1, num_draft_tokens=6).num_draft_tokens == 6
+    for tokens in (5, 7):
+        with pytest.raises(ValueError, match=r"num_draft_tokens = num_steps \+ 1 = 6"):
+            DeployConfig(num_steps=5, eagle_topk=1, num_draft_tokens=tokens)
+
+
+def test_draft_token_budget_for_tree_drafting():
+    # budget = topk + (steps - 1) * topk^2 = 2 + 2 * 4 = 10 -> at most 11 draft tokens
+    assert DeployConfig(num_steps=3, eagle_topk=2, num_draft_tokens=11).num_draft_tokens == 11
+    assert DeployConfig(num_steps=3, eagle_topk=2, num_draft_tokens=2).num_draft_tokens == 2
+    with pytest.raises(ValueError, match="at most 11"):
+        DeployConfig(num_steps=3, eagle_topk=2, num_draft_tokens=12)
+    # steps=1: budget = topk
+    assert DeployConfig(num_steps=1, eagle_topk=4, num_draft_tokens=5).num_draft_tokens == 5
+    with pytest.raises(ValueError, match="at most 5"):
+        DeployConfig(num_steps=1, eagle_topk=4, num_draft_tokens=6)
+
+
+def test_deploy_error_through_load_config_names_key(tmp_path):
+    raw = minimal_raw(deploy={"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 8})
+    with pytest.raises(ConfigError, match=r"deploy\.num_draft_tokens=8"):
+        load_config(write_config(tmp_path, raw))
+
+
+# --- paths ---------------------------------------------------------------------------------------
+
+
+def test_relative_data_paths_resolve_against_config_dir(tmp_path, monkeypatch):
+    config_dir = tmp_path / "configs" / "nested"
+    config_dir.mkdir(parents=True)
+    raw = {"data": {"sources": [
+        {"name": "rel", "path": "data.jsonl"},
+        {"name": "up", "path": "../shared/more.jsonl"},
+        {"name": "abs", "path": "/abs/file.jsonl"},
+    ]}}
+    path = write_config(config_dir, raw)
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    config = load_config(path)
+    paths = [s.path for s in config.data.sources]
+    assert paths == [
+        str((config_dir / "data.jsonl").resolve()),
+        str((tmp_path / "configs" / "shared" / "more.jsonl").resolve()),
+        "/abs/file.jsonl",
+    ]
+    # Relative config path: same result.
+    monkeypatch.chdir(tmp_path)
+    config = load_config(Path("configs/nested/config.yaml"))
+    assert [s.path for s in config.data.sources] == paths
+
+
+def test_relative_run_root_resolves_against_cwd(tmp_path, monkeypatch):
+    (tmp_path / "cfg").mkdir()
+    path = write_config(tmp_path / "cfg", minimal_raw(run_root="runs/x"))
+    monkeypatch.chdir(tmp_path)
+    assert load_config(path).run_root == str(tmp_path / "runs" / "x")

@@ -1,0 +1,296 @@
+"""The EAGLE-3 drafter: SGLang weight names and shapes, target parts, TTT masks, and the key
+semantic property that training (forward_ttt) computes what chain drafting computes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from draftsmith.data.vocab import build_vocab_map
+from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter, ttt_masks
+
+AUX_IDS = [1, 3, 4]
+DRAFT_VOCAB = 256
+
+SGLANG_KEYS = {
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+}
+
+
+def target_config(target_dir: Path) -> dict:
+    return json.loads((target_dir / "config.json").read_text())
+
+
+def vocab_map(vocab_size: int, draft_vocab: int = DRAFT_VOCAB):
+    """A draft vocab that is not the identity: frequent ids are spread over the target vocab."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (4000,), generator=g).tolist()
+    ids += [vocab_size - 1] * 50 + [vocab_size - 7] * 40  # make sure high ids get in
+    d2t, t2d, _ = build_vocab_map(ids, vocab_size, draft_vocab)
+    return d2t, t2d
+
+
+def make_drafter(target_dir: Path, seed: int = 0, load_parts: bool = True) -> Eagle3Drafter:
+    torch.manual_seed(seed)
+    tcfg = target_config(target_dir)
+    drafter = Eagle3Drafter(Eagle3Config.from_target(tcfg, AUX_IDS, DRAFT_VOCAB))
+    if load_parts:
+        d2t, t2d = vocab_map(tcfg["vocab_size"])
+        embed = torch.randn(tcfg["vocab_size"], tcfg["hidden_size"])
+        drafter.load_target_parts(embed, d2t, t2d)
+    return drafter.eval()
+
+
+def random_row(drafter: Eagle3Drafter, T: int, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    cfg = drafter.config
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    aux = torch.randn(1, T, len(cfg.aux_layer_ids) * cfg.target_hidden_size, generator=g)
+    return ids, aux
+
+
+# --------------------------------------------------------------------------- layout
+
+
+def test_state_dict_keys_are_the_sglang_names(random_target_dir):
+    drafter = make_drafter(random_target_dir, load_parts=False)
+    assert set(drafter.state_dict()) == SGLANG_KEYS | {"embed_tokens.weight"}
+
+
+def test_shapes_qkv_take_2h_and_fc_fuses_three_target_states(random_target_dir, random_target):
+    drafter = make_drafter(random_target_dir, load_parts=False)
+    H = random_target.figures["hidden_size"]
+    V = random_target.figures["vocab_size"]
+    cfg = drafter.config
+    sd = drafter.state_dict()
+    d = cfg.head_dim
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (cfg.num_attention_heads * d, 2 * H)
+    assert sd["midlayer.self_attn.k_proj.weight"].shape == (cfg.num_key_value_heads * d, 2 * H)
+    assert sd["midlayer.self_attn.v_proj.weight"].shape == (cfg.num_key_value_heads * d, 2 * H)
+    assert sd["midlayer.self_attn.o_proj.weight"].shape == (H, cfg.num_attention_heads * d)
+    assert sd["fc.weight"].shape == (H, 3 * H)
+    assert sd["lm_head.weight"].shape == (DRAFT_VOCAB, H)
+    assert sd["embed_tokens.weight"].shape == (V, H)
+    assert sd["d2t"].shape == (DRAFT_VOCAB,) and sd["d2t"].dtype == torch.int64
+    assert sd["t2d"].shape == (V,) and sd["t2d"].dtype == torch.bool
+    assert "bias" not in " ".join(sd)
+
+
+def test_fc_input_is_three_times_the_target_hidden_when_it_differs(random_target_dir):
+    tcfg = target_config(random_target_dir)
+    cfg = Eagle3Config.from_target(tcfg, AUX_IDS, DRAFT_VOCAB).model_copy(
+        update={"target_hidden_size": 96})
+    drafter = Eagle3Drafter(cfg)
+    assert drafter.fc.weight.shape == (tcfg["hidden_size"], 3 * 96)
+    d2t, t2d = vocab_map(tcfg["vocab_size"])
+    drafter.load_target_parts(torch.randn(tcfg["vocab_size"], tcfg["hidden_size"]), d2t, t2d)
+    ids, aux = random_row(drafter, 6)
+    docs = torch.zeros(1, 6, dtype=torch.long)
+    logits = drafter.forward_ttt(ids, aux, torch.arange(6)[None], docs, 2)
+    assert [tuple(x.shape) for x in logits] == [(1, 6, DRAFT_VOCAB)] * 2
+
+
+def test_embed_tokens_is_nan_until_target_parts_are_loaded(random_target_dir):
+    drafter = make_drafter(random_target_dir, load_parts=False)
+    assert torch.isnan(drafter.embed_tokens.weight).all()
+    assert not drafter.embed_tokens.weight.requires_grad
+    ids, aux = random_row(drafter, 5)
+    pos, docs = torch.arange(5)[None], torch.zeros(1, 5, dtype=torch.long)
+    with torch.no_grad():
+        forgotten = drafter.forward_ttt(ids, aux, pos, docs, 1)[0]
+    assert torch.isnan(forgotten).all()
+
+    tcfg = target_config(random_target_dir)
+    embed = torch.randn(tcfg["vocab_size"], tcfg["hidden_size"])
+    d2t, t2d = vocab_map(tcfg["vocab_size"])
+    drafter.load_target_parts(embed, d2t, t2d)
+    assert torch.equal(drafter.embed_tokens.weight, embed)
+    assert torch.equal(drafter.d2t, d2t) and torch.equal(drafter.t2d, t2d)
+    with torch.no_grad():
+        assert torch.isfinite(drafter.forward_ttt(ids, aux, pos, docs, 1)[0]).all()
+
+
+def test_load_target_parts_with_head_takes_the_draft_vocab_rows(random_target_dir):
+    tcfg = target_config(random_target_dir)
+    V, H = tcfg["vocab_size"], tcfg["hidden_size"]
+    d2t, t2d = vocab_map(V)
+    draft_ids = d2t + torch.arange(DRAFT_VOCAB)
+    assert not torch.equal(draft_ids, torch.arange(DRAFT_VOCAB))  # a non-trivial map
+    assert torch.equal(draft_ids, torch.nonzero(t2d).flatten())
+    head = torch.randn(V, H)
+
+    drafter = make_drafter(random_target_dir, load_parts=False)
+    before = drafter.lm_head.weight.detach().clone()
+    drafter.load_target_parts(torch.randn(V, H), d2t, t2d)
+    assert torch.equal(drafter.lm_head.weight, before)  # no head given: left as it was
+
+    drafter.load_target_parts(torch.randn(V, H), d2t, t2d, target_head=head)
+    assert torch.equal(drafter.draft_to_target_ids(), draft_ids)
+    for i in (0, 17, DRAFT_VOCAB - 1):
+        assert torch.equal(drafter.lm_head.weight[i], head[int(draft_ids[i])])
+    assert torch.equal(drafter.lm_head.weight, head[draft_ids])
+
+
+# --------------------------------------------------------------------------- masks
+
+
+def test_ttt_masks_match_a_hand_built_mask_for_two_documents():
+    docs = torch.tensor([[0, 0, 0, 1, 1]])
+    T = 5
+    step0 = torch.tensor([
+        [1, 0, 0, 0, 0],
+        [1, 1, 0, 0, 0],
+        [1, 1, 1, 0, 0],
+        [0, 0, 0, 1, 0],
+        [0, 0, 0, 1, 1],
+    ], dtype=torch.bool)
+    eye = torch.eye(T, dtype=torch.bool)
+    expected = [step0, torch.cat([step0, eye], 1), torch.cat([step0, eye, eye], 1)]
+    masks = ttt_masks(docs, 3)
+    assert len(masks) == 3
+    for j, (got, want) in enumerate(zip(masks, expected, strict=True)):
+        assert got.dtype == torch.bool
+        assert got.shape == (1, 1, T, (j + 1) * T)
+        assert torch.equal(got[0, 0], want), f"step {j}"
+
+
+def test_ttt_masks_per_row_in_a_batch():
+    docs = torch.tensor([[0, 0, 1, 1], [0, 0, 0, 0]])
+    step0 = ttt_masks(docs, 1)[0]
+    assert step0.shape == (2, 1, 4, 4)
+    assert not step0[0, 0, 2, 1] and step0[1, 0, 2, 1]  # doc boundary only in row 0
+    assert torch.equal(step0[1, 0], torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+# --------------------------------------------------------------------------- semantics
+
+
+def chain_logits(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, t: int,
+                 steps: int) -> list[torch.Tensor]:
+    """What chain drafting computes for anchor t, with ground-truth tokens as the chain input:
+    step 0 over anchors 0..t (causal), then one token per step with an explicit KV cache."""
+    n = t + 1
+    causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+    hidden = drafter.project_aux(aux[:, :n])
+    out, logits, (k, v) = drafter.step(ids[:, 1 : n + 1], hidden, torch.arange(n)[None], None,
+                                       causal)
+    result = [logits[0, t]]
+    past = (k, v)
+    hidden = out[:, t : t + 1]
+    for j in range(1, steps):
+        token = ids[:, t + j + 1 : t + j + 2]  # ground truth token t+j+1
+        out, logits, (k, v) = drafter.step(token, hidden, torch.tensor([[t + j]]), past, None)
+        past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+        hidden = out
+        result.append(logits[0, -1])
+    return result
+
+
+def test_forward_ttt_equals_incremental_chain_drafting(random_target_dir):
+    drafter = make_drafter(random_target_dir)
+    T, steps = 10, 3
+    ids, aux = random_row(drafter, T)
+    with torch.no_grad():
+        ttt = drafter.forward_ttt(ids, aux, torch.arange(T)[None],
+                                  torch.zeros(1, T, dtype=torch.long), steps)
+        checked = 0
+        for t in range(T - steps):  # token t+steps must exist
+            chain = chain_logits(drafter, ids, aux, t, steps)
+            for j in range(steps):
+                torch.testing.assert_close(ttt[j][0, t], chain[j], rtol=1e-4, atol=1e-5,
+                                           msg=f"step {j} anchor {t}")
+                checked += 1
+    assert checked == (T - steps) * steps
+    # The steps differ from each other (a chain that ignores its input would pass trivially).
+    assert not torch.allclose(ttt[0], ttt[1]) and not torch.allclose(ttt[1], ttt[2])
+
+
+def test_forward_ttt_differs_from_full_attention_over_later_steps(random_target_dir,
+                                                                 monkeypatch):
+    """Sanity of the comparison above: attending to all step-1 keys instead of the diagonal
+    gives different logits, so the diagonal mask matters."""
+    import draftsmith.model.eagle3 as eagle3
+
+    drafter = make_drafter(random_target_dir)
+    T = 8
+    ids, aux = random_row(drafter, T)
+    pos, docs = torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long)
+    with torch.no_grad():
+        good = drafter.forward_ttt(ids, aux, pos, docs, 2)
+        masks = ttt_masks(docs, 2)
+        masks[1][..., T:] = torch.ones(T, T, dtype=torch.bool).tril()
+        monkeypatch.setattr(eagle3, "ttt_masks", lambda d, s: masks)
+        bad = drafter.forward_ttt(ids, aux, pos, docs, 2)
+    torch.testing.assert_close(good[0], bad[0])
+    assert not torch.allclose(good[1][0, 1:], bad[1][0, 1:], atol=1e-4)
+
+
+def test_packed_documents_do_not_see_each_other(random_target_dir):
+    drafter = make_drafter(random_target_dir)
+    n0, n1, steps = 6, 7, 3
+    T = n0 + n1
+    ids, aux = random_row(drafter, T, seed=2)
+    pos = torch.cat([torch.arange(n0), torch.arange(n1)])[None]
+    docs = torch.cat([torch.zeros(n0), torch.ones(n1)]).long()[None]
+    other_ids, other_aux = random_row(drafter, T, seed=3)
+
+    def run(i, a):
+        with torch.no_grad():
+            return [x[0] for x in drafter.forward_ttt(i, a, pos, docs, steps)]
+
+    base = run(ids, aux)
+    # Change every token and aux state of document 1: document 0 is unaffected wherever the
+    # tokens it reads (up to t+j+2, what its loss looks at) are its own.
+    ids1, aux1 = ids.clone(), aux.clone()
+    ids1[:, n0:], aux1[:, n0:] = other_ids[:, n0:], other_aux[:, n0:]
+    changed1 = run(ids1, aux1)
+    for j in range(steps):
+        valid = n0 - j - 2
+        torch.testing.assert_close(base[j][:valid], changed1[j][:valid], rtol=0, atol=1e-6)
+        assert not torch.allclose(base[j][n0:n0 + 2], changed1[j][n0:n0 + 2])
+
+    # And the other way round: document 1 ignores document 0 (block-diagonal, not just causal).
+    ids0, aux0 = ids.clone(), aux.clone()
+    ids0[:, :n0], aux0[:, :n0] = other_ids[:, :n0], other_aux[:, :n0]
+    changed0 = run(ids0, aux0)
+    for j in range(steps):
+        torch.testing.assert_close(base[j][n0:T - j - 1], changed0[j][n0:T - j - 1],
+                                   rtol=1e-5, atol=1e-6)
+
+    # Document 1 packed after document 0 gives what document 1 alone gives.
+    with torch.no_grad():
+        alone = drafter.forward_ttt(ids[:, n0:], aux[:, n0:], torch.arange(n1)[None],
+                                    torch.zeros(1, n1, dtype=torch.long), steps)
+    for j in range(steps):
+        torch.testing.assert_close(base[j][n0:T - j - 1], alone[j][0, : n1 - j - 1],
+                                   rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("steps", [1, 4])
+def test_forward_ttt_returns_one_logit_tensor_per_step(random_target_dir, steps):
+    drafter = make_drafter(random_target_dir)
+    ids, aux = random_row(drafter, 7)
+    out = drafter.forward_ttt(ids, aux, torch.arange(7)[None], torch.zeros(1, 7, dtype=torch.long),
+                              steps)
+    assert len(out) == steps
+    assert all(x.shape == (1, 7, DRAFT_VOCAB) for x in out)
+    out[-1].sum().backward()  # gradients flow through the unrolled steps to fc
+    assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
+    assert drafter.embed_tokens.weight.grad is None

@@ -1,0 +1,239 @@
+"""draftsmith.data.formats: every source format becomes the common record; nothing silently lost."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from draftsmith.data.formats import DataFormatError, Record, detect_format, load_source
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "data"
+
+
+def write_jsonl(path: Path, rows: list) -> Path:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def roles(record: Record) -> list[str]:
+    return [m.role for m in record.messages]
+
+
+# --- formats and roles -------------------------------------------------------------------------
+
+
+def test_sharegpt_roles_map_to_common_roles(tmp_path):
+    path = write_jsonl(tmp_path / "sg.jsonl", [
+        {"id": "a", "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello"},
+            {"from": "human", "value": "Bye"},
+            {"from": "gpt", "value": "Bye!"},
+        ]},
+        {"id": "b", "conversations": [
+            {"from": "user", "value": "Q"},
+            {"from": "assistant", "value": "A"},
+        ]},
+        {"id": "c", "conversations": [{"from": "Human", "value": "Q"},
+                                      {"from": "GPT", "value": "A"}]},
+    ])
+    records, stats = load_source("sg", path)
+    assert [roles(r) for r in records] == [
+        ["system", "user", "assistant", "user", "assistant"],
+        ["user", "assistant"],
+        ["user", "assistant"],
+    ]
+    assert [m.content for m in records[0].messages] == ["Be brief.", "Hi", "Hello", "Bye", "Bye!"]
+    assert (stats.read, stats.kept, stats.dropped) == (3, 3, {})
+    assert not records[0].needs_answer()
+
+
+def test_openai_messages(tmp_path):
+    path = write_jsonl(tmp_path / "oa.jsonl", [
+        {"id": "x", "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"},
+            {"role": "tool", "content": "T"},
+            {"role": "user", "content": "U2"},
+        ]},
+    ])
+    (record,), _ = load_source("oa", path, fmt="openai")
+    assert roles(record) == ["system", "user", "assistant", "tool", "user"]
+    assert [m.content for m in record.messages] == ["S", "U", "A", "T", "U2"]
+    assert record.needs_answer()
+
+
+def test_json_array_file(tmp_path):
+    path = tmp_path / "arr.json"
+    path.write_text(json.dumps([{"messages": [{"role": "user", "content": "hi"}]}]))
+    (record,), stats = load_source("arr", path)
+    assert roles(record) == ["user"] and stats.kept == 1
+
+
+def test_null_system_turn_is_skipped_and_record_kept(tmp_path):
+    path = write_jsonl(tmp_path / "traj.jsonl", [
+        {"id": "t1", "messages": [
+            {"role": "system", "content": None},
+            {"role": "user", "content": "Do it"},
+            {"role": "assistant", "content": "Done"},
+        ]},
+        {"id": "t2", "conversations": [
+            {"from": "system", "value": None},
+            {"from": "human", "value": "Q"},
+        ]},
+    ])
+    records, stats = load_source("traj", path)
+    assert [roles(r) for r in records] == [["user", "assistant"], ["user"]]
+    assert (stats.kept, stats.dropped) == (2, {})
+
+
+def test_reasoning_content_is_captured(tmp_path):
+    path = write_jsonl(tmp_path / "r.jsonl", [
+        {"messages": [
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4", "reasoning_content": "two plus two"},
+        ]},
+        {"messages": [
+            {"role": "user", "content": "3+3?"},
+            {"role": "assistant", "content": "6", "reasoning": "three plus three"},
+        ]},
+    ])
+    records, _ = load_source("r", path)
+    assert [r.messages[-1].reasoning for r in records] == ["two plus two", "three plus three"]
+    assert records[0].messages[0].reasoning is None
+
+
+# --- errors ------------------------------------------------------------------------------------
+
+
+def test_unknown_shape_names_the_keys(tmp_path):
+    with pytest.raises(DataFormatError) as err:
+        detect_format({"prompt": "p", "response": "r"})
+    assert "keys: prompt, response" in str(err.value)
+    assert "'conversations'" in str(err.value) and "'messages'" in str(err.value)
+
+    path = write_jsonl(tmp_path / "alpaca.jsonl", [{"instruction": "i", "output": "o"}])
+    with pytest.raises(DataFormatError) as err:
+        load_source("alpaca", path)
+    message = str(err.value)
+    assert "keys: instruction, output" in message
+    assert "'alpaca'" in message  # which of many sources is broken
+    assert f"{path}:1" in message
+
+
+def test_every_record_bad_names_source_and_first_record(tmp_path):
+    path = write_jsonl(tmp_path / "bad.jsonl", [
+        {"id": "r1", "conversations": [{"from": "narrator", "value": "Once"}]},
+        {"id": "r2", "conversations": [{"from": "gpt", "value": "no question"}]},
+    ])
+    with pytest.raises(DataFormatError) as err:
+        load_source("broken-src", path)
+    message = str(err.value)
+    assert "'broken-src'" in message
+    assert "kept 0 of 2 records" in message
+    assert f"{path}:1" in message
+    assert "unknown role 'narrator'" in message
+    assert '"id": "r1"' in message  # the offending record itself
+
+
+def test_empty_file_is_an_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n")
+    with pytest.raises(DataFormatError, match=r"'empty'.*kept 0 of 0.*empty"):
+        load_source("empty", path)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_source("gone", tmp_path / "gone.jsonl")
+
+
+def test_invalid_json_line_names_the_line(tmp_path):
+    path = tmp_path / "x.jsonl"
+    path.write_text('{"messages": [{"role": "user", "content": "a"}]}\n{not json\n')
+    with pytest.raises(DataFormatError, match=rf"{path}:2: not valid JSON"):
+        load_source("x", path)
+
+
+def test_stats_count_read_kept_dropped_with_reasons(tmp_path):
+    good = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+    path = write_jsonl(tmp_path / "mixed.jsonl", [
+        good,
+        {"messages": [{"role": "assistant", "content": "a"}]},  # no user turn
+        {"messages": [{"role": "wizard", "content": "x"}]},  # unknown role
+        {"messages": [{"role": "user", "content": None}]},  # null user text
+        {"messages": []},  # no turns
+        {"messages": [{"role": "system", "content": None}]},  # only a null system turn
+        {"messages": [{"role": "assistant", "content": "b"}]},  # no user turn again
+        good,
+    ])
+    records, stats = load_source("mixed", path)
+    assert stats.source == "mixed"
+    assert (stats.read, stats.kept) == (8, 2) and len(records) == 2
+    assert stats.dropped == {
+        "no user turn": 2,
+        "unknown role 'wizard'": 1,
+        "user turn has content=None, expected text": 1,
+        "no turns": 2,
+    }
+    assert stats.read == stats.kept + sum(stats.dropped.values())
+
+
+def test_explicit_format_mismatch_is_dropped_with_a_reason(tmp_path):
+    path = write_jsonl(tmp_path / "oa.jsonl", [
+        {"messages": [{"role": "user", "content": "q"}]},
+        {"conversations": [{"from": "human", "value": "q"}]},
+    ])
+    records, stats = load_source("oa", path, fmt="openai")
+    assert len(records) == 1
+    assert (stats.read, stats.kept, sum(stats.dropped.values())) == (2, 1, 1)
+    assert any("messages" in reason for reason in stats.dropped)
+
+
+# --- ids and limits ----------------------------------------------------------------------------
+
+
+def test_ids_are_prefixed_by_source_name(tmp_path):
+    turns = [{"role": "user", "content": "same"}]
+    path = write_jsonl(tmp_path / "ids.jsonl", [
+        {"id": "given", "messages": turns},
+        {"id": 7, "messages": turns},
+        {"messages": turns},
+        {"messages": [{"role": "user", "content": "other"}]},
+    ])
+    records, _ = load_source("src", path)
+    assert [r.source for r in records] == ["src"] * 4
+    assert records[0].id == "src/given"
+    assert records[1].id == "src/7"
+    assert all(r.id.startswith("src/") for r in records)
+    # Records without an id get one from their content: stable and distinct.
+    assert records[2].id != records[3].id
+    again, _ = load_source("src", path)
+    assert [r.id for r in again] == [r.id for r in records]
+    other, _ = load_source("other", path)
+    assert other[2].id == "other/" + records[2].id.removeprefix("src/")
+
+
+def test_limit_is_respected(tmp_path):
+    rows = [{"id": str(i), "messages": [{"role": "user", "content": f"q{i}"}]} for i in range(10)]
+    path = write_jsonl(tmp_path / "many.jsonl", rows)
+    records, stats = load_source("many", path, limit=3)
+    assert [r.id for r in records] == ["many/0", "many/1", "many/2"]
+    assert (stats.read, stats.kept) == (3, 3)
+    records, stats = load_source("many", path, limit=50)
+    assert (len(records), stats.read) == (10, 10)
+
+
+def test_bundled_demo_data():
+    sharegpt, sg_stats = load_source("stdlib-sharegpt", EXAMPLES / "sharegpt.jsonl", "sharegpt")
+    openai, oa_stats = load_source("stdlib-openai", EXAMPLES / "openai.jsonl", "openai")
+    assert (sg_stats.read, sg_stats.kept, sg_stats.dropped) == (150, 150, {})
+    assert (oa_stats.read, oa_stats.kept, oa_stats.dropped) == (150, 150, {})
+    assert all(roles(r) == ["system", "user"] for r in sharegpt)
+    assert all(roles(r) == ["user"] for r in openai)
+    assert sharegpt[0].id == "stdlib-sharegpt/sg-0000"
+    assert all(r.needs_answer() for r in sharegpt + openai)

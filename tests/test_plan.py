@@ -1,0 +1,141 @@
+"""draftsmith.plan: which stages run, and which settings each stage's cache key covers."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.config import STAGES, ConfigError, PipelineConfig
+from draftsmith.plan import data_descriptors, key_material, select_stages
+
+
+def make_config(tmp_path, **sections) -> PipelineConfig:
+    sources = []
+    for name in ("alpha", "beta"):
+        path = tmp_path / f"{name}.jsonl"
+        if not path.exists():
+            path.write_text(f'{{"id": "{name}", "messages": []}}\n')
+        sources.append({"name": name, "path": str(path)})
+    return PipelineConfig.model_validate({"data": {"sources": sources}, **sections})
+
+
+def all_material(config: PipelineConfig) -> dict:
+    return {stage: key_material(config, stage) for stage in STAGES}
+
+
+# --- select_stages ------------------------------------------------------------------------------
+
+
+def test_default_is_every_stage_in_order():
+    assert select_stages() == list(STAGES)
+    assert STAGES == ("generate", "merge", "extract", "train", "fix_keys", "deploy", "benchmark")
+
+
+@pytest.mark.parametrize("name", ["fix-keys", "fix_keys"])
+def test_only_accepts_both_spellings(name):
+    assert select_stages(only=name) == ["fix_keys"]
+
+
+def test_from_and_to():
+    assert select_stages(start="train") == ["train", "fix_keys", "deploy", "benchmark"]
+    assert select_stages(stop="merge") == ["generate", "merge"]
+    assert select_stages(start="extract", stop="fix-keys") == ["extract", "train", "fix_keys"]
+    assert select_stages(start="fix-keys", stop="fix_keys") == ["fix_keys"]
+    assert select_stages(start="generate", stop="benchmark") == list(STAGES)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "flag"),
+    [({"only": "trian"}, "--only trian"), ({"start": "bench"}, "--from bench"),
+     ({"stop": "fixkeys"}, "--to fixkeys")],
+)
+def test_unknown_stage_is_named_with_choices(kwargs, flag):
+    with pytest.raises(ConfigError) as err:
+        select_stages(**kwargs)
+    message = str(err.value)
+    assert message.startswith(f"{flag}: unknown stage")
+    assert "generate, merge, extract, train, fix-keys, deploy, benchmark" in message
+
+
+def test_bad_combinations():
+    with pytest.raises(ConfigError, match="--only cannot be combined"):
+        select_stages(only="train", start="merge")
+    with pytest.raises(ConfigError, match="--only cannot be combined"):
+        select_stages(only="train", stop="deploy")
+    with pytest.raises(ConfigError, match="--from deploy comes after --to train"):
+        select_stages(start="deploy", stop="train")
+
+
+# --- key_material ------------------------------------------------------------------------------
+
+
+def test_key_material_is_stable(tmp_path):
+    assert all_material(make_config(tmp_path)) == all_material(make_config(tmp_path))
+
+
+def test_benchmark_settings_change_only_benchmark_material(tmp_path):
+    base = all_material(make_config(tmp_path))
+    changed = all_material(make_config(tmp_path, benchmark={"num_prompts": 3,
+                                                             "max_new_tokens": 7}))
+    assert [s for s in STAGES if base[s] != changed[s]] == ["benchmark"]
+
+
+@pytest.mark.parametrize(
+    ("sections", "expected"),
+    [
+        ({"train": {"device": "cuda:1"}}, []),
+        ({"train": {"log_every": 1}}, []),
+        ({"target": {"device": "cuda"}}, []),
+        ({"train": {"lr": 1e-3}}, ["train"]),
+        ({"merge": {"max_length": 64}}, ["merge"]),
+        ({"extract": {"aux_layer_ids": [0, 2, 4]}}, ["extract"]),
+        ({"generate": {"max_new_tokens": 9}}, ["generate"]),
+        ({"deploy": {"num_steps": 2, "num_draft_tokens": 3}}, ["deploy"]),
+        ({"target": {"dtype": "bfloat16"}}, ["generate", "extract", "deploy", "benchmark"]),
+    ],
+)
+def test_which_stages_a_setting_reaches(tmp_path, sections, expected):
+    base = all_material(make_config(tmp_path))
+    changed = all_material(make_config(tmp_path, **sections))
+    assert [s for s in STAGES if base[s] != changed[s]] == expected
+
+
+def test_generate_material_covers_sources_but_not_their_paths(tmp_path):
+    config = make_config(tmp_path)
+    base = key_material(config, "generate")
+    config.data.sources[0].limit = 5
+    assert key_material(config, "generate") != base
+    config.data.sources[0].limit = None
+    config.data.sources[0].path = str(tmp_path / "moved.jsonl")
+    assert key_material(config, "generate") == base  # content is covered by data_descriptors
+
+
+def test_key_material_unknown_stage(tmp_path):
+    with pytest.raises(ValueError, match="unknown stage 'fix-keys'"):
+        key_material(make_config(tmp_path), "fix-keys")
+
+
+# --- data_descriptors --------------------------------------------------------------------------
+
+
+def test_data_fingerprint_follows_content(tmp_path):
+    config = make_config(tmp_path)
+    first = data_descriptors(config)
+    assert [d.path for d in first] == [s.path for s in config.data.sources]
+    assert first[0].fingerprint != first[1].fingerprint
+    assert [d.fingerprint for d in data_descriptors(config)] == [d.fingerprint for d in first]
+
+    (tmp_path / "beta.jsonl").write_text('{"id": "beta", "messages": ["changed"]}\n')
+    second = data_descriptors(config)
+    assert second[0].fingerprint == first[0].fingerprint
+    assert second[1].fingerprint != first[1].fingerprint
+
+
+def test_missing_data_file_names_the_source(tmp_path):
+    config = make_config(tmp_path)
+    (tmp_path / "beta.jsonl").unlink()
+    with pytest.raises(ConfigError) as err:
+        data_descriptors(config)
+    message = str(err.value)
+    assert "data.sources[beta]" in message
+    assert str(tmp_path / "beta.jsonl") in message
+    assert "not found" in message

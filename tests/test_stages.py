@@ -1,0 +1,151 @@
+"""Every stage's engine function, chained without Prefect, on the random tiny target.
+
+Quality does not matter here (the e2e test trains a real target); what a user relies on does:
+each stage writes a complete directory with a manifest, its descriptor says what it wrote, and
+the next stage can read it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.artifacts import MANIFEST, plan_stage
+from draftsmith.config import (
+    BenchmarkConfig,
+    DataConfig,
+    DeployConfig,
+    ExtractConfig,
+    FixKeysConfig,
+    GenerateConfig,
+    MergeConfig,
+    TargetConfig,
+    TrainConfig,
+)
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, random_target, random_target_dir):
+    """Run generate..benchmark once; tests inspect the descriptors."""
+    from draftsmith.bench.benchmark import run_benchmark
+    from draftsmith.data.merge import run_merge
+    from draftsmith.export.fix_keys import run_fix_keys
+    from draftsmith.extract.stage import run_extract
+    from draftsmith.generate.stage import run_generate
+    from draftsmith.serve.deploy import run_deploy
+    from draftsmith.train.trainer import run_train
+
+    root = tmp_path_factory.mktemp("stages")
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    data = DataConfig(sources=[
+        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 12},
+        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 12},
+    ])
+    out = {}
+
+    def plan(stage, material, *inputs):
+        return plan_stage(root, stage, material, list(inputs))
+
+    t = random_target
+    out["generate"] = run_generate(GenerateConfig(max_new_tokens=12, batch_size=8), data,
+                                   target_cfg, t, plan("generate", {}, t))
+    merge_cfg = MergeConfig(max_length=96, validation_fraction=0.3, draft_vocab_size=128)
+    out["merge"] = run_merge(merge_cfg, out["generate"], t, plan("merge", {}, out["generate"]))
+    out["extract"] = run_extract(ExtractConfig(shard_tokens=300), target_cfg, out["merge"], t,
+                                 plan("extract", {}, out["merge"]))
+    train_cfg = TrainConfig(ttt_steps=2, lr=1e-3, epochs=2, batch_tokens=256, log_every=1)
+    out["train"] = run_train(train_cfg, out["extract"], out["merge"], t,
+                             plan("train", {}, out["extract"]))
+    out["fix_keys"] = run_fix_keys(FixKeysConfig(), out["train"], t,
+                                   plan("fix_keys", {}, out["train"]))
+    deploy_cfg = DeployConfig(num_steps=2, num_draft_tokens=3)
+    out["deploy"] = run_deploy(deploy_cfg, target_cfg, out["fix_keys"], out["merge"], t,
+                               plan("deploy", {}, out["fix_keys"]))
+    out["benchmark"] = run_benchmark(BenchmarkConfig(num_prompts=3, max_new_tokens=10),
+                                     target_cfg, out["deploy"], out["merge"], t,
+                                     plan("benchmark", {}, out["deploy"]))
+    return out
+
+
+def test_every_stage_writes_a_complete_directory(chain):
+    for stage, descriptor in chain.items():
+        assert (descriptor.dir / MANIFEST).is_file(), stage
+        manifest = json.loads((descriptor.dir / MANIFEST).read_text())
+        assert manifest["descriptor"]["fingerprint"] == descriptor.fingerprint
+
+
+def test_generate_answers_every_prompt_only_record(chain):
+    counts = chain["generate"].counts
+    assert counts["records"] == 24 and counts["generated"] == 24
+    lines = (chain["generate"].dir / "records.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert all(r["messages"][-1]["role"] == "assistant" for r in records)
+    assert {r["source"] for r in records} == {"sg", "oa"}
+    # ShareGPT's system turn and "human" speaker arrive in the common roles.
+    assert [m["role"] for m in records[0]["messages"]][:2] == ["system", "user"]
+
+
+def test_merge_writes_splits_and_a_consistent_vocab_map(chain):
+    from draftsmith.data.merge import read_split, read_vocab_map
+
+    merged = chain["merge"]
+    train, val = read_split(merged, "train"), read_split(merged, "validation")
+    assert len(train) == merged.counts["train_records"] > 0
+    assert len(val) == merged.counts["validation_records"] > 0
+    assert not {r["id"] for r in train} & {r["id"] for r in val}
+    assert all(len(r["input_ids"]) <= 96 and any(r["loss_mask"]) for r in train)
+    d2t, t2d = read_vocab_map(merged)
+    assert d2t.numel() == 128 and t2d.sum() == 128
+    assert t2d[d2t + torch.arange(128)].all()
+
+
+def test_extract_stores_every_sample_with_the_aux_layers_of_the_target(chain, random_target):
+    from draftsmith.extract.store import ShardReader
+
+    reader = ShardReader(chain["extract"].path)
+    assert reader.aux_layer_ids == [1, 3, 4]  # default for 8 layers: [1, L//2-1, L-4]
+    samples = list(reader.samples("train")) + list(reader.samples("validation"))
+    assert len(samples) == chain["extract"].counts["samples"]
+    hidden = random_target.figures["hidden_size"]
+    assert all(s.aux.shape[1] == 3 * hidden and s.final.shape[1] == hidden for s in samples)
+    assert len(reader.index["splits"]["train"]) > 1  # shard_tokens=300 forces several shards
+
+
+def test_train_logs_metrics_and_keeps_the_best_checkpoint(chain):
+    trained = chain["train"]
+    rows = [json.loads(line) for line in (trained.dir / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if r["split"] == "train"]
+    val_rows = [r for r in rows if r["split"] == "validation"]
+    assert train_rows and len(val_rows) == 2  # one validation per epoch
+    for key in ("loss_0", "loss_1", "full_acc_0", "cond_acc_1", "tau", "lr", "tokens_per_s"):
+        assert key in train_rows[0]
+    best = max(val_rows, key=lambda r: r["tau"])
+    assert trained.figures["tau"] == pytest.approx(best["tau"], abs=1e-4)
+    assert (trained.dir / "training.png").is_file() and (trained.dir / "training.svg").is_file()
+    meta = json.loads((trained.dir / "draftsmith.json").read_text())
+    assert meta["provenance"]["hidden_states"] == chain["extract"].fingerprint
+    state = load_file(str(trained.dir / "drafter.safetensors"))
+    assert "embed_tokens.weight" not in state  # the target's, reloaded from the target
+    assert all(torch.isfinite(v.float()).all() for v in state.values())
+
+
+def test_fix_keys_exports_a_validated_sglang_drafter(chain):
+    from draftsmith.export.sglang import validate_sglang
+
+    drafter_dir = chain["fix_keys"].figures["drafter_dir"]
+    config = validate_sglang(drafter_dir)
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert config["draft_vocab_size"] == 128
+
+
+def test_deploy_and_benchmark_are_lossless(chain):
+    assert chain["deploy"].figures["engine"] == "embedded"
+    report = json.loads((chain["benchmark"].dir / "report.json").read_text())
+    assert report["summary"]["lossless"] is True
+    assert len(report["per_prompt"]) == 3
+    assert 1.0 <= report["summary"]["acceptance_length"] <= 3.0  # at most num_steps + 1
+    assert (chain["benchmark"].dir / "report.md").read_text().startswith("# draftsmith benchmark")

@@ -1,0 +1,108 @@
+"""draftsmith.data.tokenize: the loss mask covers exactly the assistant turns (and their end)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+
+from draftsmith.data.formats import Message, Record
+from draftsmith.data.tokenize import tokenize_record
+
+END = "<|im_end|>"
+
+CONVERSATIONS = [
+    # (roles and texts); assistant texts start with a non-space so no token straddles the header.
+    [("system", "You write Python."), ("user", "Complete def f(x):"),
+     ("assistant", "return x + 1"), ("user", "And g?"),
+     ("assistant", "def g(y):\n    return y * 2\n")],
+    [("user", "Hi"), ("assistant", "Hello there."), ("user", "Bye"), ("assistant", "Bye!"),
+     ("user", "One more?")],
+    [("user", "Only a question")],
+    [("user", "q"), ("assistant", "x"), ("tool", "result: 3"), ("assistant", "It is 3.")],
+]
+
+
+def make_record(turns, index: int = 0) -> Record:
+    return Record(id=f"t/{index}", source="t",
+                  messages=[Message(role=role, content=text) for role, text in turns])
+
+
+def masked_spans(ids: list[int], mask: list[int]) -> list[list[int]]:
+    spans, current = [], []
+    for token, bit in zip(ids, mask, strict=True):
+        if bit:
+            current.append(token)
+        elif current:
+            spans.append(current)
+            current = []
+    if current:
+        spans.append(current)
+    return spans
+
+
+@pytest.fixture(scope="module")
+def plain_tokenizer(random_target_tokenizer):
+    """The same tokenizer with the {% generation %} markers taken out: the fallback path."""
+    tokenizer = copy.deepcopy(random_target_tokenizer)
+    template = tokenizer.chat_template
+    assert "{% generation %}" in template and "{% endgeneration %}" in template
+    tokenizer.chat_template = template.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", "")
+    return tokenizer
+
+
+def check_mask(tokenizer, turns, index):
+    record = make_record(turns, index)
+    ids, mask = tokenize_record(tokenizer, record)
+    assert len(ids) == len(mask)
+    assert set(mask) <= {0, 1}
+    # The ids are exactly the chat-template rendering of the conversation.
+    rendered = tokenizer.apply_chat_template([{"role": r, "content": t} for r, t in turns],
+                                             tokenize=True, return_dict=True)["input_ids"]
+    assert ids == list(rendered)
+    decoded = [tokenizer.decode(span, skip_special_tokens=False)
+               for span in masked_spans(ids, mask)]
+    assert decoded == [text + END for role, text in turns if role == "assistant"]
+    return ids, mask
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_generation_tag_mask_is_assistant_text_and_end_token(random_target_tokenizer, index):
+    assert "{% generation %}" in random_target_tokenizer.chat_template
+    check_mask(random_target_tokenizer, CONVERSATIONS[index], index)
+
+
+@pytest.mark.parametrize("index", range(len(CONVERSATIONS)))
+def test_fallback_path_gives_the_same_mask(random_target_tokenizer, plain_tokenizer, index):
+    turns = CONVERSATIONS[index]
+    with_tags = check_mask(random_target_tokenizer, turns, index)
+    without_tags = check_mask(plain_tokenizer, turns, index)
+    assert without_tags == with_tags
+
+
+def test_mask_is_not_just_the_tail(random_target_tokenizer):
+    """Multi-turn: the first assistant turn is masked too, and user text never is."""
+    turns = CONVERSATIONS[0]
+    ids, mask = tokenize_record(random_target_tokenizer, make_record(turns))
+    end_id = random_target_tokenizer.convert_tokens_to_ids(END)
+    masked_ends = [i for i, (t, m) in enumerate(zip(ids, mask, strict=True)) if m and t == end_id]
+    all_ends = [i for i, t in enumerate(ids) if t == end_id]
+    assert len(all_ends) == 5 and masked_ends == [all_ends[2], all_ends[4]]
+    unmasked = random_target_tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if not m])
+    assert "Complete def f(x):" in unmasked and "return x + 1" not in unmasked
+
+
+def test_fallback_refuses_a_template_that_rewrites_earlier_turns(plain_tokenizer):
+    from draftsmith.data.tokenize import TemplateError
+
+    tokenizer = copy.deepcopy(plain_tokenizer)
+    # Marks the last message, so a prefix of the conversation renders differently.
+    tokenizer.chat_template = (
+        "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{%- if loop.last %}LAST {% endif -%}{{ m['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+    record = make_record([("user", "q"), ("assistant", "a"), ("user", "q2")], 9)
+    with pytest.raises(TemplateError, match=r"record t/9: .*turn 1.*\{% generation %\}"):
+        tokenize_record(tokenizer, record)
