@@ -149,5 +149,90 @@ def validate(
                   f"{len(pipeline_config.data.sources)} data sources)")
 
 
+FamilyOption = Annotated[str, typer.Option(
+    help="Target family, for the engine's layer-id rule: llama, qwen, deepseek, gpt-oss.")]
+
+
+def _export_errors(action):
+    from draftsmith.export.formats import ExportError
+    from draftsmith.export.layer_ids import LayerIdError
+
+    try:
+        return action()
+    except (ExportError, LayerIdError, FileNotFoundError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+
+
+@app.command("export")
+def export_command(
+    checkpoint: Annotated[Path, typer.Argument(help="A drafter directory in any layout.")],
+    to: Annotated[str, typer.Option(help="sglang or speculators (vLLM).")],
+    out: Annotated[Path, typer.Option(help="Directory to write.")],
+    family: FamilyOption = "llama",
+    context_length: Annotated[int | None, typer.Option(
+        help="The target's context; max_position_embeddings is raised to it.")] = None,
+) -> None:
+    """Export a drafter to the SGLang or speculators/vLLM layout and validate the files."""
+    from draftsmith.export.convert import export_drafter, read_drafter
+
+    def action():
+        checkpoint_ = read_drafter(checkpoint, family)
+        return export_drafter(checkpoint_.tensors, checkpoint_.config, to, family, out,
+                              context_length=context_length)
+
+    config = _export_errors(action)
+    console.print(f"[green]{out}: {to} drafter written and validated[/green] "
+                  f"({config['architectures'][0]})")
+
+
+@app.command("import")
+def import_command(
+    source: Annotated[Path, typer.Argument(help="A drafter trained elsewhere (SGLang, EAGLE, "
+                                                 "SpecForge or speculators layout).")],
+    out: Annotated[Path, typer.Option(help="Where to write the native checkpoint.")],
+    family: FamilyOption = "llama",
+    num_layers: Annotated[int | None, typer.Option(
+        help="Target layers (only SGLang's GPT-OSS rule needs it).")] = None,
+) -> None:
+    """Convert a drafter from any layout to draftsmith's native checkpoint, validated."""
+    from draftsmith.export.convert import import_drafter
+
+    report = _export_errors(lambda: import_drafter(source, out, family, num_layers))
+    console.print(f"[green]{source}: {report.layout} layout, {report.tensors} tensors, "
+                  f"aux layers {report.config.aux_layer_ids} (outputs) -> native at {out}"
+                  "[/green]")
+    if report.dropped:
+        console.print(f"not kept (the target's own): {report.dropped}")
+
+
+@app.command()
+def inspect(
+    directory: Annotated[Path, typer.Argument(help="A drafter directory in any layout.")],
+    family: FamilyOption = "llama",
+    num_layers: Annotated[int | None, typer.Option(help="Target layers (GPT-OSS rule).")] = None,
+) -> None:
+    """Show a drafter's layout, shapes, vocab sizes, layer ids and validation verdict."""
+    from draftsmith.export.convert import describe
+
+    info = describe(directory, family, num_layers)
+    out = Console()
+    out.print(f"[bold]{info['path']}[/bold]: layout {info.get('layout', 'unknown')}")
+    if not info["valid"]:
+        out.print(f"[red]INVALID[/red]\n{info['problems']}")
+        raise typer.Exit(1)
+    for key in ("dtype", "vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size",
+                "max_position_embeddings"):
+        out.print(f"{key}: {info[key]}")
+    out.print(f"aux layers (canonical, outputs of): {info['canonical_aux_layer_ids']}")
+    out.print(f"  as SGLang reads them for a {family} target: {info['sglang_aux_layer_ids']}")
+    out.print(f"  as vLLM/speculators read them: {info['speculators_aux_layer_ids']}")
+    table = Table("tensor", "shape")
+    for name, shape in info["shapes"].items():
+        table.add_row(name, str(shape))
+    out.print(table)
+    out.print("[green]valid[/green]")
+
+
 if __name__ == "__main__":
     app()

@@ -116,7 +116,9 @@ class TrainConfig(StrictModel):
 
 
 class FixKeysConfig(StrictModel):
-    format: Literal["sglang"] = "sglang"
+    format: Literal["sglang", "speculators"] = Field(
+        "sglang", description="sglang: SGLang / EAGLE / SpecForge layout; speculators: vLLM.")
+    speculative_tokens: int = Field(3, ge=1, description="Written into a speculators config.")
 
 
 class DeployConfig(StrictModel):

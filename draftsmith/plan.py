@@ -25,7 +25,8 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
     if stage == "train":
         return {"train": config.train.model_dump(exclude={"device", "log_every"})}
     if stage == "fix_keys":
-        return {"fix_keys": config.fix_keys.model_dump()}
+        return {"fix_keys": config.fix_keys.model_dump(),
+                "context_length": config.target.context_length}
     if stage == "deploy":
         return {"deploy": config.deploy.model_dump(), "target_dtype": dtype}
     if stage == "benchmark":

@@ -118,6 +118,7 @@ def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor
         target_fingerprint(path),
         family=family,
         model_type=text.get("model_type"),
+        architectures=model_config.get("architectures", []),
         num_layers=text["num_hidden_layers"],
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],

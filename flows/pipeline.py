@@ -68,8 +68,8 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[st
                                                   out["target"])),
         "train": (["extract", "merge", "target"], lambda: (config.train, out["extract"],
                                                            out["merge"], out["target"])),
-        "fix_keys": (["train", "target"], lambda: (config.fix_keys, out["train"],
-                                                   out["target"])),
+        "fix_keys": (["train", "target"], lambda: (config.fix_keys, config.target,
+                                                   out["train"], out["target"])),
         "deploy": (["fix_keys", "merge", "target"], lambda: (
             config.deploy, config.target, out["fix_keys"], out["merge"], out["target"])),
         "benchmark": (["deploy", "merge", "target"], lambda: (

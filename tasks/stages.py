@@ -136,13 +136,13 @@ def train(plan: StagePlan, cfg: TrainConfig, hidden: Descriptor, merged: Descrip
 
 
 @task(name="fix-keys", **STAGE_TASK)
-def fix_keys(plan: StagePlan, cfg: FixKeysConfig, trained: Descriptor,
+def fix_keys(plan: StagePlan, cfg: FixKeysConfig, target_cfg: TargetConfig, trained: Descriptor,
              target: Descriptor) -> Descriptor:
     from draftsmith.export.fix_keys import run_fix_keys
 
     if done := _already_done(plan):
         return done
-    return run_fix_keys(cfg, trained, target, plan)
+    return run_fix_keys(cfg, target_cfg, trained, target, plan)
 
 
 @task(name="deploy", **STAGE_TASK)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from draftsmith.data.vocab import build_vocab_map
-from draftsmith.export.sglang import export_sglang
+from draftsmith.export.convert import export_drafter
 from draftsmith.extract.capture import HiddenStateCapture
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Generation, greedy_generate
@@ -44,7 +44,7 @@ def drafter(random_target, random_target_tokenizer):
 @pytest.fixture(scope="module")
 def engine(target_model, drafter, tmp_path_factory):
     out = tmp_path_factory.mktemp("drafter")
-    export_sglang(drafter.state_dict(), drafter.config, "llama", out)
+    export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama", out)
     return EmbeddedSpeculativeEngine.load(target_model, out, num_steps=NUM_STEPS)
 
 

@@ -60,7 +60,7 @@ def chain(tmp_path_factory, random_target, random_target_dir):
     train_cfg = TrainConfig(ttt_steps=2, lr=1e-3, epochs=2, batch_tokens=256, log_every=1)
     out["train"] = run_train(train_cfg, out["extract"], out["merge"], t,
                              plan("train", {}, out["extract"]))
-    out["fix_keys"] = run_fix_keys(FixKeysConfig(), out["train"], t,
+    out["fix_keys"] = run_fix_keys(FixKeysConfig(), target_cfg, out["train"], t,
                                    plan("fix_keys", {}, out["train"]))
     deploy_cfg = DeployConfig(num_steps=2, num_draft_tokens=3)
     out["deploy"] = run_deploy(deploy_cfg, target_cfg, out["fix_keys"], out["merge"], t,
@@ -134,12 +134,36 @@ def test_train_logs_metrics_and_keeps_the_best_checkpoint(chain):
 
 
 def test_fix_keys_exports_a_validated_sglang_drafter(chain):
-    from draftsmith.export.sglang import validate_sglang
+    from draftsmith.export.convert import detect_layout, read_drafter
 
     drafter_dir = chain["fix_keys"].figures["drafter_dir"]
-    config = validate_sglang(drafter_dir)
-    assert config["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert config["draft_vocab_size"] == 128
+    assert detect_layout(drafter_dir) == "sglang"
+    checkpoint = read_drafter(drafter_dir)  # validates keys, shapes, dtypes, config, d2t/t2d
+    assert checkpoint.raw_config["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert checkpoint.config.draft_vocab_size == 128
+
+
+def test_fix_keys_to_speculators_serves_from_the_vllm_layout(chain, random_target,
+                                                             random_target_dir, tmp_path):
+    from draftsmith.export.convert import detect_layout
+    from draftsmith.export.fix_keys import run_fix_keys
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, greedy_generate
+    from draftsmith.target import load_target_model
+
+    exported = run_fix_keys(FixKeysConfig(format="speculators"),
+                            TargetConfig(model=str(random_target_dir), context_length=4096),
+                            chain["train"], random_target,
+                            plan_stage(tmp_path, "fix_keys", {}, [chain["train"]]))
+    drafter_dir = exported.figures["drafter_dir"]
+    assert detect_layout(drafter_dir) == "speculators"
+    config = json.loads((exported.dir / "drafter" / "config.json").read_text())
+    assert config["transformer_layer_config"]["max_position_embeddings"] == 4096
+    assert exported.figures["written_aux_layer_ids"] == [2, 4, 5]  # vLLM: inputs of c+1
+    engine = EmbeddedSpeculativeEngine.load(load_target_model(random_target.path), drafter_dir,
+                                            num_steps=2)
+    prompt = list(range(5, 25))
+    assert engine.generate(prompt, 12, None).tokens == greedy_generate(
+        engine.runner, prompt, 12, None).tokens
 
 
 def test_deploy_and_benchmark_are_lossless(chain):

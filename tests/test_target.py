@@ -112,7 +112,7 @@ def test_resolve_nested_text_config_and_family_override(tmp_path):
     descriptor = resolve_target(TargetConfig(model=str(tmp_path)))
     assert descriptor.figures == {"family": "deepseek", "model_type": "kimi_k2", "num_layers": 61,
                                   "hidden_size": 7168, "vocab_size": 163840,
-                                  "max_position_embeddings": 262144}
+                                  "max_position_embeddings": 262144, "architectures": []}
     forced = resolve_target(TargetConfig(model=str(tmp_path), family="qwen"))
     assert forced.figures["family"] == "qwen"
 

@@ -31,7 +31,9 @@ DEPLOYMENT_FILE = "deployment.json"
 def load_embedded_engine(deployment: Descriptor, target_cfg: TargetConfig):
     spec = json.loads((Path(deployment.path) / DEPLOYMENT_FILE).read_text())
     model = load_target_model(spec["target_path"], target_cfg.device, target_cfg.dtype)
-    return EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], spec["num_steps"]), spec
+    engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], spec["num_steps"],
+                                            spec["target_family"])
+    return engine, spec
 
 
 def prompt_ids(tokenizer, messages_json: str) -> list[int]:
@@ -51,9 +53,11 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
         )
     spec = {"engine": "embedded", "target_path": target.path,
             "drafter_dir": exported.figures["drafter_dir"], "num_steps": cfg.num_steps,
+            "target_family": target.figures["family"],
             "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens}
     model = load_target_model(target.path, target_cfg.device, target_cfg.dtype)
-    engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], cfg.num_steps)
+    engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], cfg.num_steps,
+                                            spec["target_family"])
     tokenizer = load_tokenizer(target)
     rows = read_split(merged, "validation") or read_split(merged, "train")
     prompt = prompt_ids(tokenizer, rows[0]["messages"])

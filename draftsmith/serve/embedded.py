@@ -14,16 +14,14 @@ One round, with tokens x_0..x_n known and the target's aux states known for posi
 from __future__ import annotations
 
 import inspect
-import json
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 from transformers import DynamicCache
 
-from draftsmith.export.sglang import WEIGHTS_FILE, config_from_sglang, validate_sglang
+from draftsmith.export.convert import read_drafter
 from draftsmith.extract.capture import decoder_of
 from draftsmith.model.eagle3 import Eagle3Drafter
 
@@ -86,12 +84,12 @@ class EmbeddedSpeculativeEngine:
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
 
     @classmethod
-    def load(cls, target_model, drafter_dir: str | Path, num_steps: int):
-        """Load the drafter from exported SGLang files (validated first)."""
-        validate_sglang(drafter_dir)
-        config = json.loads((Path(drafter_dir) / "config.json").read_text())
-        drafter = Eagle3Drafter(config_from_sglang(config))
-        state = load_file(str(Path(drafter_dir) / WEIGHTS_FILE))
+    def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama"):
+        """Load the drafter from exported files (any layout, validated on read); the
+        embedding is the target's."""
+        checkpoint = read_drafter(drafter_dir, family)
+        drafter = Eagle3Drafter(checkpoint.config)
+        state = dict(checkpoint.tensors)
         state["embed_tokens.weight"] = decoder_of(target_model).embed_tokens.weight.detach()
         drafter.load_state_dict(state, strict=True)
         dtype = next(target_model.parameters()).dtype

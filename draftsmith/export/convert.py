@@ -1,0 +1,221 @@
+"""Export, import, detect and inspect drafter checkpoints.
+
+Layouts: draftsmith native (draftsmith.json + drafter.safetensors), SGLang / EAGLE / SpecForge
+(LlamaForCausalLMEagle3, `midlayer.*`), speculators / vLLM (Eagle3Speculator, `layers.0.*`).
+Every write is validated against the layout's description after it lands on disk.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from draftsmith.artifacts import atomic_path, atomic_write_json
+from draftsmith.export import native
+from draftsmith.export.formats import (
+    LAYOUTS,
+    OPTIONAL_TENSORS,
+    ExportError,
+    Layout,
+    drafter_tensors,
+    layout_named,
+)
+from draftsmith.export.layer_ids import LayerIdError, engine_layer_ids
+from draftsmith.export.validate import tensor_problems
+from draftsmith.model.eagle3 import Eagle3Config
+
+WEIGHTS_FILE = "model.safetensors"
+
+
+@dataclass
+class DrafterCheckpoint:
+    """A drafter read from any layout, in draftsmith's names and canonical layer ids."""
+
+    layout: str  # native, sglang, specforge, speculators
+    config: Eagle3Config
+    tensors: dict[str, torch.Tensor]  # native names; embed_tokens only if the files had it
+    raw_config: dict[str, Any] = field(default_factory=dict)
+
+
+def read_weight_files(directory: Path) -> dict[str, torch.Tensor]:
+    files = sorted(directory.glob("*.safetensors"))
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), framework="pt") as handle:
+            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+    if not files:
+        for f in sorted(directory.glob("pytorch_model*.bin")):  # the EAGLE repository's files
+            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+    if not tensors:
+        raise ExportError(f"{directory}: no *.safetensors or pytorch_model*.bin weight files")
+    return tensors
+
+
+def detect_layout(directory: str | Path) -> str:
+    directory = Path(directory)
+    if (directory / native.META_FILE).is_file():
+        return "native"
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise ExportError(f"{directory}: neither {native.META_FILE} (draftsmith native) nor "
+                          "config.json (SGLang/EAGLE/SpecForge/speculators) is there")
+    config = json.loads(config_path.read_text())
+    for layout in LAYOUTS.values():
+        if layout.is_layout_of(config):
+            if layout.name == "sglang" and _has_embedding(directory):
+                return "specforge"  # the SGLang layout plus the embedding SpecForge saves
+            return layout.name
+    raise ExportError(f"{config_path}: architectures {config.get('architectures')} is no "
+                      "EAGLE-3 drafter layout draftsmith knows (LlamaForCausalLMEagle3, "
+                      "Eagle3Speculator)")
+
+
+def _has_embedding(directory: Path) -> bool:
+    for f in directory.glob("*.safetensors"):
+        with safe_open(str(f), framework="pt") as handle:
+            if "embed_tokens.weight" in handle.keys():  # noqa: SIM118
+                return True
+    return False
+
+
+def _layout_of(name: str) -> Layout:
+    return layout_named("sglang" if name == "specforge" else name)
+
+
+def read_drafter(directory: str | Path, family: str = "llama",
+                 num_layers: int | None = None) -> DrafterCheckpoint:
+    """Read and validate a drafter in any known layout. `family` (and for SGLang's GPT-OSS
+    rule `num_layers`) maps a foreign checkpoint's layer ids to the canonical convention;
+    checkpoints draftsmith wrote carry their canonical ids."""
+    directory = Path(directory)
+    layout_name = detect_layout(directory)
+    if layout_name == "native":
+        meta = native.read_native_meta(directory)
+        cfg = Eagle3Config.model_validate(meta["config"])
+        tensors = read_weight_files(directory)
+        problems = tensor_problems(tensors, drafter_tensors(cfg),
+                                   {n: s for n, s in drafter_tensors(cfg, True).items()
+                                    if n in OPTIONAL_TENSORS})
+        raw = meta
+    else:
+        layout = _layout_of(layout_name)
+        raw = json.loads((directory / "config.json").read_text())
+        missing = layout.missing_config(raw)
+        if missing:
+            raise ExportError(f"{directory / 'config.json'}: missing config fields {missing} "
+                              f"for the {layout.name} layout (SGLang fails without "
+                              "draft_vocab_size and mis-loads without the others)")
+        if layout.architecture not in raw["architectures"]:
+            raise ExportError(f"{directory / 'config.json'}: architectures is "
+                              f"{raw['architectures']}, expected [{layout.architecture!r}]")
+        try:
+            cfg = layout.parse_config(raw, family, num_layers)
+        except LayerIdError as err:
+            raise ExportError(str(err)) from None
+        files = read_weight_files(directory)
+        problems = tensor_problems(files, layout.expected_tensors(cfg),
+                                   {n: s for n, s in layout.expected_tensors(cfg, True).items()
+                                    if n in OPTIONAL_TENSORS})
+        tensors = {layout.to_native_name(n): t for n, t in files.items()}
+    if problems:
+        raise ExportError(f"{directory} is not a valid {layout_name} EAGLE-3 drafter:\n  - "
+                          + "\n  - ".join(problems))
+    return DrafterCheckpoint(layout_name, cfg, tensors, raw)
+
+
+def export_drafter(state: dict[str, torch.Tensor], cfg: Eagle3Config, layout_name: str,
+                   family: str, out_dir: str | Path, *, context_length: int | None = None,
+                   extras: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Write config.json + model.safetensors in `layout_name`, validate what landed, return
+    the written config. max_position_embeddings is raised to the target's context length,
+    since SGLang refuses a draft shorter than its target."""
+    layout = layout_named(layout_name)
+    out_dir = Path(out_dir)
+    if context_length and context_length > cfg.max_position_embeddings:
+        cfg = cfg.model_copy(update={"max_position_embeddings": context_length})
+    try:
+        config = layout.build_config(cfg, family, _dtype_name(state["fc.weight"]), extras or {})
+    except LayerIdError as err:
+        raise ExportError(str(err)) from None
+    tensors = {layout.to_layout_name(name): state[name].detach().cpu().contiguous()
+               for name in drafter_tensors(cfg)}
+    with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    atomic_write_json(out_dir / "config.json", config)
+    written = read_drafter(out_dir, family)
+    if written.config.aux_layer_ids != cfg.aux_layer_ids:
+        raise ExportError(f"{out_dir}: the written config reads back as aux layers "
+                          f"{written.config.aux_layer_ids}, not {cfg.aux_layer_ids}")
+    return config
+
+
+def _dtype_name(tensor: torch.Tensor) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+@dataclass
+class ImportReport:
+    source: str
+    layout: str
+    out_dir: str
+    config: Eagle3Config
+    tensors: int
+    dropped: list[str]
+
+
+def import_drafter(source: str | Path, out_dir: str | Path, family: str = "llama",
+                   num_layers: int | None = None) -> ImportReport:
+    """Convert a drafter from any layout to draftsmith native (validated on both ends)."""
+    checkpoint = read_drafter(source, family, num_layers)
+    from draftsmith.model.eagle3 import Eagle3Drafter
+
+    drafter = Eagle3Drafter(checkpoint.config)
+    state = {n: t for n, t in checkpoint.tensors.items() if n not in OPTIONAL_TENSORS}
+    # The embedding is the target's: it stays NaN here and is copied in when loaded.
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if unexpected or set(missing) - set(OPTIONAL_TENSORS):
+        raise ExportError(f"{source}: tensors do not fit the drafter: missing {missing}, "
+                          f"unexpected {unexpected}")
+    native.save_native(drafter, out_dir, {"imported_from": str(Path(source).resolve()),
+                                          "source_layout": checkpoint.layout,
+                                          "target_family": family})
+    read_drafter(out_dir)  # what was written reads back and validates
+    return ImportReport(str(source), checkpoint.layout, str(out_dir), checkpoint.config,
+                        len(state), sorted(set(checkpoint.tensors) - set(state)))
+
+
+def describe(directory: str | Path, family: str = "llama",
+             num_layers: int | None = None) -> dict[str, Any]:
+    """What `draftsmith inspect` prints: layout, shapes, vocab sizes, layer ids, verdict."""
+    directory = Path(directory)
+    info: dict[str, Any] = {"path": str(directory)}
+    try:
+        info["layout"] = detect_layout(directory)
+        checkpoint = read_drafter(directory, family, num_layers)
+    except ExportError as err:
+        info["valid"] = False
+        info["problems"] = str(err)
+        return info
+    cfg = checkpoint.config
+    info.update(
+        valid=True,
+        shapes={n: list(t.shape) for n, t in sorted(checkpoint.tensors.items())},
+        dtype=_dtype_name(checkpoint.tensors["fc.weight"]),
+        vocab_size=cfg.vocab_size, draft_vocab_size=cfg.draft_vocab_size,
+        hidden_size=cfg.hidden_size, target_hidden_size=cfg.target_hidden_size,
+        max_position_embeddings=cfg.max_position_embeddings,
+        canonical_aux_layer_ids=cfg.aux_layer_ids,
+    )
+    for layout in LAYOUTS.values():
+        key = f"{layout.name}_aux_layer_ids"
+        try:
+            info[key] = engine_layer_ids(cfg.aux_layer_ids, family, layout.engine)
+        except LayerIdError as err:
+            info[key] = f"not expressible: {err}"
+    return info

@@ -1,0 +1,259 @@
+"""Drafter checkpoint layouts, each described once (REFERENCE.md section 3).
+
+The tensors a drafter has are derived from its config in one place (`drafter_tensors`, in
+draftsmith's own names, which are SGLang's). A layout says how those names appear in its files
+(`midlayer.*` or `layers.0.*`), which config fields it requires, and how its config.json maps to
+and from `Eagle3Config`. The converter and the validator both use these descriptions, so the
+two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from draftsmith.export.layer_ids import canonical_layer_ids, engine_layer_ids
+from draftsmith.model.eagle3 import Eagle3Config
+
+NATIVE_LAYER_PREFIX = "midlayer."
+# Present in some checkpoints (SpecForge, speculators); never required, never exported: the
+# serving engine shares the target's embedding.
+OPTIONAL_TENSORS = ("embed_tokens.weight",)
+
+
+class ExportError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    shape: tuple[int, ...]
+    dtype: str  # "float" (the checkpoint's weight dtype), "int64" or "bool"
+
+
+def drafter_tensors(cfg: Eagle3Config, optional: bool = False) -> dict[str, TensorSpec]:
+    """Every tensor of an EAGLE-3 drafter with `cfg`, in draftsmith's (= SGLang's) names."""
+    H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
+    q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+    k = len(cfg.aux_layer_ids)
+    specs = {
+        "fc.weight": TensorSpec((H, k * cfg.target_hidden_size), "float"),
+        "midlayer.input_layernorm.weight": TensorSpec((H,), "float"),
+        "midlayer.hidden_norm.weight": TensorSpec((H,), "float"),
+        "midlayer.post_attention_layernorm.weight": TensorSpec((H,), "float"),
+        "midlayer.self_attn.q_proj.weight": TensorSpec((q, 2 * H), "float"),
+        "midlayer.self_attn.k_proj.weight": TensorSpec((kv, 2 * H), "float"),
+        "midlayer.self_attn.v_proj.weight": TensorSpec((kv, 2 * H), "float"),
+        "midlayer.self_attn.o_proj.weight": TensorSpec((H, q), "float"),
+        "midlayer.mlp.gate_proj.weight": TensorSpec((I, H), "float"),
+        "midlayer.mlp.up_proj.weight": TensorSpec((I, H), "float"),
+        "midlayer.mlp.down_proj.weight": TensorSpec((H, I), "float"),
+        "norm.weight": TensorSpec((H,), "float"),
+        "lm_head.weight": TensorSpec((cfg.draft_vocab_size, H), "float"),
+        "d2t": TensorSpec((cfg.draft_vocab_size,), "int64"),
+        "t2d": TensorSpec((cfg.vocab_size,), "bool"),
+    }
+    if optional:
+        specs["embed_tokens.weight"] = TensorSpec((cfg.vocab_size, H), "float")
+    return specs
+
+
+def _llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
+    return {
+        "model_type": "llama",
+        "num_hidden_layers": 1,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads,
+        "num_key_value_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": cfg.hidden_act,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size,
+        "tie_word_embeddings": False,
+    }
+
+
+def _config_from_llama_fields(llama: dict[str, Any], **rest: Any) -> Eagle3Config:
+    return Eagle3Config(
+        hidden_size=llama["hidden_size"], intermediate_size=llama["intermediate_size"],
+        num_attention_heads=llama["num_attention_heads"],
+        num_key_value_heads=llama.get("num_key_value_heads") or llama["num_attention_heads"],
+        head_dim=llama.get("head_dim") or llama["hidden_size"] // llama["num_attention_heads"],
+        rms_norm_eps=llama.get("rms_norm_eps", 1e-6), rope_theta=llama.get("rope_theta", 1e4),
+        rope_scaling=llama.get("rope_scaling"),
+        max_position_embeddings=llama["max_position_embeddings"],
+        vocab_size=llama["vocab_size"], hidden_act=llama.get("hidden_act", "silu"), **rest,
+    )
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One on-disk drafter layout: names, architecture, required config fields."""
+
+    name: str
+    engine: str  # whose layer-id rule applies: "sglang" or "vllm"
+    architecture: str
+    layer_prefix: str
+    required_config: tuple[str, ...]
+
+    def to_layout_name(self, native: str) -> str:
+        if native.startswith(NATIVE_LAYER_PREFIX):
+            return self.layer_prefix + native.removeprefix(NATIVE_LAYER_PREFIX)
+        return native
+
+    def to_native_name(self, name: str) -> str:
+        if name.startswith(self.layer_prefix):
+            return NATIVE_LAYER_PREFIX + name.removeprefix(self.layer_prefix)
+        return name
+
+    def expected_tensors(self, cfg: Eagle3Config, optional: bool = False) -> dict[str, TensorSpec]:
+        return {self.to_layout_name(n): s for n, s in drafter_tensors(cfg, optional).items()}
+
+    def is_layout_of(self, config: dict[str, Any]) -> bool:
+        return self.architecture in (config.get("architectures") or [])
+
+    def build_config(self, cfg: Eagle3Config, family: str, dtype: str,
+                     extras: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def parse_config(self, config: dict[str, Any], family: str,
+                     num_layers: int | None = None) -> Eagle3Config:
+        raise NotImplementedError
+
+    def written_layer_ids(self, config: dict[str, Any]) -> list[int]:
+        raise NotImplementedError
+
+    def canonical_ids(self, config: dict[str, Any], family: str,
+                      num_layers: int | None) -> list[int]:
+        """draftsmith's own exports say their canonical ids; others follow the engine rule."""
+        ours = config.get("draftsmith") or {}
+        return ours.get("canonical_aux_layer_ids") or canonical_layer_ids(
+            self.written_layer_ids(config), family, self.engine, num_layers)
+
+    def missing_config(self, config: dict[str, Any]) -> list[str]:
+        return [f for f in self.required_config if _lookup(config, f) is None]
+
+
+def _lookup(config: dict[str, Any], dotted: str) -> Any:
+    node: Any = config
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+class SGLangLayout(Layout):
+    """SGLang / EAGLE / SpecForge: LlamaForCausalLMEagle3 with `midlayer.*` weights."""
+
+    def build_config(self, cfg, family, dtype, extras):
+        return {
+            "architectures": [self.architecture],
+            **_llama_fields(cfg),
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "torch_dtype": dtype,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": engine_layer_ids(cfg.aux_layer_ids, family,
+                                                                     self.engine),
+                "use_aux_hidden_state": True,
+            },
+            # Not read by SGLang: lets draftsmith map the ids back without knowing the family.
+            "draftsmith": {"canonical_aux_layer_ids": cfg.aux_layer_ids, "target_family": family,
+                           **extras},
+        }
+
+    def written_layer_ids(self, config):
+        return list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+
+    def parse_config(self, config, family, num_layers=None):
+        return _config_from_llama_fields(
+            config, draft_vocab_size=config["draft_vocab_size"],
+            target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
+            aux_layer_ids=self.canonical_ids(config, family, num_layers))
+
+
+class SpeculatorsLayout(Layout):
+    """speculators / vLLM: Eagle3Speculator with `layers.0.*` weights and a nested Llama
+    config. norm_before_residual is written false: vLLM assumes true when it is missing."""
+
+    def build_config(self, cfg, family, dtype, extras):
+        verifier = extras.get("verifier") or {}
+        return {
+            "architectures": [self.architecture],
+            "speculators_model_type": "eagle3",
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "proposal_methods": [{
+                    "proposal_type": "greedy",
+                    "speculative_tokens": extras.get("speculative_tokens", 3),
+                    "verifier_accept_k": 1,
+                    "accept_tolerance": 0.0,
+                }],
+                "default_proposal_method": "greedy",
+                "verifier": {"name_or_path": verifier.get("name_or_path", ""),
+                             "architectures": verifier.get("architectures", [])},
+            },
+            "transformer_layer_config": _llama_fields(cfg),
+            "draft_vocab_size": cfg.draft_vocab_size,
+            "target_hidden_size": cfg.target_hidden_size,
+            "norm_before_residual": False,
+            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(cfg.aux_layer_ids, family,
+                                                                 self.engine),
+            "tie_word_embeddings": False,
+            "torch_dtype": dtype,
+            "draftsmith": {"canonical_aux_layer_ids": cfg.aux_layer_ids, "target_family": family},
+        }
+
+    def is_layout_of(self, config):
+        return (config.get("speculators_model_type") == "eagle3"
+                or super().is_layout_of(config))
+
+    def written_layer_ids(self, config):
+        return list(config["eagle_aux_hidden_state_layer_ids"])
+
+    def parse_config(self, config, family, num_layers=None):
+        if config.get("norm_before_residual", True):
+            raise ExportError(
+                "this speculators drafter uses norm_before_residual=true (or leaves it unset, "
+                "which vLLM reads as true); draftsmith's drafter is the plain EAGLE-3 variant "
+                "(false) and cannot run it"
+            )
+        layer = config["transformer_layer_config"]
+        return _config_from_llama_fields(
+            layer, draft_vocab_size=config["draft_vocab_size"],
+            target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
+            aux_layer_ids=self.canonical_ids(config, family, num_layers))
+
+
+SGLANG = SGLangLayout(
+    name="sglang", engine="sglang", architecture="LlamaForCausalLMEagle3",
+    layer_prefix="midlayer.",
+    required_config=("architectures", "model_type", "num_hidden_layers", "hidden_size",
+                     "intermediate_size", "num_attention_heads", "num_key_value_heads",
+                     "vocab_size", "draft_vocab_size", "target_hidden_size",
+                     "max_position_embeddings", "tie_word_embeddings",
+                     "eagle_config.eagle_aux_hidden_state_layer_ids",
+                     "eagle_config.use_aux_hidden_state"),
+)
+SPECULATORS = SpeculatorsLayout(
+    name="speculators", engine="vllm", architecture="Eagle3Speculator",
+    layer_prefix="layers.0.",
+    required_config=("architectures", "speculators_model_type",
+                     "speculators_config.algorithm", "speculators_config.proposal_methods",
+                     "speculators_config.verifier", "transformer_layer_config.hidden_size",
+                     "transformer_layer_config.vocab_size",
+                     "transformer_layer_config.max_position_embeddings", "draft_vocab_size",
+                     "norm_before_residual", "eagle_aux_hidden_state_layer_ids"),
+)
+LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (SGLANG, SPECULATORS)}
+
+
+def layout_named(name: str) -> Layout:
+    if name not in LAYOUTS:
+        raise ExportError(f"unknown layout {name!r}; choose from {sorted(LAYOUTS)}")
+    return LAYOUTS[name]

@@ -1,0 +1,64 @@
+"""Aux layer ids: draftsmith's canonical convention and what each serving engine reads.
+
+Canonical (everywhere inside draftsmith): id c is the OUTPUT of decoder layer c, which is the
+INPUT of layer c+1. Serving engines capture the input of some layer, and how they read the id
+list in the drafter's config depends on the engine and, for SGLang, on the target's family
+(REFERENCE.md section 1):
+
+- SGLang, Llama / Qwen / most others: captures the input of id+1 -> write c.
+- SGLang, DeepSeek family (DeepSeek V2/V3/V3.2, Kimi-K2/K2.5, GLM MoE DSA, GLM-4.7 lite): adds 1
+  only when the first id is 1, otherwise uses the ids as inputs -> write c when c[0] == 1,
+  c+1 when c[0] >= 2; c[0] == 0 cannot be expressed (refused).
+- SGLang, GPT-OSS: ids used as inputs when max(ids) == num_layers, else +1 -> write c.
+- vLLM (speculators layout): captures the input of layer id for every family -> write c+1.
+"""
+
+from __future__ import annotations
+
+FAMILIES = ("llama", "qwen", "deepseek", "gpt-oss")
+ENGINES = ("sglang", "vllm")
+
+
+class LayerIdError(ValueError):
+    pass
+
+
+def _check_family(family: str) -> None:
+    if family not in FAMILIES:
+        raise LayerIdError(f"unknown target family {family!r}; expected one of {FAMILIES}")
+
+
+def engine_layer_ids(canonical: list[int], family: str, engine: str) -> list[int]:
+    """The ids to write into the drafter's config so `engine` captures the outputs of the
+    `canonical` layers; refuses when no id list can do it."""
+    _check_family(family)
+    if engine == "vllm":
+        return [c + 1 for c in canonical]
+    if engine != "sglang":
+        raise LayerIdError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+    if family != "deepseek" or canonical[0] == 1:
+        return list(canonical)
+    if canonical[0] == 0:
+        raise LayerIdError(
+            f"aux layers {canonical} (outputs) cannot be expressed for SGLang on a "
+            "DeepSeek-family target: it captures the input of layer id+1 only when the first "
+            "id is 1, so the output of layer 0 is unreachable together with the others. "
+            "Extract with a first aux layer >= 1 and retrain."
+        )
+    return [c + 1 for c in canonical]
+
+
+def canonical_layer_ids(written: list[int], family: str, engine: str,
+                        num_layers: int | None = None) -> list[int]:
+    """Inverse of engine_layer_ids: the outputs an engine feeds a drafter whose config says
+    `written`. num_layers matters only for SGLang's GPT-OSS rule."""
+    _check_family(family)
+    if engine == "vllm":
+        return [w - 1 for w in written]
+    if engine != "sglang":
+        raise LayerIdError(f"unknown engine {engine!r}; expected one of {ENGINES}")
+    if family == "deepseek" and written[0] != 1:
+        return [w - 1 for w in written]
+    if family == "gpt-oss" and num_layers is not None and max(written) == num_layers:
+        return [w - 1 for w in written]
+    return list(written)

@@ -1,0 +1,87 @@
+"""The `draftsmith` command: help, config checks, export / import / inspect.
+
+(`run` and `demo` drive the Prefect flow: tests/test_pipeline_e2e.py runs `run` for real.)
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from draftsmith.cli import app
+from tests.conftest import REPO
+from tests.test_export import make_drafter
+
+runner = CliRunner()
+
+
+def text(result) -> str:
+    """The output with rich's line wrapping undone."""
+    return " ".join(result.output.split())
+
+
+def test_help_lists_every_command():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for command in ("demo", "run", "validate", "export", "import", "inspect"):
+        assert command in result.output
+
+
+def test_validate_accepts_the_examples():
+    for name in ("tiny.yaml", "kimi-k2.5-8gpu.yaml"):
+        result = runner.invoke(app, ["validate", str(REPO / "examples" / name)])
+        assert result.exit_code == 0, result.output
+
+
+def test_validate_names_a_bad_key_and_exits_2():
+    result = runner.invoke(app, ["validate", str(REPO / "examples/tiny.yaml"),
+                                 "--set", "train.epoch=3"])
+    assert result.exit_code == 2
+    assert "train.epoch" in text(result) and "unknown key" in text(result)
+
+
+def test_run_refuses_an_unknown_stage():
+    result = runner.invoke(app, ["run", str(REPO / "examples/tiny.yaml"), "--only", "training"])
+    assert result.exit_code == 2 and "unknown stage" in text(result)
+
+
+@pytest.fixture()
+def native_drafter(random_target_dir, tmp_path):
+    from draftsmith.export.native import save_native
+
+    drafter, _ = make_drafter(random_target_dir)
+    drafter_cfg = drafter.config.model_copy(update={"aux_layer_ids": [2, 3, 4]})
+    drafter.config = drafter_cfg
+    save_native(drafter, tmp_path / "native", {})
+    return tmp_path
+
+
+def test_export_import_inspect_round_trip(native_drafter):
+    root = native_drafter
+    result = runner.invoke(app, ["export", str(root / "native"), "--to", "sglang",
+                                 "--out", str(root / "sglang"), "--family", "deepseek"])
+    assert result.exit_code == 0, result.output
+    config = json.loads((root / "sglang" / "config.json").read_text())
+    assert config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 4, 5]
+
+    result = runner.invoke(app, ["import", str(root / "sglang"), "--out", str(root / "back"),
+                                 "--family", "deepseek"])
+    assert result.exit_code == 0, result.output
+    assert "sglang layout" in text(result)
+
+    result = runner.invoke(app, ["inspect", str(root / "sglang"), "--family", "deepseek"])
+    assert result.exit_code == 0, result.output
+    assert "[2, 3, 4]" in text(result) and "[3, 4, 5]" in text(result)
+    assert "valid" in result.output
+
+
+def test_export_refusal_and_inspect_of_a_broken_drafter_exit_nonzero(native_drafter):
+    root = native_drafter
+    result = runner.invoke(app, ["export", str(root / "native"), "--to", "onnx",
+                                 "--out", str(root / "x")])
+    assert result.exit_code == 2 and "unknown layout" in text(result)
+    (root / "native" / "drafter.safetensors").write_bytes(b"not a safetensors file")
+    result = runner.invoke(app, ["inspect", str(root / "native")])
+    assert result.exit_code != 0
