@@ -149,6 +149,63 @@ def validate(
                   f"{len(pipeline_config.data.sources)} data sources)")
 
 
+@app.command()
+def deploy(
+    config: Annotated[Path, typer.Argument(help="Pipeline YAML with deploy.engine: sglang.")],
+    drafter: Annotated[Path | None, typer.Option(
+        help="Drafter directory (SGLang layout); default: this config's fix-keys output.")] = None,
+    dry_run: Annotated[bool, typer.Option(
+        "--dry-run", help="Print the exact command and environment; start nothing.")] = False,
+    set_: SetOption = None,
+) -> None:
+    """Serve the target with the drafter on SGLang (EAGLE3) until Ctrl-C.
+
+    Checks every speculative setting before launch, refuses busy GPUs, and waits for real
+    readiness: port, /health, /server_info settings and one generation.
+    """
+    import json
+    import time
+
+    from draftsmith.plan import finished_outputs
+    from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
+    from draftsmith.serve.process import ManagedProcess
+    from draftsmith.serve.readiness import ReadinessError, wait_until_ready
+    from draftsmith.serve.sglang_launch import LaunchError, build_launch
+    from draftsmith.target import resolve_target
+
+    pipeline_config = _load(config, set_)
+    family = pipeline_config.target.family
+    if drafter is None:
+        target = _export_errors(lambda: resolve_target(pipeline_config.target))
+        outputs = _export_errors(lambda: finished_outputs(pipeline_config, target, "fix_keys"))
+        drafter = Path(outputs["fix_keys"].figures["drafter_dir"])
+        family = target.figures["family"]
+    family = "llama" if family == "auto" else family
+    try:
+        launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family)
+    except (LaunchError, ValueError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    if dry_run:
+        print(launch.shell())
+        print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+        return
+    try:
+        require_free_gpus(None)
+        log_file = Path(pipeline_config.run_root) / "sglang-server.log"
+        with ManagedProcess(launch.argv, log_file, launch.env, name="sglang") as process:
+            wait_until_ready(launch.url, pipeline_config.deploy, str(drafter), process)
+            console.print(f"[green]serving at {launch.url}[/green] (log: {log_file}); "
+                          "Ctrl-C stops the server")
+            while process.exit_code() is None:
+                time.sleep(1)
+            console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
+            raise typer.Exit(1)
+    except (GpusBusyError, ReadinessError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
+
+
 FamilyOption = Annotated[str, typer.Option(
     help="Target family, for the engine's layer-id rule: llama, qwen, deepseek, gpt-oss.")]
 

@@ -124,13 +124,23 @@ class FixKeysConfig(StrictModel):
 class DeployConfig(StrictModel):
     engine: Literal["embedded", "sglang"] = "embedded"
     speculative_algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
-    num_steps: int = Field(3, ge=1)
-    eagle_topk: int = Field(1, ge=1)
-    num_draft_tokens: int = Field(4, ge=2)
+    # All three or none (none: SGLang picks); SGLang fails obscurely on a partial set.
+    num_steps: int | None = Field(3, ge=1)
+    eagle_topk: int | None = Field(1, ge=1)
+    num_draft_tokens: int | None = Field(4, ge=2)
     host: str = "127.0.0.1"
     port: int = Field(30000, ge=1, le=65535)
     mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
-    extra_args: list[str] = Field(default_factory=list)
+    cuda_graph_max_bs_decode: int | None = Field(None, ge=1)
+    enable_metrics: bool = True
+    allow_shorter_draft_context: bool = False
+    extra_args: list[str] = Field(default_factory=list, description="Passed to SGLang as is.")
+    env: dict[str, str] = Field(default_factory=dict, description="e.g. NCCL settings.")
+    sglang_command: list[str] | None = Field(
+        None, description="Program that starts the server; default: python -m "
+        "sglang.launch_server with this interpreter.")
+    startup_timeout_s: float = Field(1800.0, gt=0, description="Big targets need 15+ minutes.")
+    keep_serving: bool = False
 
     @model_validator(mode="after")
     def _check_eagle3(self) -> DeployConfig:
@@ -140,6 +150,23 @@ class DeployConfig(StrictModel):
                 "EAGLE-3 drafters, and SGLang runs them with EAGLE3 only (EAGLE starts and accepts "
                 "nothing). Set deploy.speculative_algorithm=EAGLE3."
             )
+        for flag in ("--speculative-num-steps", "--speculative-eagle-topk",
+                     "--speculative-num-draft-tokens", "--speculative-draft-model-path",
+                     "--speculative-algorithm", "--num-speculative-tokens"):
+            if flag in self.extra_args:
+                raise ValueError(f"deploy.extra_args: {flag} is set by draftsmith from deploy.* "
+                                 "(and --num-speculative-tokens is not an SGLang flag)")
+        given = {k: getattr(self, k) for k in ("num_steps", "eagle_topk", "num_draft_tokens")}
+        if None in given.values():
+            if any(v is not None for v in given.values()):
+                raise ValueError(
+                    f"deploy: num_steps, eagle_topk and num_draft_tokens go together (got "
+                    f"{given}); give all three or set all three to null"
+                )
+            if self.engine == "embedded":
+                raise ValueError("deploy: the embedded engine needs num_steps, eagle_topk and "
+                                 "num_draft_tokens")
+            return self
         if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
             raise ValueError(
                 f"deploy.num_draft_tokens={self.num_draft_tokens} with eagle_topk=1: chain "

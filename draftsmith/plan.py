@@ -9,7 +9,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from draftsmith.artifacts import Descriptor, external_descriptor, sha256_file
+from draftsmith.artifacts import (
+    Descriptor,
+    StagePlan,
+    external_descriptor,
+    load_descriptor,
+    plan_stage,
+    sha256_file,
+)
 from draftsmith.config import STAGES, ConfigError, PipelineConfig
 
 
@@ -65,3 +72,33 @@ def select_stages(only: str | None = None, start: str | None = None,
     if first > last:
         raise ConfigError(f"--from {start} comes after --to {stop}")
     return list(STAGES[first : last + 1])
+
+
+# The outputs each stage reads ("target" is the resolved target model).
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    "generate": ("target",),
+    "merge": ("generate", "target"),
+    "extract": ("merge", "target"),
+    "train": ("extract", "merge", "target"),
+    "fix_keys": ("train", "target"),
+    "deploy": ("fix_keys", "merge", "target"),
+    "benchmark": ("deploy", "merge", "target"),
+}
+
+
+def stage_plan(config: PipelineConfig, stage: str, outputs: dict[str, Descriptor]) -> StagePlan:
+    """Where `stage` writes, given the descriptors of what it reads."""
+    inputs = [outputs[name] for name in STAGE_INPUTS[stage]]
+    if stage == "generate":
+        inputs += data_descriptors(config)
+    return plan_stage(config.run_root, stage, key_material(config, stage), inputs)
+
+
+def finished_outputs(config: PipelineConfig, target: Descriptor,
+                     upto: str) -> dict[str, Descriptor]:
+    """Descriptors of the finished stages up to `upto`, read from disk; the error names the
+    first stage that is not complete for this config."""
+    outputs = {"target": target}
+    for stage in STAGES[: STAGES.index(upto) + 1]:
+        outputs[stage] = load_descriptor(stage_plan(config, stage, outputs))
+    return outputs

@@ -18,10 +18,10 @@ os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
 from prefect import flow, get_run_logger  # noqa: E402
 from prefect.states import State  # noqa: E402
 
-from draftsmith.artifacts import Descriptor, load_descriptor, plan_stage  # noqa: E402
+from draftsmith.artifacts import Descriptor, load_descriptor  # noqa: E402
 from draftsmith.config import STAGES, PipelineConfig  # noqa: E402
 from draftsmith.logs import configure_logging  # noqa: E402
-from draftsmith.plan import data_descriptors, key_material  # noqa: E402
+from draftsmith.plan import stage_plan  # noqa: E402
 from tasks import stages as stage_tasks  # noqa: E402
 
 TASKS = {
@@ -45,8 +45,10 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[st
     target = stage_tasks.resolve_target(config.target)
     results: dict[str, dict] = {}
 
-    def run(stage: str, inputs: list[Descriptor], *args) -> Descriptor:
-        plan = plan_stage(config.run_root, stage, key_material(config, stage), inputs)
+    out: dict[str, Descriptor] = {"target": target}
+
+    def run(stage: str, *args) -> Descriptor:
+        plan = stage_plan(config, stage, out)
         if stage not in selected:
             descriptor = load_descriptor(plan)
             results[stage] = {"state": "Reused", "descriptor": descriptor.model_dump()}
@@ -58,28 +60,19 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[st
         logger.info("stage %s: %s (%s)", stage, state.name, descriptor.path)
         return descriptor
 
-    # stage -> (the outputs it reads, the arguments of its task after the plan)
-    out: dict[str, Descriptor] = {"target": target}
-    wiring = {
-        "generate": (["target"], lambda: (config.generate, config.data, config.target,
-                                          out["target"])),
-        "merge": (["generate", "target"], lambda: (config.merge, out["generate"], out["target"])),
-        "extract": (["merge", "target"], lambda: (config.extract, config.target, out["merge"],
-                                                  out["target"])),
-        "train": (["extract", "merge", "target"], lambda: (config.train, out["extract"],
-                                                           out["merge"], out["target"])),
-        "fix_keys": (["train", "target"], lambda: (config.fix_keys, config.target,
-                                                   out["train"], out["target"])),
-        "deploy": (["fix_keys", "merge", "target"], lambda: (
-            config.deploy, config.target, out["fix_keys"], out["merge"], out["target"])),
-        "benchmark": (["deploy", "merge", "target"], lambda: (
-            config.benchmark, config.target, out["deploy"], out["merge"], out["target"])),
+    # The arguments of each stage's task after its plan (what it reads: draftsmith/plan.py).
+    task_args = {
+        "generate": lambda: (config.generate, config.data, config.target, out["target"]),
+        "merge": lambda: (config.merge, out["generate"], out["target"]),
+        "extract": lambda: (config.extract, config.target, out["merge"], out["target"]),
+        "train": lambda: (config.train, out["extract"], out["merge"], out["target"]),
+        "fix_keys": lambda: (config.fix_keys, config.target, out["train"], out["target"]),
+        "deploy": lambda: (config.deploy, config.target, out["fix_keys"], out["merge"],
+                           out["target"]),
+        "benchmark": lambda: (config.benchmark, config.target, out["deploy"], out["merge"],
+                              out["target"]),
     }
     last = max(STAGES.index(s) for s in selected)
     for stage in STAGES[: last + 1]:
-        reads, args = wiring[stage]
-        inputs = [out[name] for name in reads]
-        if stage == "generate":
-            inputs += data_descriptors(config)
-        out[stage] = run(stage, inputs, *args())
+        out[stage] = run(stage, *task_args[stage]())
     return results

@@ -85,3 +85,34 @@ def test_export_refusal_and_inspect_of_a_broken_drafter_exit_nonzero(native_draf
     (root / "native" / "drafter.safetensors").write_bytes(b"not a safetensors file")
     result = runner.invoke(app, ["inspect", str(root / "native")])
     assert result.exit_code != 0
+
+
+def test_deploy_dry_run_prints_the_exact_command_and_environment(random_target_dir, tmp_path):
+    from draftsmith.export.convert import export_drafter
+
+    drafter, _ = make_drafter(random_target_dir)
+    export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama", tmp_path / "d")
+    result = runner.invoke(app, [
+        "deploy", str(REPO / "examples/kimi-k2.5-8gpu.yaml"), "--drafter", str(tmp_path / "d"),
+        "--dry-run", "--set", "target.context_length=1024", "--set",
+        "deploy.sglang_command=[python3, -m, sglang.launch_server]"])
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert first.startswith("NCCL_IB_DISABLE=0 python3 -m sglang.launch_server --model-path")
+    for flag in ("--speculative-algorithm EAGLE3", "--speculative-num-steps 3",
+                 "--speculative-eagle-topk 1", "--speculative-num-draft-tokens 4",
+                 "--tp-size 8", "--cuda-graph-max-bs-decode 8"):
+        assert flag in first
+    payload = json.loads(result.output[result.output.index("{"):])
+    assert payload["env"] == {"NCCL_IB_DISABLE": "0"} and payload["argv"][0] == "python3"
+
+
+def test_deploy_refuses_a_drafter_shorter_than_the_served_context(random_target_dir,
+                                                                  tmp_path):
+    from draftsmith.export.convert import export_drafter
+
+    drafter, _ = make_drafter(random_target_dir)
+    export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama", tmp_path / "d")
+    result = runner.invoke(app, ["deploy", str(REPO / "examples/kimi-k2.5-8gpu.yaml"),
+                                 "--drafter", str(tmp_path / "d"), "--dry-run"])
+    assert result.exit_code == 2 and "--context-length 262144" in text(result)

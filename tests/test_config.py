@@ -55,7 +55,7 @@ def test_kimi_example_validates():
     assert config.extract.aux_layer_ids == [2, 30, 58]
     assert config.deploy.engine == "sglang"
     assert config.deploy.speculative_algorithm == "EAGLE3"
-    assert config.deploy.extra_args == ["--cuda-graph-max-bs-decode", "8"]
+    assert config.deploy.cuda_graph_max_bs_decode == 8 and config.deploy.extra_args == []
     # Absolute paths are kept as written.
     assert config.data.sources[0].path == "/mnt/shared/datasets/sharegpt.jsonl"
     assert config.run_root == "/mnt/shared/draftsmith/kimi-k2.5"

@@ -1,0 +1,84 @@
+"""Child servers in their own process group, their output streamed line by line.
+
+A server (SGLang, or torchrun later) is started with start_new_session, so stopping it stops
+every process it spawned (tensor-parallel workers, schedulers). Its output goes to a file and
+to the "draftsmith.child" logger as it arrives, never block-buffered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import subprocess
+import threading
+from collections import deque
+from pathlib import Path
+
+log = logging.getLogger("draftsmith.child")
+
+
+class ManagedProcess:
+    def __init__(self, argv: list[str], log_file: str | Path, env: dict[str, str] | None = None,
+                 name: str = "server"):
+        self.argv, self.log_file, self.name = argv, Path(log_file), name
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.process: subprocess.Popen | None = None
+        self.tail: deque[str] = deque(maxlen=40)
+        self._reader: threading.Thread | None = None
+
+    def start(self) -> ManagedProcess:
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
+        )
+        log.info("%s: started pid %d: %s", self.name, self.process.pid, " ".join(self.argv))
+        self._reader = threading.Thread(target=self._stream, daemon=True)
+        self._reader.start()
+        return self
+
+    def _stream(self) -> None:
+        assert self.process and self.process.stdout
+        with open(self.log_file, "a", buffering=1) as sink:
+            for line in self.process.stdout:
+                line = line.rstrip("\n")
+                sink.write(line + "\n")
+                self.tail.append(line)
+                log.info("%s | %s", self.name, line)
+
+    @property
+    def pid(self) -> int:
+        assert self.process is not None
+        return self.process.pid
+
+    def exit_code(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def recent_output(self) -> str:
+        return "\n".join(self.tail)
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        """SIGTERM to the whole group, SIGKILL after `grace_s`; safe to call twice."""
+        if self.process is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGTERM)
+        try:
+            self.process.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            log.warning("%s: still running %.0fs after SIGTERM; killing its group", self.name,
+                        grace_s)
+        with contextlib.suppress(ProcessLookupError):  # stragglers, even if the leader exited
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
+        if self._reader:
+            self._reader.join(timeout=5)
+        log.info("%s: stopped (exit code %s)", self.name, self.process.returncode)
+
+    def __enter__(self) -> ManagedProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,96 @@
+"""A stand-in for `python -m sglang.launch_server` that speaks SGLang's HTTP shapes.
+
+No GPU SGLang runs here, so the launcher, supervision and readiness tests start this instead.
+It parses the flags draftsmith emits, serves /health, /server_info and /generate (with
+meta_info: completion_tokens, spec_verify_ct), and misbehaves on request through
+FAKE_SGLANG_MODE: never_listen, wrong_algorithm, generate_fails, crash, spawn_child.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODE = os.environ.get("FAKE_SGLANG_MODE", "")
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-path", required=True)
+    p.add_argument("--tp-size", type=int, default=1)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--speculative-algorithm")
+    p.add_argument("--speculative-draft-model-path")
+    p.add_argument("--speculative-num-steps", type=int)
+    p.add_argument("--speculative-eagle-topk", type=int)
+    p.add_argument("--speculative-num-draft-tokens", type=int)
+    args, _ = p.parse_known_args()
+    return args
+
+
+def main() -> None:
+    args = parse()
+    print(f"fake sglang: loading {args.model_path}", flush=True)
+    if MODE == "crash":
+        print("fake sglang: CUDA out of memory", flush=True)
+        sys.exit(3)
+    if MODE == "spawn_child":  # a worker in the same process group, like TP schedulers
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print(f"fake sglang: worker pid {child.pid}", flush=True)
+    if MODE == "never_listen":
+        time.sleep(600)
+    info = {
+        "model_path": args.model_path,
+        "speculative_algorithm": "EAGLE" if MODE == "wrong_algorithm"
+        else args.speculative_algorithm,
+        "speculative_draft_model_path": args.speculative_draft_model_path,
+        "speculative_num_steps": args.speculative_num_steps,
+        "speculative_eagle_topk": args.speculative_eagle_topk,
+        "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
+    }
+
+    class Handler(BaseHTTPRequestHandler):
+        def _send(self, code: int, body: dict) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(code)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self):  # noqa: N802
+            if self.path == "/health":
+                self._send(200, {})
+            elif self.path == "/server_info":
+                self._send(200, info)
+            else:
+                self._send(404, {"error": "not found"})
+
+        def do_POST(self):  # noqa: N802
+            length = int(self.headers.get("Content-Length", 0))
+            request = json.loads(self.rfile.read(length) or b"{}")
+            if self.path != "/generate":
+                self._send(404, {"error": "not found"})
+            elif MODE == "generate_fails":
+                self._send(500, {"error": "CUDA error: an illegal memory access"})
+            else:
+                n = request.get("sampling_params", {}).get("max_new_tokens", 8)
+                self._send(200, {"text": " tok" * n, "meta_info": {
+                    "completion_tokens": n, "spec_verify_ct": max(1, n // 2)}})
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer((args.host, args.port), Handler)
+    print(f"fake sglang: ready on {args.host}:{args.port}", flush=True)
+    server.serve_forever()
+
+
+if __name__ == "__main__":
+    main()

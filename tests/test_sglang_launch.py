@@ -1,0 +1,206 @@
+"""SGLang launch command, supervision and readiness, against tests/fake_sglang_server.py (no
+GPU SGLang runs here: what a real server does beyond these HTTP shapes is not tested)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import time
+
+import pytest
+
+from draftsmith.bench.acceptance import acceptance_length
+from draftsmith.config import ConfigError, DeployConfig, TargetConfig, parse_config
+from draftsmith.export.convert import export_drafter
+from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
+from draftsmith.serve.process import ManagedProcess
+from draftsmith.serve.readiness import ReadinessError, wait_until_ready
+from draftsmith.serve.sglang_launch import (
+    ALLOW_LONGER_CONTEXT_ENV,
+    LaunchError,
+    build_launch,
+    check_with_sglang_parser,
+)
+from tests.conftest import REPO
+from tests.test_export import make_drafter
+
+FAKE = [sys.executable, str(REPO / "tests" / "fake_sglang_server.py")]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def drafter_dir(random_target_dir, tmp_path):
+    drafter, _ = make_drafter(random_target_dir)
+    export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama", tmp_path / "sglang",
+                   context_length=8192)
+    export_drafter(drafter.state_dict(), drafter.config, "speculators", "llama",
+                   tmp_path / "speculators")
+    return tmp_path / "sglang"
+
+
+def deploy(**kw) -> DeployConfig:
+    return DeployConfig(engine="sglang", sglang_command=FAKE, port=kw.pop("port", 30000), **kw)
+
+
+TARGET = TargetConfig(model="/models/kimi", tp_size=8, context_length=8192, dtype="bfloat16")
+
+
+# --------------------------------------------------------------------------- the command
+
+
+def test_launch_is_an_argument_list_with_every_speculative_flag(drafter_dir):
+    cfg = deploy(num_steps=3, eagle_topk=1, num_draft_tokens=4, mem_fraction_static=0.85,
+                 cuda_graph_max_bs_decode=8, extra_args=["--trust-remote-code"],
+                 env={"NCCL_IB_DISABLE": "0"})
+    launch = build_launch(cfg, TARGET, drafter_dir)
+    argv = launch.argv
+    assert argv[: len(FAKE)] == FAKE
+    pairs = dict(zip(argv[len(FAKE)::2], argv[len(FAKE) + 1::2], strict=False))
+    assert pairs["--model-path"] == "/models/kimi" and pairs["--tp-size"] == "8"
+    assert pairs["--host"] == "127.0.0.1"
+    assert pairs["--speculative-algorithm"] == "EAGLE3"
+    assert pairs["--speculative-draft-model-path"] == str(drafter_dir)
+    assert (pairs["--speculative-num-steps"], pairs["--speculative-eagle-topk"],
+            pairs["--speculative-num-draft-tokens"]) == ("3", "1", "4")
+    assert pairs["--context-length"] == "8192" and pairs["--mem-fraction-static"] == "0.85"
+    assert pairs["--cuda-graph-max-bs-decode"] == "8"
+    assert "--enable-metrics" in argv and argv[-1] == "--trust-remote-code"
+    assert "--num-speculative-tokens" not in argv and "--cuda-graph-max-bs" not in argv
+    assert launch.env == {"NCCL_IB_DISABLE": "0"}
+    assert launch.shell().startswith("NCCL_IB_DISABLE=0 ")
+
+
+def test_no_step_settings_leaves_all_three_to_sglang(drafter_dir):
+    launch = build_launch(deploy(num_steps=None, eagle_topk=None, num_draft_tokens=None),
+                          TARGET, drafter_dir)
+    assert not any(a.startswith("--speculative-num") or a == "--speculative-eagle-topk"
+                   for a in launch.argv)
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"num_steps": 3, "eagle_topk": None, "num_draft_tokens": None}, "go together"),
+    ({"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 6}, "num_steps \\+ 1"),
+    ({"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 8}, "at most 7"),
+    ({"speculative_algorithm": "EAGLE"}, "EAGLE3"),
+    ({"extra_args": ["--num-speculative-tokens", "3"]}, "not an SGLang flag"),
+])
+def test_bad_speculative_settings_are_refused_before_launch(settings, message):
+    raw = {"data": {"sources": [{"name": "x", "path": "x.jsonl"}]},
+           "deploy": {"engine": "sglang", **settings}}
+    with pytest.raises(ConfigError, match=message):
+        parse_config(raw)
+
+
+def test_a_served_context_longer_than_the_drafter_is_refused_or_allowed(drafter_dir):
+    target = TARGET.model_copy(update={"context_length": 262144})
+    with pytest.raises(LaunchError, match="--context-length 262144"):
+        build_launch(deploy(), target, drafter_dir)
+    launch = build_launch(deploy(allow_shorter_draft_context=True), target, drafter_dir)
+    assert launch.env[ALLOW_LONGER_CONTEXT_ENV] == "1"
+
+
+def test_a_speculators_layout_drafter_is_refused(drafter_dir):
+    with pytest.raises(LaunchError, match="fix_keys.format=sglang"):
+        build_launch(deploy(), TARGET, drafter_dir.parent / "speculators")
+
+
+def test_sglang_own_parser_rejects_an_unknown_flag(drafter_dir, tmp_path, monkeypatch):
+    """With sglang importable, its ServerArgs parser reads the list (a tiny stand-in package
+    with SGLang's API here: ServerArgs.add_cli_args)."""
+    package = tmp_path / "pkgs" / "sglang" / "srt"
+    package.mkdir(parents=True)
+    (package.parent / "__init__.py").write_text("")
+    (package / "__init__.py").write_text("")
+    flags = ["--model-path", "--tp-size", "--host", "--port", "--speculative-algorithm",
+             "--speculative-draft-model-path", "--speculative-num-steps",
+             "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--context-length",
+             "--dtype"]
+    (package / "server_args.py").write_text(
+        "class ServerArgs:\n    @staticmethod\n    def add_cli_args(parser):\n"
+        f"        for flag in {flags!r}:\n            parser.add_argument(flag)\n"
+        "        parser.add_argument('--enable-metrics', action='store_true')\n")
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        monkeypatch.delitem(sys.modules, name)
+    assert check_with_sglang_parser(build_launch(deploy(), TARGET, drafter_dir))
+    with pytest.raises(LaunchError, match="--cuda-graph-max-bs"):
+        build_launch(deploy(extra_args=["--cuda-graph-max-bs", "8"]), TARGET, drafter_dir)
+
+
+# --------------------------------------------------------------------------- readiness
+
+
+def serve(drafter_dir, tmp_path, mode: str = "", **kw):
+    port = free_port()
+    cfg = deploy(port=port, startup_timeout_s=kw.pop("timeout", 60), **kw)
+    launch = build_launch(cfg, TARGET, drafter_dir)
+    env = {**launch.env, "FAKE_SGLANG_MODE": mode}
+    return cfg, launch, ManagedProcess(launch.argv, tmp_path / "server.log", env)
+
+
+def test_ready_server_passes_every_check(drafter_dir, tmp_path):
+    cfg, launch, process = serve(drafter_dir, tmp_path)
+    with process:
+        info = wait_until_ready(launch.url, cfg, str(drafter_dir), process)
+    assert info["speculative_algorithm"] == "EAGLE3"
+    assert "fake sglang: ready" in (tmp_path / "server.log").read_text()  # streamed to file
+
+
+@pytest.mark.parametrize(("mode", "check", "why"), [
+    ("wrong_algorithm", "server_info", "speculative_algorithm is 'EAGLE'"),
+    ("generate_fails", "generation", "500"),
+    ("crash", "port", "exited with code 3"),
+    ("never_listen", "port", "not open after"),
+])
+def test_each_failed_readiness_check_says_which_and_why(drafter_dir, tmp_path, mode, check, why):
+    cfg, launch, process = serve(drafter_dir, tmp_path, mode, timeout=4)
+    with process, pytest.raises(ReadinessError) as info:
+        wait_until_ready(launch.url, cfg, str(drafter_dir), process)
+    assert info.value.check == check and why in str(info.value)
+
+
+def test_stopping_the_server_stops_its_whole_process_group(drafter_dir, tmp_path):
+    cfg, launch, process = serve(drafter_dir, tmp_path, "spawn_child")
+    with process:
+        wait_until_ready(launch.url, cfg, str(drafter_dir), process)
+        line = next(x for x in process.recent_output().splitlines() if "worker pid" in x)
+        worker = int(line.rsplit(" ", 1)[1])
+        os.kill(worker, 0)  # alive while the server is
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(worker, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"worker {worker} survived the server's stop")
+
+
+# --------------------------------------------------------------------------- metrics, GPUs
+
+
+def test_acceptance_length_sums_before_dividing():
+    metas = [{"completion_tokens": 3, "spec_verify_ct": 3},  # a short answer, accepting little
+             {"completion_tokens": 300, "spec_verify_ct": 100}]
+    assert acceptance_length(metas) == pytest.approx(303 / 103)
+    with pytest.raises(ValueError, match="spec_verify_ct"):
+        acceptance_length([{"completion_tokens": 5}])
+
+
+def test_busy_gpus_are_named_before_launch(tmp_path, monkeypatch):
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\ncase \"$1\" in\n"
+                   "  --query-compute-apps*) echo 'GPU-aaa, 4242, /usr/bin/python3, 70000';;\n"
+                   "  --query-gpu*) echo '0, GPU-aaa'; echo '1, GPU-bbb';;\nesac\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with pytest.raises(GpusBusyError, match="GPU 0: pid 4242 /usr/bin/python3"):
+        require_free_gpus(["0", "1"])
+    require_free_gpus(["1"])  # GPU 1 is free
