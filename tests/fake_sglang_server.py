@@ -2,8 +2,10 @@
 
 No GPU SGLang runs here, so the launcher, supervision and readiness tests start this instead.
 It parses the flags draftsmith emits, serves /health, /server_info and /generate (with
-meta_info: completion_tokens, spec_verify_ct), and misbehaves on request through
-FAKE_SGLANG_MODE: never_listen, wrong_algorithm, generate_fails, crash, spawn_child.
+meta_info: completion_tokens, spec_verify_ct; streamed as server-sent events when asked), and
+misbehaves on request through FAKE_SGLANG_MODE: never_listen, wrong_algorithm, generate_fails,
+crash, spawn_child. When --model-path is a real model directory, /generate runs draftsmith's
+embedded speculative engine on it with the draft model, greedy, one request at a time.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -45,6 +48,40 @@ def main() -> None:
         print(f"fake sglang: worker pid {child.pid}", flush=True)
     if MODE == "never_listen":
         time.sleep(600)
+    engine = None
+    if os.path.isfile(os.path.join(args.model_path, "config.json")):
+        from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+        from draftsmith.target import load_target_model
+
+        model = load_target_model(args.model_path)
+        engine = EmbeddedSpeculativeEngine.load(model, args.speculative_draft_model_path,
+                                                args.speculative_num_steps or 3)
+        eos = model.generation_config.eos_token_id
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(args.model_path)
+    engine_lock = threading.Lock()
+
+    def generate(request: dict) -> list[tuple[list[int], dict]]:
+        """(output_ids so far, meta_info) per streamed chunk; the last one is final."""
+        n = request.get("sampling_params", {}).get("max_new_tokens", 8)
+        if engine is None:
+            ids = list(range(n))
+            return [(ids, {"completion_tokens": n, "spec_verify_ct": max(1, n // 2)})]
+        prompt = request.get("input_ids") or tokenizer(request["text"])["input_ids"]
+        with engine_lock:
+            result = engine.generate(list(prompt), n, eos)
+        chunks, done = [], 1  # the first token comes from prefill
+        chunks.append((result.tokens[:1], {"completion_tokens": 1, "spec_verify_ct": 0}))
+        for rounds, produced in enumerate(result.round_tokens, start=1):
+            done = min(len(result.tokens), done + produced)
+            chunks.append((result.tokens[:done], {"completion_tokens": done,
+                                                  "spec_verify_ct": rounds}))
+        final_ids = result.tokens
+        chunks.append((final_ids, {"completion_tokens": len(final_ids),
+                                   "spec_verify_ct": max(1, result.verify_rounds)}))
+        return chunks
+
     info = {
         "model_path": args.model_path,
         "speculative_algorithm": "EAGLE" if MODE == "wrong_algorithm"
@@ -79,10 +116,18 @@ def main() -> None:
                 self._send(404, {"error": "not found"})
             elif MODE == "generate_fails":
                 self._send(500, {"error": "CUDA error: an illegal memory access"})
+            elif not request.get("stream"):
+                ids, meta = generate(request)[-1]
+                self._send(200, {"text": " tok" * len(ids), "output_ids": ids, "meta_info": meta})
             else:
-                n = request.get("sampling_params", {}).get("max_new_tokens", 8)
-                self._send(200, {"text": " tok" * n, "meta_info": {
-                    "completion_tokens": n, "spec_verify_ct": max(1, n // 2)}})
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.end_headers()
+                for ids, meta in generate(request):
+                    chunk = {"text": " tok" * len(ids), "output_ids": ids, "meta_info": meta}
+                    self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
+                    self.wfile.flush()
+                self.wfile.write(b"data: [DONE]\n\n")
 
         def log_message(self, *args):
             pass

@@ -204,3 +204,44 @@ def test_busy_gpus_are_named_before_launch(tmp_path, monkeypatch):
     with pytest.raises(GpusBusyError, match="GPU 0: pid 4242 /usr/bin/python3"):
         require_free_gpus(["0", "1"])
     require_free_gpus(["1"])  # GPU 1 is free
+
+
+# --------------------------------------------------------------------------- benchmark client
+
+
+def test_client_measures_a_server_running_the_embedded_engine(random_target, random_target_dir,
+                                                              drafter_dir, tmp_path):
+    """The stand-in fronts draftsmith's own speculative engine: what the client reports must
+    be what the engine did, and the outputs must be plain greedy decoding."""
+    import asyncio
+
+    from draftsmith.bench.client import run_load, summarize
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, greedy_generate
+    from draftsmith.target import load_target_model
+
+    target = TargetConfig(model=random_target.path)
+    cfg = deploy(port=free_port(), num_steps=2, eagle_topk=1, num_draft_tokens=3)
+    launch = build_launch(cfg, target, drafter_dir)
+    prompts = [list(range(3, 3 + n)) for n in (5, 9, 14)]
+    with ManagedProcess(launch.argv, tmp_path / "server.log", launch.env) as process:
+        wait_until_ready(launch.url, cfg, str(drafter_dir), process, timeout_s=120)
+        results, wall = asyncio.run(run_load(launch.url, prompts, max_new_tokens=12,
+                                             concurrency=2))
+    summary = summarize(results, wall)
+
+    model = load_target_model(random_target.path)
+    engine = EmbeddedSpeculativeEngine.load(model, drafter_dir, num_steps=2)
+    eos = model.generation_config.eos_token_id
+    expected_tokens = expected_rounds = 0
+    for prompt, result in zip(prompts, results, strict=True):
+        local = engine.generate(prompt, 12, eos)
+        assert result.output_ids == local.tokens == greedy_generate(engine.runner, prompt, 12,
+                                                                    eos).tokens
+        assert result.meta_info["spec_verify_ct"] == max(1, local.verify_rounds)
+        assert result.ttft_s <= result.latency_s
+        expected_tokens += len(local.tokens)
+        expected_rounds += max(1, local.verify_rounds)
+    assert summary["requests"] == 3 and summary["completion_tokens"] == expected_tokens
+    assert summary["acceptance_length"] == pytest.approx(expected_tokens / expected_rounds,
+                                                         abs=1e-3)
+    assert summary["tokens_per_s"] > 0 and summary["inter_chunk_mean_s"] is not None
