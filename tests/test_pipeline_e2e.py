@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -144,3 +145,41 @@ def test_only_a_stage_whose_inputs_are_missing_names_the_stage_to_run(prefect_ap
     raw["run_root"] = str(tmp_path / "empty")
     with pytest.raises(FileNotFoundError, match=r"stage 'generate'.*--to generate"):
         run_pipeline(raw, ["merge"])
+
+
+def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_raw):
+    """deploy.engine=sglang through the stand-in server (tests/fake_sglang_server.py), which
+    runs draftsmith's embedded engine behind SGLang's HTTP shapes."""
+    import socket
+
+    from draftsmith.serve import servers
+    from tests.test_sglang_launch import FAKE, free_port
+
+    raw = json.loads(json.dumps(base_raw))
+    port = free_port()
+    raw["deploy"].update(engine="sglang", sglang_command=FAKE, port=port, keep_serving=True)
+    raw["benchmark"]["concurrency"] = [1, 2]
+    results = run_pipeline(raw)
+    try:
+        assert results["fix_keys"]["state"] == "Cached"
+        assert results["deploy"]["state"] == "Completed"
+        bench = results["benchmark"]["descriptor"]["figures"]
+        assert bench["engine"] == "sglang" and bench["acceptance_length"] > 1.5
+        bench_dir = Path(results["benchmark"]["descriptor"]["path"])
+        report = json.loads((bench_dir / "report.json").read_text())
+        assert [row["concurrency"] for row in report["sweep"]] == [1, 2]
+        with socket.create_connection(("127.0.0.1", port), timeout=2):
+            pass  # keep_serving: still up after the flow
+
+        # The next run finds the live server and reuses it; the benchmark is cached.
+        again = run_pipeline(raw)
+        assert again["deploy"]["state"] == "Completed"
+        assert again["benchmark"]["state"] == "Cached"
+        assert again["deploy"]["descriptor"] == results["deploy"]["descriptor"]
+
+        raw["deploy"]["keep_serving"] = False
+        run_pipeline(raw)
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    finally:
+        servers.stop_all()

@@ -110,7 +110,16 @@ def test_a_speculators_layout_drafter_is_refused(drafter_dir):
         build_launch(deploy(), TARGET, drafter_dir.parent / "speculators")
 
 
-def test_sglang_own_parser_rejects_an_unknown_flag(drafter_dir, tmp_path, monkeypatch):
+@pytest.fixture()
+def no_sglang_modules_left():
+    """The stand-in sglang package must not outlive its test (find_spec sees sys.modules)."""
+    yield
+    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
+        del sys.modules[name]
+
+
+def test_sglang_own_parser_rejects_an_unknown_flag(drafter_dir, tmp_path, monkeypatch,
+                                                   no_sglang_modules_left):
     """With sglang importable, its ServerArgs parser reads the list (a tiny stand-in package
     with SGLang's API here: ServerArgs.add_cli_args)."""
     package = tmp_path / "pkgs" / "sglang" / "srt"
@@ -245,3 +254,21 @@ def test_client_measures_a_server_running_the_embedded_engine(random_target, ran
     assert summary["acceptance_length"] == pytest.approx(expected_tokens / expected_rounds,
                                                          abs=1e-3)
     assert summary["tokens_per_s"] > 0 and summary["inter_chunk_mean_s"] is not None
+
+
+def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, tmp_path):
+    """Someone else's server on the port would pass every readiness check by accident."""
+    from draftsmith.artifacts import Descriptor, plan_stage
+    from draftsmith.serve.deploy import run_deploy_sglang
+
+    exported = Descriptor(stage="fix_keys", path=str(tmp_path), key="k", fingerprint="f",
+                          figures={"drafter_dir": str(drafter_dir)})
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        cfg = deploy(port=holder.getsockname()[1])
+        plan = plan_stage(tmp_path / "runs", "deploy", {}, [exported])
+        with pytest.raises(RuntimeError, match="already in use"):
+            run_deploy_sglang(cfg, TargetConfig(model=random_target.path), exported,
+                              random_target, plan)
+    assert not plan.is_complete()

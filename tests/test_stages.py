@@ -173,3 +173,26 @@ def test_deploy_and_benchmark_are_lossless(chain):
     assert len(report["per_prompt"]) == 3
     assert 1.0 <= report["summary"]["acceptance_length"] <= 3.0  # at most num_steps + 1
     assert (chain["benchmark"].dir / "report.md").read_text().startswith("# draftsmith benchmark")
+
+
+@pytest.mark.parametrize(("dtype", "fails"), [("float32", True), ("bfloat16", False)])
+def test_deploy_smoke_demands_identical_tokens_only_in_float32(chain, random_target,
+                                                               random_target_dir, tmp_path,
+                                                               monkeypatch, dtype, fails):
+    """In reduced precision a multi-token verify and a one-token forward round differently
+    (seen on an H200 in bf16), so only float32 deploys must match greedy token for token."""
+    from draftsmith.serve import deploy as deploy_module
+    from draftsmith.serve.embedded import Generation
+
+    monkeypatch.setattr(deploy_module, "greedy_generate",
+                        lambda *a, **k: Generation(tokens=[7, 7, 7], seconds=0.0))
+    target_cfg = TargetConfig(model=str(random_target_dir), dtype=dtype)
+    plan = plan_stage(tmp_path, "deploy", {}, [chain["fix_keys"]])
+    run = lambda: deploy_module.run_deploy(  # noqa: E731
+        DeployConfig(num_steps=2, num_draft_tokens=3), target_cfg, chain["fix_keys"],
+        chain["merge"], random_target, plan)
+    if fails:
+        with pytest.raises(RuntimeError, match="does not match plain greedy decoding"):
+            run()
+    else:
+        assert run().figures["engine"] == "embedded"

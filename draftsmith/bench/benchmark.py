@@ -1,5 +1,9 @@
-"""Stage `benchmark`: held-out prompts through the speculative engine and through plain greedy
-decoding; acceptance length, tokens/s of each, and whether the outputs are identical."""
+"""Stage `benchmark`: held-out prompts through the deployed drafter.
+
+Embedded engine: speculative vs plain greedy decoding in-process; acceptance length, tokens/s of
+each, and whether the outputs are identical. Served endpoint (SGLang): streamed requests at each
+concurrency of the sweep; tokens/s, time to first token, acceptance length from meta_info.
+"""
 
 from __future__ import annotations
 
@@ -23,15 +27,21 @@ from draftsmith.target import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
-                  merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
-    engine, spec = load_embedded_engine(deployment, target_cfg)
-    tokenizer = load_tokenizer(target)
+def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> list[list[int]]:
     rows = read_split(merged, "validation")
     if not rows:
         raise ValueError("benchmark: the validation split is empty; raise "
                          "merge.validation_fraction so there are held-out prompts")
-    prompts = [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
+    return [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
+
+
+def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
+                  merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
+    if deployment.figures["engine"] == "sglang":
+        return run_endpoint_benchmark(cfg, deployment, merged, target, plan)
+    engine, spec = load_embedded_engine(deployment, target_cfg)
+    tokenizer = load_tokenizer(target)
+    prompts = held_out_prompts(cfg, merged, tokenizer)
     eos = tokenizer.eos_token_id
     for prompt in prompts[: cfg.warmup_prompts]:
         engine.generate(prompt, cfg.max_new_tokens, eos)
@@ -65,6 +75,9 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         "acceptance_length": round(acceptance, 3),
         "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
         "speedup": round(spec_tps / greedy_tps, 3), "lossless": lossless,
+        "identical_outputs": f"{sum(p['identical'] for p in per_prompt)}/{len(per_prompt)}",
+        # Token identity with one-token greedy decoding is exact only in float32 (see deploy).
+        "target_dtype": target_cfg.dtype,
     }
     verdict = (f"speculation is {summary['speedup']:.2f}x plain greedy decoding"
                if summary["speedup"] >= 1 else
@@ -91,3 +104,39 @@ def markdown_report(summary: dict, verdict: str) -> str:
 def load_report(benchmark: Descriptor) -> dict:
     with open(benchmark.dir / "report.json") as f:
         return json.load(f)
+
+
+def run_endpoint_benchmark(cfg: BenchmarkConfig, deployment: Descriptor, merged: Descriptor,
+                           target: Descriptor, plan: StagePlan) -> Descriptor:
+    import asyncio
+
+    from draftsmith.bench.client import run_load, summarize
+
+    url = deployment.figures["url"]
+    prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
+    if cfg.warmup_prompts:
+        asyncio.run(run_load(url, prompts[: cfg.warmup_prompts], max_new_tokens=8))
+    sweep = []
+    for concurrency in cfg.concurrency:
+        results, wall = asyncio.run(run_load(url, prompts, max_new_tokens=cfg.max_new_tokens,
+                                             temperature=cfg.temperature,
+                                             concurrency=concurrency))
+        row = {"concurrency": concurrency, **summarize(results, wall)}
+        log.info("benchmark %s at concurrency %d: %s", url, concurrency, row)
+        sweep.append(row)
+    summary = {"engine": "sglang", "url": url, "num_steps": deployment.figures["num_steps"],
+               "prompts": len(prompts), "temperature": cfg.temperature,
+               "acceptance_length": sweep[0]["acceptance_length"],
+               "single_stream_tokens_per_s": sweep[0]["tokens_per_s"]}
+    verdict = ("no baseline without speculation was measured, so no speedup is claimed; "
+               f"acceptance length {summary['acceptance_length']:.2f}")
+    with stage_output(plan) as out:
+        atomic_write_json(out / "report.json", {"summary": summary, "sweep": sweep,
+                                                "verdict": verdict})
+        table = "\n".join("| " + " | ".join(str(row[k]) for k in sweep[0]) + " |" for row in sweep)
+        header = "| " + " | ".join(sweep[0]) + " |\n|" + "---|" * len(sweep[0])
+        (out / "report.md").write_text(f"# draftsmith benchmark: {url}\n\n{header}\n{table}\n\n"
+                                       f"**{verdict}**\n")
+    return finish_stage(plan, counts={"prompts": len(prompts)},
+                        figures={**summary, "verdict": verdict, "lossless": None,
+                                 "report": str(out / "report.md")})

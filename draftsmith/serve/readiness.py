@@ -24,7 +24,7 @@ class ReadinessError(RuntimeError):
         self.check = check
 
 
-def _port_open(host: str, port: int) -> bool:
+def port_open(host: str, port: int) -> bool:
     with socket.socket() as s:
         s.settimeout(1.0)
         return s.connect_ex((host, port)) == 0
@@ -33,7 +33,7 @@ def _port_open(host: str, port: int) -> bool:
 def wait_for_port(host: str, port: int, process: ManagedProcess | None, timeout_s: float,
                   poll_s: float = 1.0) -> None:
     deadline = time.monotonic() + timeout_s
-    while not _port_open(host, port):
+    while not port_open(host, port):
         if process is not None and process.exit_code() is not None:
             raise ReadinessError("port", f"the server exited with code {process.exit_code()} "
                                  f"before opening {host}:{port}; its last output:\n"

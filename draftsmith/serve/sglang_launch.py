@@ -46,7 +46,8 @@ class SGLangLaunch(BaseModel):
 
 
 def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str | Path,
-                 family: str = "llama") -> SGLangLaunch:
+                 family: str = "llama", model_path: str | None = None) -> SGLangLaunch:
+    """model_path: the resolved target directory (default: target.model as configured)."""
     drafter = read_drafter(drafter_dir, family)  # a drafter SGLang would mis-load stops here
     if drafter.layout not in ("sglang", "specforge"):
         raise LaunchError(
@@ -67,7 +68,7 @@ def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str |
         env[ALLOW_LONGER_CONTEXT_ENV] = "1"
     argv = [
         *(cfg.sglang_command or [sys.executable, "-m", "sglang.launch_server"]),
-        "--model-path", target_cfg.model,
+        "--model-path", model_path or target_cfg.model,
         "--tp-size", str(target_cfg.tp_size),
         "--host", cfg.host,
         "--port", str(cfg.port),

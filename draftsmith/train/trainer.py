@@ -34,7 +34,8 @@ METRICS_FILE = "metrics.jsonl"
 
 
 def row_loss(drafter: Eagle3Drafter, row: PackedRow, target_head: torch.Tensor, steps: int,
-             step_weight_decay: float, device: str) -> tuple[torch.Tensor, StepCounts]:
+             step_weight_decay: float, device: str,
+             autocast_bf16: bool = False) -> tuple[torch.Tensor, StepCounts]:
     """Weighted TTT loss of one packed row, and its metric counts."""
     draft_ids = drafter.draft_to_target_ids()  # [D]
     with torch.no_grad():
@@ -42,10 +43,13 @@ def row_loss(drafter: Eagle3Drafter, row: PackedRow, target_head: torch.Tensor, 
         target_argmax = target_logits.argmax(-1)  # [T]
         target_probs = target_logits[:, draft_ids].softmax(-1)  # [T, D]
         in_vocab = drafter.t2d[target_argmax]  # [T]
-    all_logits = drafter.forward_ttt(
-        row.input_ids[None].to(device), row.aux[None].to(device),
-        row.position_ids[None].to(device), row.document_ids[None].to(device), steps,
-    )  # steps x [1, T, D]
+    # bf16 compute with fp32 master weights when train.dtype is bfloat16.
+    with torch.autocast(device_type=torch.device(device).type, dtype=torch.bfloat16,
+                        enabled=autocast_bf16):
+        all_logits = drafter.forward_ttt(
+            row.input_ids[None].to(device), row.aux[None].to(device),
+            row.position_ids[None].to(device), row.document_ids[None].to(device), steps,
+        )  # steps x [1, T, D]
     counts = StepCounts(steps)
     docs = row.document_ids.to(device)
     loss_mask = row.loss_mask.to(device)
@@ -75,7 +79,7 @@ def evaluate(drafter, rows, target_head, cfg: TrainConfig) -> StepCounts:
     counts = StepCounts(cfg.ttt_steps)
     for row in rows:
         counts.add(row_loss(drafter, row, target_head, cfg.ttt_steps, cfg.step_weight_decay,
-                            cfg.device)[1])
+                            cfg.device, cfg.dtype == "bfloat16")[1])
     drafter.train()
     return counts
 
@@ -141,7 +145,8 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
                 if step >= total_steps:
                     break
                 loss, counts = row_loss(drafter, row, target_head, cfg.ttt_steps,
-                                        cfg.step_weight_decay, cfg.device)
+                                        cfg.step_weight_decay, cfg.device,
+                                        cfg.dtype == "bfloat16")
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
                 optimizer.step()
