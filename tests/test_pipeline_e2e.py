@@ -168,6 +168,7 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         bench_dir = Path(results["benchmark"]["descriptor"]["path"])
         report = json.loads((bench_dir / "report.json").read_text())
         assert [row["concurrency"] for row in report["sweep"]] == [1, 2]
+        assert (bench_dir / "benchmark.png").is_file() and (bench_dir / "benchmark.svg").is_file()
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass  # keep_serving: still up after the flow
 

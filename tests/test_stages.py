@@ -173,6 +173,8 @@ def test_deploy_and_benchmark_are_lossless(chain):
     assert len(report["per_prompt"]) == 3
     assert 1.0 <= report["summary"]["acceptance_length"] <= 3.0  # at most num_steps + 1
     assert (chain["benchmark"].dir / "report.md").read_text().startswith("# draftsmith benchmark")
+    assert (chain["benchmark"].dir / "benchmark.png").stat().st_size > 0
+    assert (chain["benchmark"].dir / "benchmark.svg").stat().st_size > 0
 
 
 @pytest.mark.parametrize(("dtype", "fails"), [("float32", True), ("bfloat16", False)])

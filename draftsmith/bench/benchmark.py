@@ -17,6 +17,7 @@ from draftsmith.artifacts import (
     finish_stage,
     stage_output,
 )
+from draftsmith.bench.charts import plot_benchmark
 from draftsmith.config import BenchmarkConfig, TargetConfig
 from draftsmith.data.merge import read_split
 from draftsmith.progress import Progress
@@ -86,6 +87,9 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
                                                 "per_prompt": per_prompt})
         (out / "report.md").write_text(markdown_report(summary, verdict))
+        plot_benchmark(["greedy", f"speculative ({spec['num_steps']} steps)"],
+                       [greedy_tps, spec_tps], [None, acceptance], out,
+                       f"embedded engine, {len(per_prompt)} held-out prompts")
     log.info("benchmark: acceptance length %.2f, %.1f tok/s speculative vs %.1f greedy, "
              "lossless %s; %s", acceptance, spec_tps, greedy_tps, lossless, verdict)
     if not lossless:
@@ -137,6 +141,9 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deployment: Descriptor, merged:
         header = "| " + " | ".join(sweep[0]) + " |\n|" + "---|" * len(sweep[0])
         (out / "report.md").write_text(f"# draftsmith benchmark: {url}\n\n{header}\n{table}\n\n"
                                        f"**{verdict}**\n")
+        plot_benchmark([f"concurrency {row['concurrency']}" for row in sweep],
+                       [row["tokens_per_s"] for row in sweep],
+                       [row["acceptance_length"] for row in sweep], out, f"SGLang at {url}")
     return finish_stage(plan, counts={"prompts": len(prompts)},
                         figures={**summary, "verdict": verdict, "lossless": None,
                                  "report": str(out / "report.md")})

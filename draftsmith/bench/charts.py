@@ -1,0 +1,28 @@
+"""Benchmark charts (PNG and SVG): tokens/s and acceptance length per measured setting."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def plot_benchmark(labels: list[str], tokens_per_s: list[float],
+                   acceptance: list[float | None], out_dir: str | Path,
+                   title: str) -> list[Path]:
+    fig, (ax_speed, ax_accept) = plt.subplots(1, 2, figsize=(10, 4))
+    ax_speed.bar(labels, tokens_per_s, color=[f"C{i}" for i in range(len(labels))])
+    ax_speed.set(title="throughput", ylabel="tokens/s")
+    shown = [(lbl, a) for lbl, a in zip(labels, acceptance, strict=True) if a is not None]
+    ax_accept.bar([lbl for lbl, _ in shown], [a for _, a in shown], color="C2")
+    ax_accept.set(title="acceptance length", ylabel="tokens per verify forward")
+    fig.suptitle(title)
+    fig.tight_layout()
+    paths = [Path(out_dir) / "benchmark.png", Path(out_dir) / "benchmark.svg"]
+    for path in paths:
+        fig.savefig(path)
+    plt.close(fig)
+    return paths
