@@ -50,6 +50,8 @@ class DataSource(StrictModel):
 
 class DataConfig(StrictModel):
     sources: list[DataSource] = Field(..., min_length=1)
+    max_drop_rate: float = Field(0.05, ge=0.0, le=1.0, description=(
+        "A source that drops a larger share of its records fails the run, naming why."))
 
     @model_validator(mode="after")
     def _unique_names(self) -> DataConfig:

@@ -237,3 +237,27 @@ def test_bundled_demo_data():
     assert all(roles(r) == ["user"] for r in openai)
     assert sharegpt[0].id == "stdlib-sharegpt/sg-0000"
     assert all(r.needs_answer() for r in sharegpt + openai)
+
+
+def _mixed_source(tmp_path, good: int, bad: int):
+    rows = [{"messages": [{"role": "user", "content": f"q{i}"}]} for i in range(good)]
+    rows += [{"messages": [{"role": "wizard", "content": "x"}]} for _ in range(bad)]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def test_a_drop_rate_above_the_threshold_fails_naming_source_reason_and_record(tmp_path):
+    path = _mixed_source(tmp_path, good=90, bad=10)
+    with pytest.raises(DataFormatError) as info:
+        load_source("agents", path, max_drop_rate=0.05)
+    message = str(info.value)
+    assert "'agents'" in message and "10 of 100" in message and "10.0%" in message
+    assert "unknown role 'wizard'" in message and '"wizard"' in message  # the record itself
+    assert "data.max_drop_rate" in message
+
+
+def test_a_drop_rate_within_the_threshold_keeps_the_source_and_counts_the_drops(tmp_path):
+    records, stats = load_source("agents", _mixed_source(tmp_path, good=96, bad=4),
+                                 max_drop_rate=0.05)
+    assert len(records) == 96 and stats.dropped == {"unknown role 'wizard'": 4}

@@ -124,8 +124,11 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
 
 
 def load_source(
-    name: str, path: str | Path, fmt: str = "auto", limit: int | None = None
+    name: str, path: str | Path, fmt: str = "auto", limit: int | None = None,
+    max_drop_rate: float = 1.0,
 ) -> tuple[list[Record], SourceStats]:
+    """Read one source. Fails when it keeps nothing or drops more than `max_drop_rate` of
+    what it read, naming the reason and showing a dropped record."""
     stats = SourceStats(source=name)
     dropped: Counter[str] = Counter()
     records: list[Record] = []
@@ -139,10 +142,13 @@ def load_source(
         try:
             row_format = detect_format(row) if fmt == "auto" else fmt
         except DataFormatError as err:  # say which of many sources (and which line) it is
-            raise DataFormatError(f"data source {name!r} ({path}:{lineno}): {err}") from None
+            raise DataFormatError(f"data source {name!r} ({path}:{lineno}): {err}; record: "
+                                  f"{json.dumps(row)[:300]}") from None
         try:
             records.append(to_record(row, row_format, name))
         except (DataFormatError, KeyError) as err:
+            if isinstance(err, KeyError):
+                err = DataFormatError(f"missing field {err}")
             dropped[str(err)] += 1
             first_error = first_error or f"{path}:{lineno}: {err}; record: {json.dumps(row)[:300]}"
     stats.kept = len(records)
@@ -151,5 +157,14 @@ def load_source(
         raise DataFormatError(
             f"data source {name!r} ({path}) kept 0 of {stats.read} records. "
             f"First problem: {first_error or 'the file is empty'}"
+        )
+    drop_rate = 1 - stats.kept / stats.read
+    if drop_rate > max_drop_rate:
+        reason, count = max(dropped.items(), key=lambda item: item[1])
+        raise DataFormatError(
+            f"data source {name!r} ({path}) dropped {stats.read - stats.kept} of {stats.read} "
+            f"records ({100 * drop_rate:.1f}% > data.max_drop_rate={max_drop_rate}); most "
+            f"common reason ({count}x): {reason}. First dropped: {first_error}. Fix the data, "
+            "or raise data.max_drop_rate if these records are meant to go"
         )
     return records, stats

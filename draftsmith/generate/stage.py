@@ -36,7 +36,7 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     stats: list[SourceStats] = []
     for source in data.sources:
         source_records, source_stats = load_source(source.name, source.path, source.format,
-                                                   source.limit)
+                                                   source.limit, data.max_drop_rate)
         log.info("source %s: read %d, kept %d, dropped %s", source.name, source_stats.read,
                  source_stats.kept, source_stats.dropped or "none")
         records += source_records
