@@ -88,7 +88,7 @@ def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
         elif figures["engine"] == "sglang":
             text = (f"{figures['url']}: measured acceptance length "
                     f"{figures['acceptance_length']:.2f}, {figures['single_stream_tokens_per_s']} "
-                    f"tok/s single stream\nreport: {figures['report']}")
+                    f"tok/s single stream\n{figures['verdict']}\nreport: {figures['report']}")
         else:
             # Reduced precision rounds a multi-token verify differently (see deploy.py).
             lossless = figures["lossless"] or figures.get("target_dtype", "float32") != "float32"

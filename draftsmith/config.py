@@ -191,6 +191,9 @@ class BenchmarkConfig(StrictModel):
     concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1,
                                    description="Served endpoints: requests in flight, a sweep.")
     temperature: float = Field(0.0, ge=0.0, description="Served endpoints only.")
+    baseline: bool = Field(True, description=(
+        "Served endpoints: also measure the target without speculation on the same GPUs "
+        "(stops the speculative server first)."))
 
 
 class PipelineConfig(StrictModel):

@@ -74,7 +74,7 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[st
         "deploy": lambda: (config.deploy, config.target, out["fix_keys"], out["merge"],
                            out["target"]),
         "benchmark": lambda: (config.benchmark, config.target, out["deploy"], out["merge"],
-                              out["target"]),
+                              out["target"], config.deploy),
     }
     last = max(STAGES.index(s) for s in selected)
     try:

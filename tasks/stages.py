@@ -158,13 +158,15 @@ def deploy(plan: StagePlan, cfg: DeployConfig, target_cfg: TargetConfig, exporte
 
 @task(name="benchmark", **STAGE_TASK)
 def benchmark(plan: StagePlan, cfg: BenchmarkConfig, target_cfg: TargetConfig,
-              deployment: Descriptor, merged: Descriptor, target: Descriptor) -> Descriptor:
+              deployment: Descriptor, merged: Descriptor, target: Descriptor,
+              deploy_cfg: DeployConfig) -> Descriptor:
     from draftsmith.bench.benchmark import run_benchmark
 
     if done := _already_done(plan):
         return done
     with progress_artifact("benchmark"):
-        descriptor = run_benchmark(cfg, target_cfg, deployment, merged, target, plan)
+        descriptor = run_benchmark(cfg, target_cfg, deployment, merged, target, plan,
+                                   deploy_cfg)
     create_markdown_artifact((descriptor.dir / "report.md").read_text(),
                              key="draftsmith-benchmark", description="benchmark report")
     return descriptor

@@ -48,14 +48,22 @@ def main() -> None:
         print(f"fake sglang: worker pid {child.pid}", flush=True)
     if MODE == "never_listen":
         time.sleep(600)
-    engine = None
+    engine = plain = None
     if os.path.isfile(os.path.join(args.model_path, "config.json")):
-        from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+        from draftsmith.serve.embedded import (
+            EmbeddedSpeculativeEngine,
+            TargetRunner,
+            greedy_generate,
+        )
         from draftsmith.target import load_target_model
 
         model = load_target_model(args.model_path)
-        engine = EmbeddedSpeculativeEngine.load(model, args.speculative_draft_model_path,
-                                                args.speculative_num_steps or 3)
+        if args.speculative_draft_model_path:
+            engine = EmbeddedSpeculativeEngine.load(model, args.speculative_draft_model_path,
+                                                    args.speculative_num_steps or 3)
+        else:  # served without speculation: plain greedy decoding
+            runner = TargetRunner(model, [0])
+            plain = lambda ids, n: greedy_generate(runner, ids, n, eos)  # noqa: E731
         eos = model.generation_config.eos_token_id
         from transformers import AutoTokenizer
 
@@ -65,6 +73,11 @@ def main() -> None:
     def generate(request: dict) -> list[tuple[list[int], dict]]:
         """(output_ids so far, meta_info) per streamed chunk; the last one is final."""
         n = request.get("sampling_params", {}).get("max_new_tokens", 8)
+        if plain is not None:
+            prompt = request.get("input_ids") or tokenizer(request["text"])["input_ids"]
+            with engine_lock:
+                tokens = plain(list(prompt), n).tokens
+            return [(tokens[:i], {"completion_tokens": i}) for i in range(1, len(tokens) + 1)]
         if engine is None:
             ids = list(range(n))
             return [(ids, {"completion_tokens": n, "spec_verify_ct": max(1, n // 2)})]

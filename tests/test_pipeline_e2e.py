@@ -158,7 +158,7 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
     raw = json.loads(json.dumps(base_raw))
     port = free_port()
     raw["deploy"].update(engine="sglang", sglang_command=FAKE, port=port, keep_serving=True)
-    raw["benchmark"]["concurrency"] = [1, 2]
+    raw["benchmark"].update(concurrency=[1, 2], baseline=False)
     results = run_pipeline(raw)
     try:
         assert results["fix_keys"]["state"] == "Cached"
@@ -167,7 +167,8 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         assert bench["engine"] == "sglang" and bench["acceptance_length"] > 1.5
         bench_dir = Path(results["benchmark"]["descriptor"]["path"])
         report = json.loads((bench_dir / "report.json").read_text())
-        assert [row["concurrency"] for row in report["sweep"]] == [1, 2]
+        assert [row["concurrency"] for row in report["rows"]] == [1, 2]
+        assert "no baseline measured" in bench["verdict"]
         assert (bench_dir / "benchmark.png").is_file() and (bench_dir / "benchmark.svg").is_file()
         with socket.create_connection(("127.0.0.1", port), timeout=2):
             pass  # keep_serving: still up after the flow
@@ -178,8 +179,19 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         assert again["benchmark"]["state"] == "Cached"
         assert again["deploy"]["descriptor"] == results["deploy"]["descriptor"]
 
+        # With a baseline: the speculative server makes way for the target alone on the same
+        # port (and GPUs), and the verdict compares the two.
         raw["deploy"]["keep_serving"] = False
-        run_pipeline(raw)
+        raw["benchmark"]["baseline"] = True
+        final = run_pipeline(raw)
+        figures = final["benchmark"]["descriptor"]["figures"]
+        assert figures["baseline_single_stream_tokens_per_s"] > 0 and figures["speedup"] > 0
+        assert "speculation pays" in figures["verdict"] or "WARNING" in figures["verdict"]
+        bench_dir = Path(final["benchmark"]["descriptor"]["path"])
+        rows = json.loads((bench_dir / "report.json").read_text())["rows"]
+        assert [(r["server"], r["concurrency"]) for r in rows] == [
+            ("speculative", 1), ("speculative", 2), ("baseline", 1), ("baseline", 2)]
+        assert all("acceptance_length" not in r for r in rows if r["server"] == "baseline")
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:

@@ -272,3 +272,19 @@ def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, 
             run_deploy_sglang(cfg, TargetConfig(model=random_target.path), exported,
                               random_target, plan)
     assert not plan.is_complete()
+
+
+def test_baseline_launch_has_no_speculation_and_readiness_insists(drafter_dir, tmp_path):
+    cfg = deploy(port=free_port())
+    launch = build_launch(cfg, TARGET, None)
+    assert not any(a.startswith("--speculative") for a in launch.argv)
+    assert launch.drafter_dir is None and "--context-length" in launch.argv
+    with ManagedProcess(launch.argv, tmp_path / "plain.log", launch.env) as process:
+        info = wait_until_ready(launch.url, cfg, None, process)
+        assert not info["speculative_algorithm"]
+        with pytest.raises(ReadinessError, match="speculative_algorithm is None"):
+            wait_until_ready(launch.url, cfg, str(drafter_dir), process)
+    speculative = build_launch(cfg, TARGET, drafter_dir)
+    with ManagedProcess(speculative.argv, tmp_path / "spec.log", speculative.env) as process:
+        with pytest.raises(ReadinessError, match="started without speculation"):
+            wait_until_ready(speculative.url, cfg, None, process)

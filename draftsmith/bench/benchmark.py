@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+from pathlib import Path
 
 from draftsmith.artifacts import (
     Descriptor,
@@ -18,7 +19,7 @@ from draftsmith.artifacts import (
     stage_output,
 )
 from draftsmith.bench.charts import plot_benchmark
-from draftsmith.config import BenchmarkConfig, TargetConfig
+from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
 from draftsmith.data.merge import read_split
 from draftsmith.progress import Progress
 from draftsmith.serve.deploy import load_embedded_engine, prompt_ids
@@ -37,9 +38,11 @@ def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> lis
 
 
 def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
-                  merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
+                  merged: Descriptor, target: Descriptor, plan: StagePlan,
+                  deploy_cfg: DeployConfig | None = None) -> Descriptor:
     if deployment.figures["engine"] == "sglang":
-        return run_endpoint_benchmark(cfg, deployment, merged, target, plan)
+        return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
+                                      target_cfg, deployment, merged, target, plan)
     engine, spec = load_embedded_engine(deployment, target_cfg)
     tokenizer = load_tokenizer(target)
     prompts = held_out_prompts(cfg, merged, tokenizer)
@@ -110,40 +113,87 @@ def load_report(benchmark: Descriptor) -> dict:
         return json.load(f)
 
 
-def run_endpoint_benchmark(cfg: BenchmarkConfig, deployment: Descriptor, merged: Descriptor,
-                           target: Descriptor, plan: StagePlan) -> Descriptor:
+def _sweep(url: str, prompts: list[list[int]], cfg: BenchmarkConfig,
+           speculative: bool) -> list[dict]:
     import asyncio
 
     from draftsmith.bench.client import run_load, summarize
 
-    url = deployment.figures["url"]
-    prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
     if cfg.warmup_prompts:
         asyncio.run(run_load(url, prompts[: cfg.warmup_prompts], max_new_tokens=8))
-    sweep = []
+    rows = []
     for concurrency in cfg.concurrency:
         results, wall = asyncio.run(run_load(url, prompts, max_new_tokens=cfg.max_new_tokens,
                                              temperature=cfg.temperature,
                                              concurrency=concurrency))
-        row = {"concurrency": concurrency, **summarize(results, wall)}
-        log.info("benchmark %s at concurrency %d: %s", url, concurrency, row)
-        sweep.append(row)
-    summary = {"engine": "sglang", "url": url, "num_steps": deployment.figures["num_steps"],
-               "prompts": len(prompts), "temperature": cfg.temperature,
-               "acceptance_length": sweep[0]["acceptance_length"],
-               "single_stream_tokens_per_s": sweep[0]["tokens_per_s"]}
-    verdict = ("no baseline without speculation was measured, so no speedup is claimed; "
-               f"acceptance length {summary['acceptance_length']:.2f}")
+        row = {"concurrency": concurrency, **summarize(results, wall, speculative)}
+        log.info("benchmark %s (%s) at concurrency %d: %s", url,
+                 "speculative" if speculative else "baseline", concurrency, row)
+        rows.append(row)
+    return rows
+
+
+def _baseline(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cfg: TargetConfig,
+              url: str, target: Descriptor, prompts: list[list[int]],
+              out: Path) -> tuple[list[dict] | None, str | None]:
+    """The same target served without speculation, on the same GPUs: the speculative server
+    is stopped first (a TP-8 target does not fit twice). Returns (rows, why it was skipped)."""
+    from draftsmith.serve import servers
+    from draftsmith.serve.process import ManagedProcess
+    from draftsmith.serve.readiness import wait_until_ready
+    from draftsmith.serve.sglang_launch import build_launch
+
+    if servers.running(url) is None:
+        return None, (f"the speculative server at {url} was not started by this run, so its "
+                      "GPUs cannot be freed for a baseline (set benchmark.baseline=false to "
+                      "skip it, or let this run start the server)")
+    servers.stop(url)
+    log.info("benchmark: stopped the speculative server to measure the baseline on its GPUs")
+    launch = build_launch(deploy_cfg, target_cfg, None, target.figures["family"], target.path)
+    with ManagedProcess(launch.argv, out / "baseline-server.log", launch.env,
+                        name="sglang-baseline") as process:
+        wait_until_ready(launch.url, deploy_cfg, None, process)
+        return _sweep(launch.url, prompts, cfg, speculative=False), None
+
+
+def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
+                           target_cfg: TargetConfig, deployment: Descriptor, merged: Descriptor,
+                           target: Descriptor, plan: StagePlan) -> Descriptor:
+    url = deployment.figures["url"]
+    prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
     with stage_output(plan) as out:
-        atomic_write_json(out / "report.json", {"summary": summary, "sweep": sweep,
+        sweep = _sweep(url, prompts, cfg, speculative=True)
+        baseline, skipped = (_baseline(cfg, deploy_cfg, target_cfg, url, target, prompts, out)
+                             if cfg.baseline else (None, "benchmark.baseline is false"))
+        summary = {"engine": "sglang", "url": url, "num_steps": deployment.figures["num_steps"],
+                   "prompts": len(prompts), "temperature": cfg.temperature,
+                   "acceptance_length": sweep[0]["acceptance_length"],
+                   "single_stream_tokens_per_s": sweep[0]["tokens_per_s"]}
+        if baseline:
+            speedups = {row["concurrency"]: round(row["tokens_per_s"] / base["tokens_per_s"], 3)
+                        for row, base in zip(sweep, baseline, strict=True)}
+            summary["baseline_single_stream_tokens_per_s"] = baseline[0]["tokens_per_s"]
+            summary["speedup"] = speedups[sweep[0]["concurrency"]]
+            slower = [c for c, s in speedups.items() if s < 1]
+            verdict = (f"WARNING: speculation is slower than no speculation at concurrency "
+                       f"{slower} (speedups {speedups})" if slower else
+                       f"speculation pays: {speedups} x the baseline's tokens/s by concurrency")
+        else:
+            verdict = (f"no baseline measured ({skipped}), so no speedup is claimed; "
+                       f"acceptance length {summary['acceptance_length']:.2f}")
+        rows = [{"server": "speculative", **r} for r in sweep]
+        rows += [{"server": "baseline", **r} for r in baseline or []]
+        atomic_write_json(out / "report.json", {"summary": summary, "rows": rows,
                                                 "verdict": verdict})
-        table = "\n".join("| " + " | ".join(str(row[k]) for k in sweep[0]) + " |" for row in sweep)
-        header = "| " + " | ".join(sweep[0]) + " |\n|" + "---|" * len(sweep[0])
+        columns = list(rows[0])
+        table = "\n".join("| " + " | ".join(str(r.get(k)) for k in columns) + " |" for r in rows)
+        header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
         (out / "report.md").write_text(f"# draftsmith benchmark: {url}\n\n{header}\n{table}\n\n"
                                        f"**{verdict}**\n")
-        plot_benchmark([f"concurrency {row['concurrency']}" for row in sweep],
-                       [row["tokens_per_s"] for row in sweep],
-                       [row["acceptance_length"] for row in sweep], out, f"SGLang at {url}")
+        plot_benchmark([f"{r['server']} c={r['concurrency']}" for r in rows],
+                       [r["tokens_per_s"] for r in rows],
+                       [r.get("acceptance_length") for r in rows], out, f"SGLang at {url}")
+    log.info("benchmark: %s", verdict)
     return finish_stage(plan, counts={"prompts": len(prompts)},
                         figures={**summary, "verdict": verdict, "lossless": None,
                                  "report": str(out / "report.md")})

@@ -52,7 +52,14 @@ def server_info(client: httpx.Client) -> dict[str, Any]:
     raise ReadinessError("server_info", "neither /server_info nor /get_server_info answers 200")
 
 
-def check_speculative_settings(info: dict[str, Any], cfg: DeployConfig, drafter_dir: str) -> None:
+def check_speculative_settings(info: dict[str, Any], cfg: DeployConfig,
+                               drafter_dir: str | None) -> None:
+    if drafter_dir is None:  # a baseline server must not speculate
+        if info.get("speculative_algorithm"):
+            raise ReadinessError("server_info", f"speculative_algorithm is "
+                                 f"{info['speculative_algorithm']!r} on a server started "
+                                 "without speculation")
+        return
     if info.get("speculative_algorithm") != cfg.speculative_algorithm:
         raise ReadinessError("server_info", f"speculative_algorithm is "
                              f"{info.get('speculative_algorithm')!r}, expected "
@@ -69,7 +76,7 @@ def check_speculative_settings(info: dict[str, Any], cfg: DeployConfig, drafter_
                 raise ReadinessError("server_info", f"{key} is {info.get(key)!r}, expected {want}")
 
 
-def wait_until_ready(url: str, cfg: DeployConfig, drafter_dir: str,
+def wait_until_ready(url: str, cfg: DeployConfig, drafter_dir: str | None,
                      process: ManagedProcess | None = None,
                      timeout_s: float | None = None) -> dict[str, Any]:
     """Run the four checks in order; return the server's info. Raises ReadinessError naming

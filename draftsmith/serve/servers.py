@@ -20,6 +20,12 @@ def running(url: str) -> ManagedProcess | None:
     return process if process is not None and process.exit_code() is None else None
 
 
+def stop(url: str) -> None:
+    process = _running.pop(url, None)
+    if process is not None:
+        process.stop()
+
+
 def stop_all() -> int:
     """Stop every registered server (whole process groups); returns how many."""
     count = 0

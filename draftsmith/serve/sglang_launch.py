@@ -33,7 +33,7 @@ class SGLangLaunch(BaseModel):
     env: dict[str, str]
     host: str
     port: int
-    drafter_dir: str
+    drafter_dir: str | None  # None: served without speculation
 
     @property
     def url(self) -> str:
@@ -45,40 +45,21 @@ class SGLangLaunch(BaseModel):
         return (env + " " if env else "") + shlex.join(self.argv)
 
 
-def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str | Path,
+def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str | Path | None,
                  family: str = "llama", model_path: str | None = None) -> SGLangLaunch:
-    """model_path: the resolved target directory (default: target.model as configured)."""
-    drafter = read_drafter(drafter_dir, family)  # a drafter SGLang would mis-load stops here
-    if drafter.layout not in ("sglang", "specforge"):
-        raise LaunchError(
-            f"{drafter_dir}: a {drafter.layout}-layout drafter; SGLang needs the SGLang layout "
-            "(set fix_keys.format=sglang, or: draftsmith export DIR --to sglang --out NEW)"
-        )
+    """model_path: the resolved target directory (default: target.model as configured).
+    drafter_dir None: the same server without speculation (the benchmark's baseline)."""
     env = dict(cfg.env)
     context = target_cfg.context_length
-    draft_context = drafter.config.max_position_embeddings
-    if context and draft_context < context:
-        if not cfg.allow_shorter_draft_context:
-            raise LaunchError(
-                f"target.context_length={context} exceeds the drafter's "
-                f"max_position_embeddings={draft_context}: SGLang refuses to start. Re-export "
-                f"with --context-length {context}, or set deploy.allow_shorter_draft_context="
-                f"true (sets {ALLOW_LONGER_CONTEXT_ENV}=1)"
-            )
-        env[ALLOW_LONGER_CONTEXT_ENV] = "1"
     argv = [
         *(cfg.sglang_command or [sys.executable, "-m", "sglang.launch_server"]),
         "--model-path", model_path or target_cfg.model,
         "--tp-size", str(target_cfg.tp_size),
         "--host", cfg.host,
         "--port", str(cfg.port),
-        "--speculative-algorithm", cfg.speculative_algorithm,
-        "--speculative-draft-model-path", str(drafter_dir),
     ]
-    if cfg.num_steps is not None:
-        argv += ["--speculative-num-steps", str(cfg.num_steps),
-                 "--speculative-eagle-topk", str(cfg.eagle_topk),
-                 "--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
+    if drafter_dir is not None:
+        argv += _speculative_arguments(cfg, target_cfg, drafter_dir, family, env)
     if context:
         argv += ["--context-length", str(context)]
     if cfg.mem_fraction_static is not None:
@@ -91,9 +72,37 @@ def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str |
         argv += ["--dtype", target_cfg.dtype]
     argv += cfg.extra_args
     launch = SGLangLaunch(argv=argv, env=env, host=cfg.host, port=cfg.port,
-                          drafter_dir=str(drafter_dir))
+                          drafter_dir=str(drafter_dir) if drafter_dir is not None else None)
     check_with_sglang_parser(launch)
     return launch
+
+
+def _speculative_arguments(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str | Path,
+                           family: str, env: dict[str, str]) -> list[str]:
+    drafter = read_drafter(drafter_dir, family)  # a drafter SGLang would mis-load stops here
+    if drafter.layout not in ("sglang", "specforge"):
+        raise LaunchError(
+            f"{drafter_dir}: a {drafter.layout}-layout drafter; SGLang needs the SGLang layout "
+            "(set fix_keys.format=sglang, or: draftsmith export DIR --to sglang --out NEW)"
+        )
+    context = target_cfg.context_length
+    draft_context = drafter.config.max_position_embeddings
+    if context and draft_context < context:
+        if not cfg.allow_shorter_draft_context:
+            raise LaunchError(
+                f"target.context_length={context} exceeds the drafter's "
+                f"max_position_embeddings={draft_context}: SGLang refuses to start. Re-export "
+                f"with --context-length {context}, or set deploy.allow_shorter_draft_context="
+                f"true (sets {ALLOW_LONGER_CONTEXT_ENV}=1)"
+            )
+        env[ALLOW_LONGER_CONTEXT_ENV] = "1"
+    argv = ["--speculative-algorithm", cfg.speculative_algorithm,
+            "--speculative-draft-model-path", str(drafter_dir)]
+    if cfg.num_steps is not None:
+        argv += ["--speculative-num-steps", str(cfg.num_steps),
+                 "--speculative-eagle-topk", str(cfg.eagle_topk),
+                 "--speculative-num-draft-tokens", str(cfg.num_draft_tokens)]
+    return argv
 
 
 def server_arguments(launch: SGLangLaunch) -> list[str]:
