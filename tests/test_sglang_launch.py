@@ -285,6 +285,6 @@ def test_baseline_launch_has_no_speculation_and_readiness_insists(drafter_dir, t
         with pytest.raises(ReadinessError, match="speculative_algorithm is None"):
             wait_until_ready(launch.url, cfg, str(drafter_dir), process)
     speculative = build_launch(cfg, TARGET, drafter_dir)
-    with ManagedProcess(speculative.argv, tmp_path / "spec.log", speculative.env) as process:
-        with pytest.raises(ReadinessError, match="started without speculation"):
-            wait_until_ready(speculative.url, cfg, None, process)
+    with (ManagedProcess(speculative.argv, tmp_path / "spec.log", speculative.env) as process,
+          pytest.raises(ReadinessError, match="started without speculation")):
+        wait_until_ready(speculative.url, cfg, None, process)
