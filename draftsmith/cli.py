@@ -91,7 +91,8 @@ def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
                     f"tok/s single stream\n{figures['verdict']}\nreport: {figures['report']}")
         else:
             # Reduced precision rounds a multi-token verify differently (see deploy.py).
-            lossless = figures["lossless"] or figures.get("target_dtype", "float32") != "float32"
+            lossless = (figures["lossless"] is not False
+                        or figures.get("target_dtype", "float32") != "float32")
             text = (f"measured acceptance length {figures['acceptance_length']:.2f}, "
                     f"{figures['speculative_tokens_per_s']} vs {figures['greedy_tokens_per_s']} "
                     f"tok/s, identical to greedy decoding: "

@@ -190,7 +190,9 @@ class BenchmarkConfig(StrictModel):
     warmup_prompts: int = Field(1, ge=0)
     concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1,
                                    description="Served endpoints: requests in flight, a sweep.")
-    temperature: float = Field(0.0, ge=0.0, description="Served endpoints only.")
+    temperature: float = Field(0.0, ge=0.0, description=(
+        "0: greedy, and the embedded engine's outputs must equal plain greedy decoding; "
+        ">0: sampled (speculative sampling keeps the target's distribution)."))
     baseline: bool = Field(True, description=(
         "Served endpoints: also measure the target without speculation on the same GPUs "
         "(stops the speculative server first)."))

@@ -98,14 +98,14 @@ def oracle(engine, reference: list[int], prompt_len: int, wrong_at: int | None, 
     target's own greedy continuation, wrong from index `wrong_at` on."""
     real = engine._draft
 
-    def draft(tokens, aux, drafted_upto, cache):
-        drafts, cache = real(tokens, aux, drafted_upto, cache)
+    def draft(tokens, aux, drafted_upto, cache, sampling):
+        drafts, probs, cache = real(tokens, aux, drafted_upto, cache, sampling)
         calls.append((list(tokens), drafts))
         done = len(tokens) - prompt_len
         truth = (reference[done:] + [0] * NUM_STEPS)[:NUM_STEPS]
         if wrong_at is not None:
             truth = [t if i < wrong_at else (t + 1) % 512 for i, t in enumerate(truth)]
-        return truth, cache
+        return truth, probs, cache
 
     return draft
 

@@ -198,3 +198,17 @@ def test_deploy_smoke_demands_identical_tokens_only_in_float32(chain, random_tar
             run()
     else:
         assert run().figures["engine"] == "embedded"
+
+
+def test_sampled_benchmark_compares_speed_without_demanding_identity(chain, random_target,
+                                                                     random_target_dir,
+                                                                     tmp_path):
+    from draftsmith.bench.benchmark import run_benchmark
+
+    bench = run_benchmark(BenchmarkConfig(num_prompts=2, max_new_tokens=8, temperature=0.8),
+                          TargetConfig(model=str(random_target_dir)), chain["deploy"],
+                          chain["merge"], random_target,
+                          plan_stage(tmp_path, "benchmark", {}, [chain["deploy"]]))
+    assert bench.figures["lossless"] is None and bench.figures["temperature"] == 0.8
+    assert bench.figures["identical_outputs"].startswith("n/a")
+    assert bench.figures["acceptance_length"] >= 1.0
