@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from draftsmith.plotting import plt, save_figure
 
 
 def plot_benchmark(labels: list[str], tokens_per_s: list[float],
@@ -20,9 +17,4 @@ def plot_benchmark(labels: list[str], tokens_per_s: list[float],
     ax_accept.bar([lbl for lbl, _ in shown], [a for _, a in shown], color="C2")
     ax_accept.set(title="acceptance length", ylabel="tokens per verify forward")
     fig.suptitle(title)
-    fig.tight_layout()
-    paths = [Path(out_dir) / "benchmark.png", Path(out_dir) / "benchmark.svg"]
-    for path in paths:
-        fig.savefig(path)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, out_dir, "benchmark")

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+from draftsmith.plotting import plt, save_figure
 
 
 def plot_metrics(history: list[dict], steps: int, out_dir: str | Path) -> list[Path]:
@@ -28,9 +25,4 @@ def plot_metrics(history: list[dict], steps: int, out_dir: str | Path) -> list[P
                ylim=(0, 1))
     ax_loss.legend()
     ax_acc.legend(fontsize="small")
-    fig.tight_layout()
-    paths = [Path(out_dir) / "training.png", Path(out_dir) / "training.svg"]
-    for path in paths:
-        fig.savefig(path)
-    plt.close(fig)
-    return paths
+    return save_figure(fig, out_dir, "training")
