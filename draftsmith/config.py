@@ -44,7 +44,7 @@ class TargetConfig(StrictModel):
 class DataSource(StrictModel):
     name: str = Field(..., min_length=1)
     path: str = Field(..., description="Local JSON/JSONL file.")
-    format: Literal["auto", "sharegpt", "openai"] = "auto"
+    format: Literal["auto", "sharegpt", "openai", "prompt"] = "auto"
     limit: int | None = Field(None, ge=1, description="Read at most this many records.")
 
 

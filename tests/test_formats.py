@@ -261,3 +261,15 @@ def test_a_drop_rate_within_the_threshold_keeps_the_source_and_counts_the_drops(
     records, stats = load_source("agents", _mixed_source(tmp_path, good=96, bad=4),
                                  max_drop_rate=0.05)
     assert len(records) == 96 and stats.dropped == {"unknown role 'wizard'": 4}
+
+
+def test_prompt_only_records_become_a_user_turn_awaiting_an_answer(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"id": "p1", "prompt": "Write a haiku."}) + "\n"
+                    + json.dumps({"prompt": "   "}) + "\n")
+    records, stats = load_source("prompts", path, max_drop_rate=0.5)
+    assert len(records) == 1 and records[0].id == "prompts/p1"
+    assert [(m.role, m.content) for m in records[0].messages] == [("user", "Write a haiku.")]
+    assert records[0].needs_answer()
+    assert stats.dropped == {"prompt='   ', expected non-empty text": 1}
+    assert detect_format({"prompt": "x"}) == "prompt"

@@ -65,9 +65,13 @@ def detect_format(row: dict[str, Any]) -> str:
         return "sharegpt"
     if "messages" in row:
         return "openai"
+    # Prompt-only, not prompt/response pairs: an answer field would be silently ignored.
+    if "prompt" in row and not {"response", "completion", "output", "answer"} & row.keys():
+        return "prompt"
     raise DataFormatError(
         "unknown record shape (keys: " + ", ".join(sorted(row)) + "); expected 'conversations' "
-        "(ShareGPT) or 'messages' (OpenAI). Set data.sources[].format or convert the file."
+        "(ShareGPT), 'messages' (OpenAI) or 'prompt' (prompt-only). Set data.sources[].format "
+        "or convert the file."
     )
 
 
@@ -97,6 +101,11 @@ def to_record(row: dict[str, Any], fmt: str, source: str) -> Record:
         messages = _normalise(row["conversations"], "from", "value")
     elif fmt == "openai":
         messages = _normalise(row["messages"], "role", "content")
+    elif fmt == "prompt":  # prompt-only sets: the target answers them in generate
+        prompt = row["prompt"]
+        if not isinstance(prompt, str) or not prompt.strip():
+            raise DataFormatError(f"prompt={prompt!r}, expected non-empty text")
+        messages = [Message(role="user", content=prompt)]
     else:
         raise DataFormatError(f"unsupported format {fmt!r}")
     record_id = str(row.get("id") or hash_json([m.model_dump() for m in messages])[:16])
