@@ -23,8 +23,8 @@ class PackedRow:
         return self.input_ids.numel()
 
 
-def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
-    """First-fit in the given order; a sample longer than a row is cut to the row size."""
+def plan_rows(samples: list[Sample], row_tokens: int) -> list[list[Sample]]:
+    """First-fit in the given order: which samples share each row (no tensors are copied)."""
     rows: list[list[Sample]] = []
     used: list[int] = []
     for sample in samples:
@@ -37,10 +37,15 @@ def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
         else:
             rows.append([sample])
             used.append(n)
-    return [_concat(row, row_tokens) for row in rows]
+    return rows
 
 
-def _concat(samples: list[Sample], row_tokens: int) -> PackedRow:
+def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
+    """First-fit in the given order; a sample longer than a row is cut to the row size."""
+    return [concat_row(row, row_tokens) for row in plan_rows(samples, row_tokens)]
+
+
+def concat_row(samples: list[Sample], row_tokens: int) -> PackedRow:
     parts = [(s, min(len(s.input_ids), row_tokens)) for s in samples]
     return PackedRow(
         input_ids=torch.cat([s.input_ids[:n] for s, n in parts]),  # [T]

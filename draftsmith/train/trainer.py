@@ -26,7 +26,7 @@ from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from draftsmith.progress import Progress
 from draftsmith.target import load_target_head_and_embedding
 from draftsmith.train.metrics import StepCounts, count_step
-from draftsmith.train.packing import PackedRow, pack
+from draftsmith.train.packing import PackedRow, concat_row, pack, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -114,12 +114,14 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
     drafter.to(cfg.device)
     target_head = head.to(cfg.device, torch.float32)
 
+    # Row plans for every epoch up front (the step count sets the schedule); each row's
+    # tensors are concatenated only when it is trained on.
     rng = random.Random(cfg.seed)
     epochs = []
     for _ in range(cfg.epochs):
         order = train_samples[:]
         rng.shuffle(order)
-        epochs.append(pack(order, cfg.batch_tokens))
+        epochs.append(plan_rows(order, cfg.batch_tokens))
     total_steps = sum(len(e) for e in epochs)
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
@@ -140,10 +142,11 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
 
         progress = Progress("train", total=total_steps, unit="step")
         window, window_tokens, window_started = StepCounts(cfg.ttt_steps), 0, time.monotonic()
-        for epoch, rows in enumerate(epochs):
-            for row in rows:
+        for epoch, row_plans in enumerate(epochs):
+            for row_samples in row_plans:
                 if step >= total_steps:
                     break
+                row = concat_row(row_samples, cfg.batch_tokens)
                 loss, counts = row_loss(drafter, row, target_head, cfg.ttt_steps,
                                         cfg.step_weight_decay, cfg.device,
                                         cfg.dtype == "bfloat16")
