@@ -154,13 +154,18 @@ def finish_stage(
     counts: dict[str, int] | None = None,
     figures: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    known_checksums: dict[str, str] | None = None,
 ) -> Descriptor:
-    """Checksum every file the stage wrote, then write the manifest last, atomically."""
-    files = {
-        str(p.relative_to(plan.dir)): sha256_file(p)
-        for p in sorted(plan.dir.rglob("*"))
-        if p.is_file() and p.name != MANIFEST and not p.name.startswith(".")
-    }
+    """Checksum every file the stage wrote, then write the manifest last, atomically.
+
+    known_checksums: sha256 of files the stage hashed as it wrote them (hidden-state shards
+    run to terabytes; reading them all a second time would cost hours)."""
+    known = known_checksums or {}
+    files = {}
+    for p in sorted(plan.dir.rglob("*")):
+        if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
+            name = str(p.relative_to(plan.dir))
+            files[name] = known.get(name) or sha256_file(p)
     fingerprint = hash_json({"stage": plan.stage, "files": files})[:16]
     descriptor = Descriptor(
         stage=plan.stage,

@@ -233,3 +233,10 @@ def test_atomic_path_failure_leaves_no_target(tmp_path):
         raise RuntimeError("writer crashed")
     assert target.read_bytes() == b"old"
     assert [p.name for p in tmp_path.iterdir()] == ["weights.bin"]
+
+
+def test_checksums_the_stage_already_computed_are_not_read_again(tmp_path):
+    plan = plan_stage(tmp_path, "extract", {}, [])
+    write_stage(plan, {"a.bin": b"abc", "b.bin": b"def"}, known_checksums={"a.bin": "f" * 64})
+    files = json.loads((plan.dir / MANIFEST).read_text())["files"]
+    assert files == {"a.bin": "f" * 64, "b.bin": sha256(plan.dir / "b.bin")}

@@ -72,7 +72,10 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
             splits[split] = writer.close()
         write_index(out, meta, splits)
     log.info("extract: %d tokens, aux layers %s (outputs of those decoder layers)", tokens, aux_ids)
-    return finish_stage(plan, counts={"tokens": tokens,
-                                      "samples": sum(len(s["ids"]) for v in splits.values()
-                                                     for s in v)},
-                        figures={"aux_layer_ids": aux_ids, "dtype": cfg.dtype})
+    shards = [shard for split_shards in splits.values() for shard in split_shards]
+    return finish_stage(
+        plan,
+        counts={"tokens": tokens, "samples": sum(len(s["ids"]) for s in shards)},
+        figures={"aux_layer_ids": aux_ids, "dtype": cfg.dtype},
+        known_checksums={s["file"]: s["sha256"] for s in shards},
+    )
