@@ -127,7 +127,7 @@ def write_store(root, splits: dict[str, list[Sample]], shard_tokens: int = 40):
             "dtype": "bfloat16"}
     written = {}
     for split, samples in splits.items():
-        writer = ShardWriter(root, split, shard_tokens, meta)
+        writer = ShardWriter(root, split, shard_tokens)
         for s in samples:
             writer.add(s)
         written[split] = writer.close()

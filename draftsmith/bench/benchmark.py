@@ -7,7 +7,6 @@ concurrency of the sweep; tokens/s, time to first token, acceptance length from 
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
@@ -114,11 +113,6 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
 def markdown_report(summary: dict, verdict: str) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
     return f"# draftsmith benchmark\n\n| metric | value |\n|---|---|\n{rows}\n\n**{verdict}**\n"
-
-
-def load_report(benchmark: Descriptor) -> dict:
-    with open(benchmark.dir / "report.json") as f:
-        return json.load(f)
 
 
 def _sweep(url: str, prompts: list[list[int]], cfg: BenchmarkConfig,

@@ -21,6 +21,7 @@ from draftsmith.export import native
 from draftsmith.export.formats import (
     LAYOUTS,
     OPTIONAL_TENSORS,
+    SGLANG,
     ExportError,
     Layout,
     drafter_tensors,
@@ -96,13 +97,9 @@ def read_drafter(directory: str | Path, family: str = "llama",
     directory = Path(directory)
     layout_name = detect_layout(directory)
     if layout_name == "native":
-        meta = native.read_native_meta(directory)
-        cfg = Eagle3Config.model_validate(meta["config"])
-        tensors = read_weight_files(directory)
-        problems = tensor_problems(tensors, drafter_tensors(cfg),
-                                   {n: s for n, s in drafter_tensors(cfg, True).items()
-                                    if n in OPTIONAL_TENSORS})
-        raw = meta
+        raw = native.read_native_meta(directory)
+        cfg = Eagle3Config.model_validate(raw["config"])
+        layout = SGLANG  # native tensor names are SGLang's
     else:
         layout = _layout_of(layout_name)
         raw = json.loads((directory / "config.json").read_text())
@@ -118,11 +115,11 @@ def read_drafter(directory: str | Path, family: str = "llama",
             cfg = layout.parse_config(raw, family, num_layers)
         except LayerIdError as err:
             raise ExportError(str(err)) from None
-        files = read_weight_files(directory)
-        problems = tensor_problems(files, layout.expected_tensors(cfg),
-                                   {n: s for n, s in layout.expected_tensors(cfg, True).items()
-                                    if n in OPTIONAL_TENSORS})
-        tensors = {layout.to_native_name(n): t for n, t in files.items()}
+    files = read_weight_files(directory)
+    expected = layout.expected_tensors(cfg, optional=True)
+    optional = {name: expected.pop(name) for name in OPTIONAL_TENSORS}  # no layer prefix
+    problems = tensor_problems(files, expected, optional)
+    tensors = {layout.to_native_name(n): t for n, t in files.items()}
     if problems:
         raise ExportError(f"{directory} is not a valid {layout_name} EAGLE-3 drafter:\n  - "
                           + "\n  - ".join(problems))

@@ -46,7 +46,7 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
     with stage_output(plan) as out:
         for split in SPLITS:
             rows = sorted(read_split(merged, split), key=lambda r: len(r["input_ids"]))
-            writer = ShardWriter(out, split, cfg.shard_tokens, meta)
+            writer = ShardWriter(out, split, cfg.shard_tokens)
             progress = Progress(f"extract {split}", total=len(rows), unit="sample")
             for start in range(0, len(rows), cfg.batch_size):
                 batch = rows[start:start + cfg.batch_size]

@@ -32,8 +32,8 @@ class Sample:
 
 
 class ShardWriter:
-    def __init__(self, root: str | Path, split: str, shard_tokens: int, meta: dict[str, Any]):
-        self.root, self.split, self.shard_tokens, self.meta = Path(root), split, shard_tokens, meta
+    def __init__(self, root: str | Path, split: str, shard_tokens: int):
+        self.root, self.split, self.shard_tokens = Path(root), split, shard_tokens
         self.shards: list[dict[str, Any]] = []
         self._pending: list[Sample] = []
         self._pending_tokens = 0
