@@ -59,8 +59,10 @@ def main() -> None:
 
         model = load_target_model(args.model_path)
         if args.speculative_draft_model_path:
-            engine = EmbeddedSpeculativeEngine.load(model, args.speculative_draft_model_path,
-                                                    args.speculative_num_steps or 3)
+            engine = EmbeddedSpeculativeEngine.load(
+                model, args.speculative_draft_model_path, args.speculative_num_steps or 3,
+                topk=args.speculative_eagle_topk or 1,
+                num_draft_tokens=args.speculative_num_draft_tokens)
         else:  # served without speculation: plain greedy decoding
             runner = TargetRunner(model, [0])
             plain = lambda ids, n: greedy_generate(runner, ids, n, eos)  # noqa: E731

@@ -7,12 +7,19 @@ import json
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.export.convert import export_drafter
 from draftsmith.extract.capture import HiddenStateCapture
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
-from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Generation, greedy_generate
+from draftsmith.serve.embedded import (
+    DraftTree,
+    EmbeddedSpeculativeEngine,
+    Generation,
+    Sampling,
+    greedy_generate,
+)
 from draftsmith.target import load_target_head_and_embedding, load_target_model
 
 AUX_IDS = [1, 3, 4]
@@ -162,3 +169,155 @@ def test_drafts_equal_drafting_from_scratch(engine, drafter, target_model, promp
     for tokens, drafts in calls:
         assert len(drafts) == NUM_STEPS
         assert drafts == scratch_drafts(drafter, target_model, tokens)
+
+
+# Tree drafting (eagle_topk > 1) --------------------------------------------------------------
+
+TREE_SHAPES = [(3, 2, 6), (3, 2, 7), (2, 3, 8), (4, 4, 12)]  # (num_steps, topk, num_draft_tokens)
+
+
+@pytest.fixture(scope="module")
+def exported_drafter(drafter, tmp_path_factory):
+    out = tmp_path_factory.mktemp("drafter-tree")
+    export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama", out)
+    return out
+
+
+def tree_engine(target_model, exported_drafter, steps: int, topk: int, budget: int):
+    return EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=steps,
+                                          topk=topk, num_draft_tokens=budget)
+
+
+@pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)
+def test_tree_generate_is_lossless(target_model, exported_drafter, prompts, steps, topk, budget):
+    engine = tree_engine(target_model, exported_drafter, steps, topk, budget)
+    try:
+        for prompt in prompts:
+            expected = greedy_generate(engine.runner, prompt, 20, None)
+            got = engine.generate(prompt, 20, None)
+            assert got.tokens == expected.tokens
+            check_bookkeeping(got, steps)
+    finally:
+        engine.runner.close()
+
+
+def test_tree_shape_follows_the_settings(target_model, exported_drafter, prompts):
+    engine = tree_engine(target_model, exported_drafter, 3, 2, 6)
+    try:
+        prompt = prompts[1]
+        cache = DynamicCache()
+        _, aux = engine.runner.forward(prompt[:-1], cache)
+        tree, _ = engine._draft_tree(prompt, aux, 0, None)
+        assert len(tree) == 5  # num_draft_tokens - 1: the root is the last known token
+        assert max(tree.depths) <= 3
+        for i, (parent, depth) in enumerate(zip(tree.parents, tree.depths, strict=True)):
+            assert parent < i + 1  # parents come first in verify order
+            assert depth == (1 if parent == 0 else tree.depths[parent - 1] + 1)
+        assert sum(1 for p in tree.parents if p == 0) <= 2  # at most topk children per node
+    finally:
+        engine.runner.close()
+
+
+def test_tree_with_topk_one_drafts_the_chain(target_model, exported_drafter, prompts):
+    engine = tree_engine(target_model, exported_drafter, 3, 1, 4)
+    try:
+        prompt = prompts[0]
+        cache = DynamicCache()
+        _, aux = engine.runner.forward(prompt[:-1], cache)
+        chain, _, _ = engine._draft(prompt, aux, 0, None, Sampling())
+        tree, _ = engine._draft_tree(prompt, aux, 0, None)
+        assert tree.tokens == chain and tree.parents == [0, 1, 2] and tree.depths == [1, 2, 3]
+    finally:
+        engine.runner.close()
+
+
+def path_logits(drafter: Eagle3Drafter, model, tokens: list[int], path: list[int]):
+    """The drafter's logits after feeding `path` (draft tokens after `tokens`) as a chain,
+    computed from scratch: what a tree node must equal, since it may only see its ancestors."""
+    n = len(tokens) - 1
+    ids = torch.tensor([tokens])
+    aux, _ = HiddenStateCapture(model, AUX_IDS)(ids[:, :n], torch.ones(1, n, dtype=torch.long))
+    with torch.no_grad():
+        hidden = drafter.project_aux(aux.clone())
+        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        out, logits, past = drafter.step(ids[:, 1:], hidden, torch.arange(n)[None], None, causal)
+        hidden, logits = out[:, -1:], logits[0, -1]
+        for j, token in enumerate(path, start=1):
+            out, step_logits, (k, v) = drafter.step(torch.tensor([[token]]), hidden,
+                                                    torch.tensor([[n - 1 + j]]), past, None)
+            past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
+            hidden, logits = out, step_logits[0, -1]
+    return logits  # [D]
+
+
+def test_tree_nodes_equal_drafting_their_path_from_scratch(target_model, exported_drafter,
+                                                           drafter, prompts):
+    """Every node is among the topk of the drafter's logits after its ancestors alone: the
+    tree attention mask lets no node see its cousins."""
+    topk = 3
+    engine = tree_engine(target_model, exported_drafter, 3, topk, 22)  # every candidate
+    try:
+        prompt = prompts[2]
+        cache = DynamicCache()
+        _, aux = engine.runner.forward(prompt[:-1], cache)
+        tree, _ = engine._draft_tree(prompt, aux, 0, None)
+        to_target = drafter.draft_to_target_ids()
+        assert max(tree.depths) == 3
+        for i, token in enumerate(tree.tokens, start=1):
+            path, node = [], tree.parents[i - 1]
+            while node:
+                path.insert(0, tree.tokens[node - 1])
+                node = tree.parents[node - 1]
+            logits = path_logits(drafter, target_model, prompt, path)
+            assert token in to_target[logits.topk(topk).indices].tolist(), (i, path)
+    finally:
+        engine.runner.close()
+
+
+def oracle_tree(engine, reference: list[int], prompt_len: int, true_branch: int):
+    """Wrap tree drafting: run it (so caches advance), but propose a tree in which the
+    target's greedy continuation is branch `true_branch` of two at every depth, with a wrong
+    sibling, so verification must pick the right child and keep non-adjacent cache rows."""
+    real = engine._draft_tree
+
+    def draft(tokens, aux, drafted_upto, cache):
+        _, cache = real(tokens, aux, drafted_upto, cache)
+        done = len(tokens) - prompt_len
+        truth = (reference[done:] + [0] * engine.num_steps)[: engine.num_steps]
+        nodes, parents, depths, parent = [], [], [], 0
+        for depth, token in enumerate(truth, start=1):
+            pair = [token, (token + 1) % 512]
+            if true_branch:
+                pair.reverse()
+            for candidate in pair:
+                nodes.append(candidate)
+                parents.append(parent)
+                depths.append(depth)
+            parent = len(nodes) - (1 - true_branch)  # verify index of the true token
+        return DraftTree(nodes, parents, depths), cache
+
+    return draft
+
+
+@pytest.mark.parametrize("true_branch", [0, 1])
+def test_tree_accepts_the_true_branch(target_model, exported_drafter, prompts, monkeypatch,
+                                      true_branch):
+    steps, max_new = 3, 21
+    engine = tree_engine(target_model, exported_drafter, steps, 2, 7)
+    try:
+        prompt = prompts[1]
+        reference = greedy_generate(engine.runner, prompt, max_new + steps, None).tokens
+        monkeypatch.setattr(engine, "_draft_tree",
+                            oracle_tree(engine, reference, len(prompt), true_branch))
+        got = engine.generate(prompt, max_new, None)
+        assert got.tokens == reference[:max_new]
+        assert got.round_tokens[:-1] == [steps + 1] * (len(got.round_tokens) - 1)
+        check_bookkeeping(got, steps)
+    finally:
+        engine.runner.close()
+
+
+def test_engine_refuses_an_impossible_tree(target_model, exported_drafter):
+    with pytest.raises(ValueError, match="num_draft_tokens=9: between 2 and 7"):
+        EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=2, topk=2,
+                                       num_draft_tokens=9)

@@ -9,6 +9,7 @@ import torch
 
 from draftsmith.export.convert import export_drafter
 from draftsmith.serve.embedded import (
+    DraftTree,
     EmbeddedSpeculativeEngine,
     Sampling,
     acceptance_probability,
@@ -101,3 +102,79 @@ def test_sampled_speculation_matches_plain_sampling(peaked_engine, prompts,  # n
     assert 0.2 * n < accepted_drafts < 2 * n  # both acceptance and rejection happened
     assert total_variation(spec, plain) < 1.5 * noise + 0.03, (noise, spec.most_common(4),
                                                                 plain.most_common(4))
+
+
+def target_top2_tree(engine):
+    """Tree drafting whose two branches at each node are the target's two likeliest tokens
+    there (depth 2, six nodes): sampled verification accepts often and rejects often."""
+    known: dict[tuple, list[int]] = {}  # few distinct contexts recur over many samples
+
+    def top2(context: list[int]) -> list[int]:
+        if tuple(context) not in known:
+            with torch.no_grad():
+                logits = engine.runner.model(input_ids=torch.tensor([context])).logits[0, -1]
+            known[tuple(context)] = logits.topk(2).indices.tolist()
+        return known[tuple(context)]
+
+    def draft(tokens, aux, drafted_upto, cache):
+
+        nodes, parents, depths = [], [], []
+        for first in top2(tokens):
+            nodes.append(first)
+            parents.append(0)
+            depths.append(1)
+            here = len(nodes)
+            for second in top2(tokens + [first]):
+                nodes.append(second)
+                parents.append(here)
+                depths.append(2)
+        return DraftTree(nodes, parents, depths), None
+
+    return draft
+
+
+def exact_pair_distribution(model, prompt: list[int], floor: float = 1e-6) -> dict:
+    """P(tokens 2, 3) of plain sampling at temperature 1, summed over token 1: exact up to
+    branches with probability below `floor`."""
+    def probs(context):
+        with torch.no_grad():
+            return torch.softmax(model(input_ids=torch.tensor([context])).logits[0, -1].float(), -1)
+
+    pairs: Counter = Counter()
+    p0 = probs(prompt)
+    for t0 in (p0 > floor).nonzero().flatten().tolist():
+        p1 = probs(prompt + [t0])
+        for t1 in (p0[t0] * p1 > floor).nonzero().flatten().tolist():
+            p2 = p0[t0] * p1[t1] * probs(prompt + [t0, t1])
+            for t2 in (p2 > floor).nonzero().flatten().tolist():
+                pairs[(t1, t2)] += float(p2[t2])
+    return pairs
+
+
+def test_sampled_tree_speculation_matches_plain_sampling(peaked_engine, prompts,  # noqa: F811
+                                                         monkeypatch):
+    """Tree verification draws each token from the target and follows the matching child;
+    tokens 2 and 3 (both from verify rounds) keep plain sampling's joint distribution: their
+    distance to the exact distribution is no larger than that of plain samples of that size."""
+    monkeypatch.setattr(peaked_engine, "topk", 2)
+    monkeypatch.setattr(peaked_engine, "_draft_tree", target_top2_tree(peaked_engine))
+    prompt, n = prompts[0], 200
+    exact = exact_pair_distribution(peaked_engine.runner.model, prompt)
+    assert sum(exact.values()) > 0.99
+    spec: Counter = Counter()
+    accepted_drafts = 0
+    for i in range(n):
+        gen = peaked_engine.generate(prompt, 3, None, Sampling(1.0, seed=i))
+        spec[tuple(gen.tokens[1:3])] += 1
+        accepted_drafts += sum(gen.round_tokens) - len(gen.round_tokens)
+    outcomes = list(exact)
+    weights = torch.tensor([exact[o] for o in outcomes])
+    generator = torch.Generator().manual_seed(0)
+    noise = sorted(  # the distance plain samples of size n keep from the exact distribution
+        total_variation(Counter({outcomes[j]: c for j, c in enumerate(
+            torch.bincount(torch.multinomial(weights, n, True, generator=generator),
+                           minlength=len(outcomes)).tolist()) if c}), exact)
+        for _ in range(400))[int(0.99 * 400)]
+    assert 0.2 * n < accepted_drafts < 2 * n  # both acceptance and rejection happened
+    assert total_variation(spec, exact) <= noise, (noise, spec.most_common(4),
+                                                   exact.most_common(4))

@@ -36,7 +36,8 @@ def load_embedded_engine(deployment: Descriptor, target_cfg: TargetConfig):
     spec = json.loads((Path(deployment.path) / DEPLOYMENT_FILE).read_text())
     model = load_target_model(spec["target_path"], target_cfg.device, target_cfg.dtype)
     engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], spec["num_steps"],
-                                            spec["target_family"])
+                                            spec["target_family"], spec["eagle_topk"],
+                                            spec["num_draft_tokens"])
     return engine, spec
 
 
@@ -59,7 +60,8 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
             "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens}
     model = load_target_model(target.path, target_cfg.device, target_cfg.dtype)
     engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], cfg.num_steps,
-                                            spec["target_family"])
+                                            spec["target_family"], cfg.eagle_topk,
+                                            cfg.num_draft_tokens)
     tokenizer = load_tokenizer(target)
     rows = read_split(merged, "validation") or read_split(merged, "train")
     prompt = prompt_ids(tokenizer, rows[0]["messages"])
@@ -81,8 +83,9 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
         )
     with stage_output(plan) as out:
         atomic_write_json(out / DEPLOYMENT_FILE, spec)
-    log.info("deploy: embedded engine ready (drafter %s, %d steps); smoke generation of %d "
-             "tokens matched greedy, acceptance length %.2f", spec["drafter_dir"], cfg.num_steps,
+    log.info("deploy: embedded engine ready (drafter %s, %s); smoke generation of %d "
+             "tokens matched greedy, acceptance length %.2f", spec["drafter_dir"],
+             drafting_label(cfg.num_steps, cfg.eagle_topk, cfg.num_draft_tokens),
              len(speculative.tokens), speculative.acceptance_length)
     return finish_stage(plan, figures={
         **spec, "smoke_acceptance_length": round(speculative.acceptance_length, 3)})
@@ -139,6 +142,16 @@ def run_deploy_sglang(cfg: DeployConfig, target_cfg: TargetConfig, exported: Des
                                                  "version": info.get("version")})
     return finish_stage(plan, figures={"engine": "sglang", "url": launch.url,
                                        "drafter_dir": drafter_dir, "num_steps": cfg.num_steps})
+
+
+def drafting_label(num_steps: int | None, eagle_topk: int | None,
+                   num_draft_tokens: int | None) -> str:
+    """How a drafting config reads in logs, tables and charts."""
+    if num_steps is None:
+        return "engine defaults"
+    if eagle_topk == 1:
+        return f"chain, {num_steps} steps"
+    return f"tree, {num_steps} steps, topk {eagle_topk}, {num_draft_tokens} draft tokens"
 
 
 def visible_gpus() -> list[str] | None:

@@ -1,7 +1,9 @@
 """An in-process speculative decoder: a transformers target + an exported EAGLE-3 drafter.
 
-Chain drafting, greedy verification, KV caches for both models. It loads the drafter from the
-exported SGLang files (never from training memory), so what it measures is what gets shipped.
+Chain and tree drafting, KV caches for both models, greedy verification (token for token plain
+greedy decoding) and sampled verification (each token distributed as the target's own
+sampling). It loads the drafter from the exported files (never from training memory), so what
+it measures is what gets shipped.
 
 One round, with tokens x_0..x_n known and the target's aux states known for positions 0..n-1:
   1. drafter step 0 over the new anchors t (aux state t, embedding of token t+1); its cache
@@ -9,6 +11,14 @@ One round, with tokens x_0..x_n known and the target's aux states known for posi
   2. steps 1..k-1 draft d_2..d_k, each feeding its own output hidden and the previous draft.
   3. the target verifies [x_n, d_1..d_k] in one forward; the longest prefix of drafts equal to
      the target's argmax is accepted, plus the target's own next token (the bonus).
+
+Tree drafting (eagle_topk > 1) follows SGLang's EAGLE: every step expands the topk best
+frontier nodes into topk children each, scored by cumulative draft log-probability; the
+num_draft_tokens - 1 best nodes of all steps form the tree, which the target verifies in one
+forward with a tree attention mask. Verification walks down from the root: at each node the
+target picks its token (argmax, or a draw at the temperature) and the walk follows the child
+holding that token; the first pick with no such child is the bonus. Every emitted token is the
+target's own pick, so tree decoding is lossless greedy and distribution-preserving sampled.
 """
 
 from __future__ import annotations
@@ -104,25 +114,73 @@ class TargetRunner:
         return hook
 
     @torch.inference_mode()
-    def forward(self, input_ids: list[int], cache: DynamicCache):
-        """Returns logits [T, V] and aux states [1, T, K*H] for the new tokens."""
+    def forward(self, input_ids: list[int], cache: DynamicCache,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None):
+        """Returns logits [T, V] and aux states [1, T, K*H] for the new tokens. position_ids
+        [1, T] and a boolean attention_mask [1, 1, T, S+T] verify a tree; both default to the
+        causal continuation of the cache."""
         ids = torch.tensor([input_ids], device=self.model.device)  # [1, T]
-        logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache}).logits
+        extra = {} if position_ids is None else {"position_ids": position_ids,
+                                                 "attention_mask": attention_mask}
+        logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
+                            **extra).logits
         aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)  # [1, T, K*H]
         return logits[0], aux  # [T, V], [1, T, K*H]
 
 
+@dataclass
+class DraftTree:
+    """Drafted nodes in verify order (parents before children). Node i sits at index i + 1 of
+    the verify forward, after the root (the last known token)."""
+
+    tokens: list[int]
+    parents: list[int]  # verify index of each node's parent (0: the root)
+    depths: list[int]  # 1 for the root's children
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def children(self) -> list[dict[int, int]]:
+        """Per verify index, the child's verify index by token."""
+        kids: list[dict[int, int]] = [{} for _ in range(len(self) + 1)]
+        for i, (token, parent) in enumerate(zip(self.tokens, self.parents, strict=True)):
+            kids[parent].setdefault(token, i + 1)
+        return kids
+
+    def attention(self, prefix: int, device) -> torch.Tensor:
+        """Boolean mask [1, 1, N+1, prefix+N+1]: the root and every node see the cached prefix,
+        their ancestors and themselves."""
+        size = len(self) + 1
+        visible = torch.eye(size, dtype=torch.bool)  # [N+1, N+1]
+        for i, parent in enumerate(self.parents, start=1):
+            visible[i] |= visible[parent]
+        cached = torch.ones(size, prefix, dtype=torch.bool)  # [N+1, prefix]
+        return torch.cat([cached, visible], dim=1)[None, None].to(device)  # [1, 1, N+1, S]
+
+
 class EmbeddedSpeculativeEngine:
-    def __init__(self, target_model, drafter: Eagle3Drafter, num_steps: int):
+    def __init__(self, target_model, drafter: Eagle3Drafter, num_steps: int, topk: int = 1,
+                 num_draft_tokens: int | None = None):
+        if topk < 1 or num_steps < 1:
+            raise ValueError(f"num_steps={num_steps} and topk={topk} must be at least 1")
+        budget = topk + (num_steps - 1) * topk**2
+        num_draft_tokens = num_draft_tokens or (num_steps + 1 if topk == 1 else budget + 1)
+        if not 2 <= num_draft_tokens <= budget + 1:
+            raise ValueError(f"num_draft_tokens={num_draft_tokens}: between 2 and {budget + 1} "
+                             f"with num_steps={num_steps} and topk={topk}")
         self.drafter = drafter.eval()
         self.runner = TargetRunner(target_model, drafter.config.aux_layer_ids)
         self.num_steps = num_steps
+        self.topk = topk
+        self.num_draft_tokens = num_draft_tokens
         self.device = target_model.device
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
 
     @classmethod
-    def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama"):
+    def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
+             topk: int = 1, num_draft_tokens: int | None = None):
         """Load the drafter from exported files (any layout, validated on read); the
         embedding is the target's."""
         checkpoint = read_drafter(drafter_dir, family)
@@ -131,14 +189,18 @@ class EmbeddedSpeculativeEngine:
         state["embed_tokens.weight"] = decoder_of(target_model).embed_tokens.weight.detach()
         drafter.load_state_dict(state, strict=True)
         dtype = next(target_model.parameters()).dtype
-        return cls(target_model, drafter.to(target_model.device, dtype), num_steps)
+        return cls(target_model, drafter.to(target_model.device, dtype), num_steps, topk,
+                   num_draft_tokens)
+
+    @property
+    def is_tree(self) -> bool:
+        return self.topk > 1
 
     @torch.inference_mode()
-    def _draft(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache,
-               sampling: Sampling):
-        """Run step 0 over anchors drafted_upto..n-1, then the chain. Returns the drafts, the
-        draft distributions over the target vocab (sampling only) and the drafter's step-0
-        cache extended with the new anchors."""
+    def _anchor_step(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache):
+        """Drafter step 0 over the new anchors drafted_upto..n-1. Returns the last anchor's
+        output [1, 1, H] and logits [D] (they draft the token after x_n) and the step-0 cache
+        extended with the new anchors (kept across rounds)."""
         n = len(tokens) - 1
         dev = self.device
         new = n - drafted_upto
@@ -151,6 +213,16 @@ class EmbeddedSpeculativeEngine:
         out, logits, (k, v) = self.drafter.step(ids, hidden, positions, cache, mask)
         cache = (k, v) if cache is None else (torch.cat([cache[0], k], 2),
                                               torch.cat([cache[1], v], 2))
+        return out[:, -1:], logits[0, -1], cache
+
+    @torch.inference_mode()
+    def _draft(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache,
+               sampling: Sampling):
+        """Step 0, then the chain. Returns the drafts, the draft distributions over the target
+        vocab (sampling only) and the drafter's step-0 cache."""
+        n = len(tokens) - 1
+        dev = self.device
+        hidden, logits, cache = self._anchor_step(tokens, aux, drafted_upto, cache)
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
 
@@ -163,16 +235,81 @@ class EmbeddedSpeculativeEngine:
             draft_probs.append(q)
             drafts.append(sampling.draw(q))
 
-        choose(logits[0, -1])
-        hidden, chain_kv = out[:, -1:], cache
+        choose(logits)
+        chain_kv = cache
         for j in range(1, self.num_steps):
-            out, logits, (k, v) = self.drafter.step(
+            out, step_logits, (k, v) = self.drafter.step(
                 torch.tensor([[drafts[-1]]], device=dev), hidden,
                 torch.tensor([[n - 1 + j]], device=dev), chain_kv, None)
             chain_kv = (torch.cat([chain_kv[0], k], 2), torch.cat([chain_kv[1], v], 2))
-            choose(logits[0, -1])
+            choose(step_logits[0, -1])
             hidden = out
         return drafts, draft_probs, cache
+
+    @torch.inference_mode()
+    def _draft_tree(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache):
+        """Step 0, then num_steps - 1 expansions of the topk best frontier nodes. Returns the
+        tree of the num_draft_tokens - 1 best nodes and the drafter's step-0 cache."""
+        n = len(tokens) - 1
+        dev, k = self.device, self.topk
+        anchor_out, logits, cache = self._anchor_step(tokens, aux, drafted_upto, cache)
+        # Candidates are kept as flat lists; parent -1 is the root.
+        scores: list[float] = []
+        cand_tokens: list[int] = []
+        cand_parents: list[int] = []
+        cand_depths: list[int] = []
+
+        def add(parent: int, depth: int, base: float, step_logits: torch.Tensor) -> list[int]:
+            logp, ids = torch.log_softmax(step_logits.float(), -1).topk(k)  # [k], [k]
+            added = []
+            for lp, i in zip(logp.tolist(), ids.tolist(), strict=True):
+                added.append(len(scores))
+                scores.append(base + lp)
+                cand_tokens.append(int(self.draft_to_target[i]))
+                cand_parents.append(parent)
+                cand_depths.append(depth)
+            return added
+
+        frontier = add(-1, 1, 0.0, logits)
+        frontier_hidden = anchor_out.expand(1, k, -1)  # [1, k, H]: every child of the anchor
+        fed: list[int] = []  # candidate fed at each column of tree_kv
+        tree_kv = None
+        for depth in range(2, self.num_steps + 1):
+            columns = fed + frontier
+            visible = torch.zeros(len(frontier), len(columns), dtype=torch.bool)  # [F, M+F]
+            for row, node in enumerate(frontier):
+                ancestor = node
+                while ancestor != -1:
+                    visible[row, columns.index(ancestor)] = True
+                    ancestor = cand_parents[ancestor]
+            mask = torch.cat([torch.ones(len(frontier), n, dtype=torch.bool), visible],
+                             dim=1)[None, None].to(dev)  # [1, 1, F, n+M+F]
+            past = cache if tree_kv is None else (torch.cat([cache[0], tree_kv[0]], 2),
+                                                  torch.cat([cache[1], tree_kv[1]], 2))
+            ids = torch.tensor([[cand_tokens[c] for c in frontier]], device=dev)  # [1, F]
+            positions = torch.full((1, len(frontier)), n - 2 + depth, device=dev)  # [1, F]
+            out, step_logits, (key, value) = self.drafter.step(ids, frontier_hidden, positions,
+                                                               past, mask)
+            tree_kv = (key, value) if tree_kv is None else (torch.cat([tree_kv[0], key], 2),
+                                                            torch.cat([tree_kv[1], value], 2))
+            fed += frontier
+            children = []
+            for row, node in enumerate(frontier):
+                children += add(node, depth, scores[node], step_logits[0, row])
+            best = sorted(children, key=lambda c: -scores[c])[:k]
+            frontier_hidden = out[:, [children.index(c) // k for c in best]]  # [1, k, H]
+            frontier = best
+        # The best nodes of all steps; a parent scores at least as high as its children, and
+        # ties go to the shallower node, so every chosen node's parent is chosen too.
+        chosen = sorted(range(len(scores)), key=lambda c: (-scores[c], cand_depths[c]))
+        chosen = sorted(chosen[: self.num_draft_tokens - 1], key=lambda c: (cand_depths[c], c))
+        verify_index = {c: i + 1 for i, c in enumerate(chosen)}
+        tree = DraftTree(
+            tokens=[cand_tokens[c] for c in chosen],
+            parents=[0 if cand_parents[c] == -1 else verify_index[cand_parents[c]]
+                     for c in chosen],
+            depths=[cand_depths[c] for c in chosen])
+        return tree, cache
 
     def generate(self, prompt: list[int], max_new_tokens: int, eos_id: int | None,
                  sampling: Sampling | None = None) -> Generation:
@@ -187,19 +324,31 @@ class EmbeddedSpeculativeEngine:
         drafter_cache, drafted_upto = None, 0
         while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_id:
             n = len(tokens) - 1
-            drafts, draft_probs, drafter_cache = self._draft(tokens, aux, drafted_upto,
-                                                             drafter_cache, sampling)
+            if self.is_tree:
+                tree, drafter_cache = self._draft_tree(tokens, aux, drafted_upto, drafter_cache)
+                positions = torch.tensor([[n] + [n + d for d in tree.depths]],
+                                         device=self.device)  # [1, N+1]
+                logits, new_aux = self.runner.forward([tokens[n], *tree.tokens], cache,
+                                                      positions, tree.attention(n, self.device))
+                path, next_token = self._verify_tree(tree, logits, sampling)
+                kept = [0, *path]
+                _keep_cache_positions(cache, list(range(n)) + [n + i for i in kept])
+                accepted_tokens = [tree.tokens[i - 1] for i in path]
+            else:
+                drafts, draft_probs, drafter_cache = self._draft(tokens, aux, drafted_upto,
+                                                                 drafter_cache, sampling)
+                logits, new_aux = self.runner.forward([tokens[n], *drafts], cache)  # [k+1, V]
+                accepted, next_token = self._verify(drafts, draft_probs, logits, sampling)
+                kept = list(range(accepted + 1))
+                if len(drafts) > accepted:
+                    cache.crop(accepted - len(drafts))  # negative: drop the rejected drafts
+                accepted_tokens = drafts[:accepted]
             drafted_upto = n
-            logits, new_aux = self.runner.forward([tokens[n], *drafts], cache)  # [k+1, V]
-            accepted, next_token = self._verify(drafts, draft_probs, logits, sampling)
-            produced = _truncate([*drafts[:accepted], next_token],
+            produced = _truncate([*accepted_tokens, next_token],
                                  max_new_tokens - (len(tokens) - len(prompt)), eos_id)
             tokens += produced
             result.round_tokens.append(len(produced))
-            aux = torch.cat([aux, new_aux[:, : accepted + 1]], dim=1)  # [1, n+a+1, K*H]
-            rejected = len(drafts) - accepted
-            if rejected:
-                cache.crop(-rejected)  # negative: drop that many positions from the end
+            aux = torch.cat([aux, new_aux[:, kept]], dim=1)  # [1, n+a+1, K*H]
         result.tokens = _truncate(tokens[len(prompt):], max_new_tokens, eos_id)
         result.seconds = time.perf_counter() - started
         return result
@@ -220,6 +369,32 @@ class EmbeddedSpeculativeEngine:
             if sampling.uniform() >= acceptance_probability(p[i], q, token):
                 return i, sampling.draw(residual_distribution(p[i], q))
         return len(drafts), sampling.draw(p[len(drafts)])
+
+    @staticmethod
+    def _verify_tree(tree: DraftTree, logits: torch.Tensor,
+                     sampling: Sampling) -> tuple[list[int], int]:
+        """(verify indices of the accepted path, the target's own next token). logits
+        [N+1, V]: row i is the target's prediction after verify index i."""
+        children = tree.children()
+        path: list[int] = []
+        node = 0
+        while True:
+            token = sampling.pick(logits[node])
+            child = children[node].get(token)
+            if child is None:
+                return path, token
+            path.append(child)
+            node = child
+
+
+def _keep_cache_positions(cache: DynamicCache, keep: list[int]) -> None:
+    """Keep only these positions of every layer of the target's KV cache (the accepted path
+    of a verified tree)."""
+    index = torch.tensor(keep)
+    for layer in cache.layers:
+        index = index.to(layer.keys.device)
+        layer.keys = layer.keys[..., index, :]
+        layer.values = layer.values[..., index, :]
 
 
 def greedy_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,

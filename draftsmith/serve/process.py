@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import threading
@@ -42,6 +43,8 @@ class ManagedProcess:
     def _stream(self) -> None:
         assert self.process and self.process.stdout
         with open(self.log_file, "a", buffering=1) as sink:
+            # The exact command heads its log: what ran is never a guess when reading it later.
+            sink.write(f"$ {shlex.join(self.argv)}\n")
             for line in self.process.stdout:
                 line = line.rstrip("\n")
                 sink.write(line + "\n")
