@@ -123,6 +123,42 @@ class FixKeysConfig(StrictModel):
     speculative_tokens: int = Field(3, ge=1, description="Written into a speculators config.")
 
 
+def check_drafting(where: str, num_steps: int, eagle_topk: int, num_draft_tokens: int) -> None:
+    """SGLang's constraints on a drafting config, checked before anything is launched."""
+    if eagle_topk == 1 and num_draft_tokens != num_steps + 1:
+        raise ValueError(
+            f"{where}.num_draft_tokens={num_draft_tokens} with eagle_topk=1: chain "
+            f"drafting needs num_draft_tokens = num_steps + 1 = {num_steps + 1}."
+        )
+    budget = eagle_topk + (num_steps - 1) * eagle_topk**2
+    if num_draft_tokens - 1 > budget:
+        raise ValueError(
+            f"{where}.num_draft_tokens={num_draft_tokens}: at most {budget + 1} with "
+            f"num_steps={num_steps} and eagle_topk={eagle_topk} (SGLang crashes on "
+            "the first request otherwise)."
+        )
+
+
+class DraftingPoint(StrictModel):
+    """One drafting config of a benchmark sweep (SGLang's three speculative flags)."""
+
+    num_steps: int = Field(ge=1)
+    eagle_topk: int = Field(ge=1)
+    num_draft_tokens: int = Field(ge=2)
+
+    @model_validator(mode="after")
+    def _check(self) -> DraftingPoint:
+        check_drafting("benchmark.sweep[]", self.num_steps, self.eagle_topk,
+                       self.num_draft_tokens)
+        return self
+
+    @property
+    def label(self) -> str:
+        if self.eagle_topk == 1:
+            return f"chain {self.num_steps}"
+        return f"tree {self.num_steps}x{self.eagle_topk}/{self.num_draft_tokens}"
+
+
 class DeployConfig(StrictModel):
     engine: Literal["embedded", "sglang"] = "embedded"
     speculative_algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
@@ -169,18 +205,7 @@ class DeployConfig(StrictModel):
                 raise ValueError("deploy: the embedded engine needs num_steps, eagle_topk and "
                                  "num_draft_tokens")
             return self
-        if self.eagle_topk == 1 and self.num_draft_tokens != self.num_steps + 1:
-            raise ValueError(
-                f"deploy.num_draft_tokens={self.num_draft_tokens} with eagle_topk=1: chain "
-                f"drafting needs num_draft_tokens = num_steps + 1 = {self.num_steps + 1}."
-            )
-        budget = self.eagle_topk + (self.num_steps - 1) * self.eagle_topk**2
-        if self.num_draft_tokens - 1 > budget:
-            raise ValueError(
-                f"deploy.num_draft_tokens={self.num_draft_tokens}: at most {budget + 1} with "
-                f"num_steps={self.num_steps} and eagle_topk={self.eagle_topk} (SGLang crashes on "
-                "the first request otherwise)."
-            )
+        check_drafting("deploy", self.num_steps, self.eagle_topk, self.num_draft_tokens)
         return self
 
 
@@ -196,6 +221,10 @@ class BenchmarkConfig(StrictModel):
     baseline: bool = Field(True, description=(
         "Served endpoints: also measure the target without speculation on the same GPUs "
         "(stops the speculative server first)."))
+    sweep: list[DraftingPoint] = Field(default_factory=list, description=(
+        "More drafting configs to compare with the deployed one, e.g. num_draft_tokens "
+        "16/10/5 and topk 1 vs 4. Each point gets its own deploy and its own cached result, so "
+        "an interrupted sweep resumes at the first point not yet measured."))
 
 
 class PipelineConfig(StrictModel):

@@ -179,19 +179,29 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         assert again["benchmark"]["state"] == "Cached"
         assert again["deploy"]["descriptor"] == results["deploy"]["descriptor"]
 
-        # With a baseline: the speculative server makes way for the target alone on the same
-        # port (and GPUs), and the verdict compares the two.
+        # With a baseline and a drafting sweep: the speculative server makes way, on the same
+        # port (and GPUs), for a server per sweep point and then the target alone, and the
+        # verdict compares them.
         raw["deploy"]["keep_serving"] = False
-        raw["benchmark"]["baseline"] = True
+        raw["benchmark"].update(baseline=True, sweep=[
+            {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}])
         final = run_pipeline(raw)
         figures = final["benchmark"]["descriptor"]["figures"]
         assert figures["baseline_single_stream_tokens_per_s"] > 0 and figures["speedup"] > 0
         assert "speculation pays" in figures["verdict"] or "WARNING" in figures["verdict"]
+        assert figures["best_config"] in ("chain, 3 steps", "tree 2x2/4")
         bench_dir = Path(final["benchmark"]["descriptor"]["path"])
-        rows = json.loads((bench_dir / "report.json").read_text())["rows"]
-        assert [(r["server"], r["concurrency"]) for r in rows] == [
-            ("speculative", 1), ("speculative", 2), ("baseline", 1), ("baseline", 2)]
-        assert all("acceptance_length" not in r for r in rows if r["server"] == "baseline")
+        report = json.loads((bench_dir / "report.json").read_text())
+        assert [(r["server"], r["concurrency"]) for r in report["rows"]] == [
+            ("chain, 3 steps", 1), ("chain, 3 steps", 2), ("tree 2x2/4", 1), ("tree 2x2/4", 2),
+            ("baseline", 1), ("baseline", 2)]
+        assert all("acceptance_length" not in r for r in report["rows"]
+                   if r["server"] == "baseline")
+        tree = report["configs"][1]
+        assert (tree["eagle_topk"], tree["num_draft_tokens"]) == (2, 4)
+        assert tree["acceptance_length"] > 1.0 and tree["speedup"] > 0
+        point_log = next(bench_dir.parent.parent.glob("benchmark-point/*/server.log"))
+        assert "--speculative-eagle-topk 2" in " ".join(point_log.read_text().split())
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:

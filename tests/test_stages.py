@@ -212,3 +212,53 @@ def test_sampled_benchmark_compares_speed_without_demanding_identity(chain, rand
     assert bench.figures["lossless"] is None and bench.figures["temperature"] == 0.8
     assert bench.figures["identical_outputs"].startswith("n/a")
     assert bench.figures["acceptance_length"] >= 1.0
+
+
+def test_benchmark_sweep_measures_each_drafting_config_once(chain, random_target,
+                                                            random_target_dir, tmp_path,
+                                                            monkeypatch):
+    """Each sweep point is measured with its own engine settings, lossless, and kept as its
+    own finished directory: a rerun (or a longer sweep) measures only points not seen yet."""
+    from draftsmith.bench import benchmark as bench_module
+
+    measured: list[tuple] = []
+    real = bench_module.measure_embedded
+
+    def counting(engine, prompts, cfg, eos, label):
+        measured.append((label, engine.num_steps, engine.topk, engine.num_draft_tokens))
+        return real(engine, prompts, cfg, eos, label)
+
+    monkeypatch.setattr(bench_module, "measure_embedded", counting)
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    tree = {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 5}
+    chain3 = {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}
+
+    def run(points, name):
+        cfg = BenchmarkConfig(num_prompts=2, max_new_tokens=10, sweep=points)
+        plan = plan_stage(tmp_path, "benchmark", {"run": name}, [chain["deploy"]])
+        return bench_module.run_benchmark(cfg, target_cfg, chain["deploy"], chain["merge"],
+                                          random_target, plan)
+
+    first = run([tree], "first")
+    assert measured == [("chain, 2 steps", 2, 1, 3), ("tree 2x2/5", 2, 2, 5)]
+    report = json.loads((first.dir / "report.json").read_text())
+    assert [c["config"] for c in report["configs"]] == ["chain, 2 steps", "tree 2x2/5"]
+    assert all(c["lossless"] for c in report["configs"]) and first.figures["lossless"] is True
+    assert first.figures["best_config"] in ("chain, 2 steps", "tree 2x2/5")
+    assert "## Drafting configs" in (first.dir / "report.md").read_text()
+    assert len(list((tmp_path / "benchmark-point").glob("*/manifest.json"))) == 1
+
+    measured.clear()
+    second = run([tree, chain3], "second")
+    # The deployed config is measured again (it is this stage's own result); of the sweep
+    # only the new point is.
+    assert measured == [("chain, 2 steps", 2, 1, 3), ("chain 3", 3, 1, 4)]
+    report = json.loads((second.dir / "report.json").read_text())
+    assert [c["config"] for c in report["configs"]] == ["chain, 2 steps", "tree 2x2/5", "chain 3"]
+
+
+def test_sweep_points_are_checked_like_a_deploy():
+    with pytest.raises(ValueError, match="num_draft_tokens=9: at most 7"):
+        BenchmarkConfig(sweep=[{"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 9}])
+    with pytest.raises(ValueError, match="chain drafting needs num_draft_tokens"):
+        BenchmarkConfig(sweep=[{"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 3}])

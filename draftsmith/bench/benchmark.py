@@ -18,11 +18,12 @@ from draftsmith.artifacts import (
     stage_output,
 )
 from draftsmith.bench.charts import plot_benchmark
-from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
+from draftsmith.bench.sweep import measure_sweep
+from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
 from draftsmith.data.merge import read_split
 from draftsmith.progress import Progress
-from draftsmith.serve.deploy import load_embedded_engine, prompt_ids
-from draftsmith.serve.embedded import Sampling, greedy_generate
+from draftsmith.serve.deploy import drafting_label, load_embedded_engine, prompt_ids
+from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Sampling, greedy_generate
 from draftsmith.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -36,25 +37,17 @@ def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> lis
     return [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
 
 
-def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
-                  merged: Descriptor, target: Descriptor, plan: StagePlan,
-                  deploy_cfg: DeployConfig | None = None) -> Descriptor:
-    if deployment.figures["engine"] == "sglang":
-        return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
-                                      target_cfg, deployment, merged, target, plan)
-    engine, spec = load_embedded_engine(deployment, target_cfg)
-    tokenizer = load_tokenizer(target)
-    prompts = held_out_prompts(cfg, merged, tokenizer)
-    eos = tokenizer.eos_token_id
+def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
+                     eos: int | None, label: str) -> tuple[dict, list[dict]]:
+    """Speculative vs plain decoding of every prompt with the same target. Greedy: outputs
+    must be identical to plain greedy decoding. Sampled: each token is distributed as the
+    target's own sampling, so outputs differ and only speed is compared."""
     for prompt in prompts[: cfg.warmup_prompts]:
         engine.generate(prompt, cfg.max_new_tokens, eos)
         greedy_generate(engine.runner, prompt, cfg.max_new_tokens, eos)
-
-    # Greedy: outputs must be identical to plain greedy decoding. Sampled: each token is
-    # distributed as the target's own sampling, so outputs differ and only speed is compared.
     sampled = cfg.temperature > 0
     per_prompt = []
-    progress = Progress("benchmark", total=len(prompts), unit="prompt")
+    progress = Progress(f"benchmark {label}", total=len(prompts), unit="prompt")
     for i, prompt in enumerate(prompts):
         speculative = engine.generate(prompt, cfg.max_new_tokens, eos,
                                       Sampling(cfg.temperature, seed=i))
@@ -80,43 +73,96 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     greedy_tps = sum(p["plain_tokens"] for p in per_prompt) / sum(p["greedy_s"] for p in per_prompt)
     lossless = None if sampled else all(p["identical"] for p in per_prompt)
     summary = {
-        "engine": spec["engine"], "num_steps": spec["num_steps"], "prompts": len(per_prompt),
+        "config": label, "num_steps": engine.num_steps, "eagle_topk": engine.topk,
+        "num_draft_tokens": engine.num_draft_tokens, "prompts": len(per_prompt),
+        "completion_tokens": spec_tokens,
         "acceptance_length": round(acceptance, 3),
         "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
         "speedup": round(spec_tps / greedy_tps, 3), "lossless": lossless,
-        "temperature": cfg.temperature,
         "identical_outputs": (f"n/a (sampled at temperature {cfg.temperature})" if sampled else
                               f"{sum(p['identical'] for p in per_prompt)}/{len(per_prompt)}"),
-        # Token identity with one-token greedy decoding is exact only in float32 (see deploy).
-        "target_dtype": target_cfg.dtype,
     }
-    verdict = (f"speculation is {summary['speedup']:.2f}x plain greedy decoding"
-               if summary["speedup"] >= 1 else
-               f"WARNING: speculation is slower than plain decoding ({summary['speedup']:.2f}x)")
-    with stage_output(plan) as out:
-        atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
-                                                "per_prompt": per_prompt})
-        (out / "report.md").write_text(markdown_report(summary, verdict))
-        plot_benchmark(["greedy", f"speculative ({spec['num_steps']} steps)"],
-                       [greedy_tps, spec_tps], [None, acceptance], out,
-                       f"embedded engine, {len(per_prompt)} held-out prompts")
-    log.info("benchmark: acceptance length %.2f, %.1f tok/s speculative vs %.1f greedy, "
-             "lossless %s; %s", acceptance, spec_tps, greedy_tps, lossless, verdict)
     if lossless is False:
         bad = [i for i, p in enumerate(per_prompt) if not p["identical"]]
-        log.error("benchmark: outputs differ from greedy decoding on prompts %s", bad)
-    return finish_stage(plan, counts={"prompts": len(per_prompt), "tokens": spec_tokens},
+        log.error("benchmark %s: outputs differ from greedy decoding on prompts %s", label, bad)
+    return summary, per_prompt
+
+
+def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
+                  merged: Descriptor, target: Descriptor, plan: StagePlan,
+                  deploy_cfg: DeployConfig | None = None) -> Descriptor:
+    if deployment.figures["engine"] == "sglang":
+        return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
+                                      target_cfg, deployment, merged, target, plan)
+    engine, spec = load_embedded_engine(deployment, target_cfg)
+    tokenizer = load_tokenizer(target)
+    prompts = held_out_prompts(cfg, merged, tokenizer)
+    eos = tokenizer.eos_token_id
+    deployed = drafting_label(spec["num_steps"], spec["eagle_topk"], spec["num_draft_tokens"])
+    summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, deployed)
+
+    def measure_point(point: DraftingPoint, _out: Path) -> dict:
+        point_engine = EmbeddedSpeculativeEngine(
+            engine.runner.model, engine.drafter, point.num_steps, point.eagle_topk,
+            point.num_draft_tokens)
+        try:
+            return measure_embedded(point_engine, prompts, cfg, eos, point.label)[0]
+        finally:
+            point_engine.runner.close()
+
+    material = {"engine": "embedded", "drafter_dir": spec["drafter_dir"],
+                "target_dtype": target_cfg.dtype}
+    points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
+    configs = [summary, *points]
+    best = max((c for c in configs if c["lossless"] is not False), key=lambda c: c["speedup"],
+               default=summary)
+    summary = {"engine": spec["engine"], **summary, "temperature": cfg.temperature,
+               # Token identity with one-token greedy decoding is exact only in float32.
+               "target_dtype": target_cfg.dtype}
+    if points:
+        summary["best_config"] = best["config"]
+        summary["lossless"] = (None if summary["lossless"] is None
+                               else all(c["lossless"] for c in configs))
+    verdict = (f"speculation is {best['speedup']:.2f}x plain greedy decoding ({best['config']})"
+               if best["speedup"] >= 1 else
+               f"WARNING: speculation is slower than plain decoding ({best['speedup']:.2f}x "
+               f"at best, {best['config']})")
+    with stage_output(plan) as out:
+        atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
+                                                "configs": configs, "per_prompt": per_prompt})
+        (out / "report.md").write_text(markdown_report(summary, verdict, configs))
+        plot_benchmark(["greedy", *(c["config"] for c in configs)],
+                       [configs[0]["greedy_tokens_per_s"],
+                        *(c["speculative_tokens_per_s"] for c in configs)],
+                       [None, *(c["acceptance_length"] for c in configs)], out,
+                       f"embedded engine, {len(per_prompt)} held-out prompts")
+    log.info("benchmark: acceptance length %.2f, %.1f tok/s speculative vs %.1f greedy, "
+             "lossless %s; %s", summary["acceptance_length"],
+             summary["speculative_tokens_per_s"], summary["greedy_tokens_per_s"],
+             summary["lossless"], verdict)
+    return finish_stage(plan, counts={"prompts": len(per_prompt),
+                                      "tokens": summary["completion_tokens"]},
                         figures={**summary, "verdict": verdict,
                                  "report": str(out / "report.md")})
 
 
-def markdown_report(summary: dict, verdict: str) -> str:
+def markdown_report(summary: dict, verdict: str, configs: list[dict] | None = None) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
-    return f"# draftsmith benchmark\n\n| metric | value |\n|---|---|\n{rows}\n\n**{verdict}**\n"
+    text = f"# draftsmith benchmark\n\n| metric | value |\n|---|---|\n{rows}\n"
+    if configs and len(configs) > 1:
+        text += "\n## Drafting configs\n\n" + markdown_table(configs)
+    return text + f"\n**{verdict}**\n"
 
 
-def _sweep(url: str, prompts: list[list[int]], cfg: BenchmarkConfig,
-           speculative: bool) -> list[dict]:
+def markdown_table(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+    body = "\n".join("| " + " | ".join(str(r.get(k, "")) for k in columns) + " |" for r in rows)
+    return f"{header}\n{body}\n"
+
+
+def _concurrency_sweep(url: str, prompts: list[list[int]], cfg: BenchmarkConfig,
+                       speculative: bool) -> list[dict]:
     import asyncio
 
     from draftsmith.bench.client import run_load, summarize
@@ -135,63 +181,108 @@ def _sweep(url: str, prompts: list[list[int]], cfg: BenchmarkConfig,
     return rows
 
 
-def _baseline(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cfg: TargetConfig,
-              url: str, target: Descriptor, prompts: list[list[int]],
-              out: Path) -> tuple[list[dict] | None, str | None]:
-    """The same target served without speculation, on the same GPUs: the speculative server
-    is stopped first (a TP-8 target does not fit twice). Returns (rows, why it was skipped)."""
-    from draftsmith.serve import servers
+def _serve_and_measure(deploy_cfg: DeployConfig, target_cfg: TargetConfig,
+                       drafter_dir: str | None, target: Descriptor, prompts: list[list[int]],
+                       cfg: BenchmarkConfig, log_path: Path, name: str) -> list[dict]:
+    """Launch a server (drafter_dir None: no speculation), wait for readiness, measure the
+    concurrency sweep, stop it with its whole process group."""
     from draftsmith.serve.process import ManagedProcess
     from draftsmith.serve.readiness import wait_until_ready
     from draftsmith.serve.sglang_launch import build_launch
 
-    if servers.running(url) is None:
-        return None, (f"the speculative server at {url} was not started by this run, so its "
-                      "GPUs cannot be freed for a baseline (set benchmark.baseline=false to "
-                      "skip it, or let this run start the server)")
-    servers.stop(url)
-    log.info("benchmark: stopped the speculative server to measure the baseline on its GPUs")
-    launch = build_launch(deploy_cfg, target_cfg, None, target.figures["family"], target.path)
-    with ManagedProcess(launch.argv, out / "baseline-server.log", launch.env,
-                        name="sglang-baseline") as process:
-        wait_until_ready(launch.url, deploy_cfg, None, process)
-        return _sweep(launch.url, prompts, cfg, speculative=False), None
+    launch = build_launch(deploy_cfg, target_cfg, drafter_dir, target.figures["family"],
+                          target.path)
+    with ManagedProcess(launch.argv, log_path, launch.env, name=name) as process:
+        wait_until_ready(launch.url, deploy_cfg, drafter_dir, process)
+        return _concurrency_sweep(launch.url, prompts, cfg, speculative=drafter_dir is not None)
 
 
 def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
                            target_cfg: TargetConfig, deployment: Descriptor, merged: Descriptor,
                            target: Descriptor, plan: StagePlan) -> Descriptor:
+    from draftsmith.serve import servers
+
     url = deployment.figures["url"]
+    drafter_dir = deployment.figures["drafter_dir"]
     prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
+    deployed = drafting_label(deploy_cfg.num_steps, deploy_cfg.eagle_topk,
+                              deploy_cfg.num_draft_tokens)
     with stage_output(plan) as out:
-        sweep = _sweep(url, prompts, cfg, speculative=True)
-        baseline, skipped = (_baseline(cfg, deploy_cfg, target_cfg, url, target, prompts, out)
-                             if cfg.baseline else (None, "benchmark.baseline is false"))
-        summary = {"engine": "sglang", "url": url, "num_steps": deployment.figures["num_steps"],
-                   "prompts": len(prompts), "temperature": cfg.temperature,
+        sweep = _concurrency_sweep(url, prompts, cfg, speculative=True)
+        # Sweep points and the baseline need the deployed server's GPUs (a TP-8 target does
+        # not fit twice), so they run only when this run started that server and can stop it.
+        owned = servers.running(url) is not None
+        not_owned = (f"the speculative server at {url} was not started by this run, so its "
+                     "GPUs cannot be freed")
+        if owned and (cfg.sweep or cfg.baseline):
+            servers.stop(url)
+            log.info("benchmark: stopped the deployed server to free its GPUs for the "
+                     "sweep points and the baseline")
+
+        def measure_point(point: DraftingPoint, point_out: Path) -> dict:
+            rows = _serve_and_measure(deploy_cfg.model_copy(update=point.model_dump()),
+                                      target_cfg, drafter_dir, target, prompts, cfg,
+                                      point_out / "server.log", f"sglang-{point.label}")
+            return {"config": point.label, **point.model_dump(),
+                    "acceptance_length": rows[0]["acceptance_length"],
+                    "tokens_per_s": rows[0]["tokens_per_s"], "rows": rows}
+
+        points: list[dict] = []
+        if cfg.sweep and owned:
+            material = {"engine": "sglang", "drafter_dir": drafter_dir,
+                        "deploy": deploy_cfg.model_dump(mode="json", exclude={
+                            "num_steps", "eagle_topk", "num_draft_tokens", "keep_serving"})}
+            points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
+        elif cfg.sweep:
+            log.warning("benchmark: drafting sweep skipped: %s (let this run start the "
+                        "server)", not_owned)
+        baseline, skipped = None, "benchmark.baseline is false"
+        if cfg.baseline and owned:
+            baseline = _serve_and_measure(deploy_cfg, target_cfg, None, target, prompts, cfg,
+                                          out / "baseline-server.log", "sglang-baseline")
+        elif cfg.baseline:
+            skipped = f"{not_owned} (set benchmark.baseline=false, or let this run start it)"
+
+        configs = [{"config": deployed, "num_steps": deploy_cfg.num_steps,
+                    "eagle_topk": deploy_cfg.eagle_topk,
+                    "num_draft_tokens": deploy_cfg.num_draft_tokens,
+                    "acceptance_length": sweep[0]["acceptance_length"],
+                    "tokens_per_s": sweep[0]["tokens_per_s"], "rows": sweep}, *points]
+        summary = {"engine": "sglang", "url": url, "config": deployed,
+                   "num_steps": deploy_cfg.num_steps, "prompts": len(prompts),
+                   "temperature": cfg.temperature,
                    "acceptance_length": sweep[0]["acceptance_length"],
                    "single_stream_tokens_per_s": sweep[0]["tokens_per_s"]}
+        best = max(configs, key=lambda c: c["tokens_per_s"])
+        if points:
+            summary["best_config"] = best["config"]
         if baseline:
-            speedups = {row["concurrency"]: round(row["tokens_per_s"] / base["tokens_per_s"], 3)
-                        for row, base in zip(sweep, baseline, strict=True)}
-            summary["baseline_single_stream_tokens_per_s"] = baseline[0]["tokens_per_s"]
+            base = baseline[0]["tokens_per_s"]
+            for config in configs:
+                config["speedup"] = round(config["tokens_per_s"] / base, 3)
+            speedups = {row["concurrency"]: round(row["tokens_per_s"] / b["tokens_per_s"], 3)
+                        for row, b in zip(sweep, baseline, strict=True)}
+            summary["baseline_single_stream_tokens_per_s"] = base
             summary["speedup"] = speedups[sweep[0]["concurrency"]]
             slower = [c for c, s in speedups.items() if s < 1]
             verdict = (f"WARNING: speculation is slower than no speculation at concurrency "
                        f"{slower} (speedups {speedups})" if slower else
                        f"speculation pays: {speedups} x the baseline's tokens/s by concurrency")
+            if points:
+                verdict += (f"; best drafting config {best['config']} at "
+                            f"{best['speedup']:.2f}x single stream")
         else:
             verdict = (f"no baseline measured ({skipped}), so no speedup is claimed; "
                        f"acceptance length {summary['acceptance_length']:.2f}")
-        rows = [{"server": "speculative", **r} for r in sweep]
+        rows = [{"server": c["config"], **r} for c in configs for r in c["rows"]]
         rows += [{"server": "baseline", **r} for r in baseline or []]
+        table_configs = [{k: v for k, v in c.items() if k != "rows"} for c in configs]
         atomic_write_json(out / "report.json", {"summary": summary, "rows": rows,
-                                                "verdict": verdict})
-        columns = list(rows[0])
-        table = "\n".join("| " + " | ".join(str(r.get(k)) for k in columns) + " |" for r in rows)
-        header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
-        (out / "report.md").write_text(f"# draftsmith benchmark: {url}\n\n{header}\n{table}\n\n"
-                                       f"**{verdict}**\n")
+                                                "configs": table_configs, "verdict": verdict})
+        text = f"# draftsmith benchmark: {url}\n\n{markdown_table(rows)}"
+        if points:
+            text += f"\n## Drafting configs\n\n{markdown_table(table_configs)}"
+        (out / "report.md").write_text(f"{text}\n**{verdict}**\n")
         plot_benchmark([f"{r['server']} c={r['concurrency']}" for r in rows],
                        [r["tokens_per_s"] for r in rows],
                        [r.get("acceptance_length") for r in rows], out, f"SGLang at {url}")
