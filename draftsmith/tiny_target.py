@@ -53,7 +53,13 @@ def stdlib_sources() -> list[Path]:
 
 def stdlib_functions(max_lines: int = 24) -> Iterator[tuple[str, str, str]]:
     """(module, signature line, rest of the body) for short functions of the standard library."""
-    for path in stdlib_sources():
+    return python_functions(stdlib_sources(), max_lines)
+
+
+def python_functions(paths: list[Path], max_lines: int = 24) -> Iterator[tuple[str, str, str]]:
+    """(module, signature line, rest of the body) for short undecorated functions in these
+    Python files; files that do not parse are skipped."""
+    for path in paths:
         try:
             source = path.read_text(encoding="utf-8")
             tree = ast.parse(source)
@@ -83,7 +89,9 @@ def is_heldout(signature: str, share: int = 10) -> bool:
     return int(hashlib.sha256(signature.encode()).hexdigest(), 16) % share == 0
 
 
-def train_tokenizer(out_dir: Path, vocab_size: int):
+def train_tokenizer(out_dir: Path, vocab_size: int, files: list[Path] | None = None):
+    """A byte-level BPE with the ChatML template, trained on `files` (default: the standard
+    library's modules)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -96,7 +104,7 @@ def train_tokenizer(out_dir: Path, vocab_size: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train([str(p) for p in stdlib_sources()], trainer)
+    tok.train([str(p) for p in files or stdlib_sources()], trainer)
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=None,
