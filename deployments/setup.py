@@ -8,12 +8,14 @@ API (PREFECT_API_URL). Idempotent: running it again updates what exists.
 - the pipeline deployment on `cpu` with the config as its default parameters (the UI's form),
   an optional cron schedule, and a trigger that re-runs it on `draftsmith.dataset.updated`;
 - one deployment per GPU stage flow on `gpu`, whose job variables pin CUDA_VISIBLE_DEVICES and
-  the NCCL environment.
+  the NCCL environment;
+- an automation that marks a flow run Crashed when its heartbeats stop (zombie detection).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
@@ -26,6 +28,9 @@ log = logging.getLogger("draftsmith.setup")
 
 DATASET_EVENT = "draftsmith.dataset.updated"
 PIPELINE_DEPLOYMENT = "cpu"
+# Engine and child-process logs ("draftsmith.*") in every flow run's Prefect log; Prefect reads
+# it when it starts, before any draftsmith module could set it.
+LOG_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "draftsmith"}
 
 
 @dataclass
@@ -45,6 +50,9 @@ class SetupOptions:
     endpoint_url: str | None = None
     endpoint_model: str | None = None
     api_key_env: str | None = None
+    # Flow runs send a heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (180 by
+    # default); a run silent this long is marked Crashed. None: no automation.
+    zombie_after_s: int | None = 600
 
 
 def _ensure_pool(client, name: str, description: str) -> None:
@@ -81,6 +89,39 @@ def _ensure_limit(client, name: str, slots: int) -> None:
         client.create_global_concurrency_limit(
             GlobalConcurrencyLimitCreate(name=name, limit=slots, active=True))
     log.info("global concurrency limit %s: %d slot(s)", name, slots)
+
+
+def ensure_zombie_detection(after_s: int) -> None:
+    """An automation that marks a flow run Crashed when its heartbeats stop (its worker or
+    machine died), so the run, and the parent waiting on it, end in a state the user sees.
+    Prefect Cloud does this itself; a self-hosted server needs the automation."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    name = "draftsmith: crash flow runs whose heartbeats stopped"
+    with contextlib.suppress(ValueError):  # not there yet
+        Automation.read(name=name).delete()
+    Automation(
+        name=name,
+        description="A flow run that sent no heartbeat and did not finish within "
+                    f"{after_s}s is marked Crashed (its worker or machine died).",
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed",
+                    "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
+                    "prefect.flow-run.Crashed"},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive, threshold=1, within=timedelta(seconds=after_s)),
+        actions=[ChangeFlowRunState(
+            state=StateType.CRASHED, name="Crashed",
+            message=f"no heartbeat for {after_s}s: the worker running it (or its machine) died")],
+    ).create()
+    log.info("automation: %s (%ds)", name, after_s)
 
 
 def save_blocks(options: SetupOptions, run_root: str) -> None:
@@ -136,6 +177,8 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None) -> dict[s
         save_blocks(options, config.run_root)
         host = GpuHost.load(options.gpu_host)
         _ensure_limit(client, concurrency_limit_name(options.gpu_host), host.gpu_count)
+    if options.zombie_after_s:
+        ensure_zombie_detection(options.zombie_after_s)
 
     ids: dict[str, str] = {}
     schedules = []
@@ -152,6 +195,7 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None) -> dict[s
     deployment = pipeline.to_deployment(
         PIPELINE_DEPLOYMENT, work_pool_name=options.cpu_pool,
         parameters={"config": config.model_dump(mode="json")},
+        job_variables={"env": dict(LOG_ENV)},
         schedules=schedules, triggers=[trigger], entrypoint_type=EntrypointType.MODULE_PATH,
         description="draftsmith: generate -> merge -> extract -> train -> fix-keys -> deploy "
                     "-> benchmark; GPU stages run on the gpu pool",
@@ -160,8 +204,8 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None) -> dict[s
     for flow_ in STAGE_FLOWS.values():
         stage_deployment = flow_.to_deployment(
             config.orchestration.gpu_deployment, work_pool_name=options.gpu_pool,
-            job_variables={"env": host.job_env()}, entrypoint_type=EntrypointType.MODULE_PATH,
-            tags=["draftsmith", "gpu"])
+            job_variables={"env": {**LOG_ENV, **host.job_env()}},
+            entrypoint_type=EntrypointType.MODULE_PATH, tags=["draftsmith", "gpu"])
         ids[f"{flow_.name}/{config.orchestration.gpu_deployment}"] = str(
             stage_deployment.apply())
     for name in ids:

@@ -387,3 +387,7 @@ def prefect_notify_new_data(
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     print(event_id)
+
+
+if __name__ == "__main__":
+    app()

@@ -95,7 +95,10 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None,
     def execute(stage: str, plan: StagePlan) -> Descriptor:
         if stage in results and results[stage]["state"] != "Pruned":
             return out[stage]  # ran in the child run of the stage before it (deploy+benchmark)
-        if dispatch.is_remote(config, stage):
+        # A GPU stage whose output is complete needs no GPU: its task answers here from the
+        # cache (or, without a shared result store, from the manifest), with no child run.
+        live = stage == "deploy" and config.deploy.engine == "sglang"
+        if dispatch.is_remote(config, stage) and (live or not plan.is_complete()):
             group = dispatch.remote_group(config, stage, selected)
             states = dispatch.run_remote(config, group, out)
             for name in group:

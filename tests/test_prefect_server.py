@@ -9,7 +9,9 @@ retries it, and it succeeds.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -86,11 +88,8 @@ class Server:
             except subprocess.TimeoutExpired:
                 os.killpg(process.pid, signal.SIGKILL)
                 process.wait()
-            # Flow-run processes the workers started live in the workers' groups; none may stay.
-            try:
+            with contextlib.suppress(ProcessLookupError):  # stragglers of its group
                 os.killpg(process.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
             assert process.returncode is not None, name
 
     # The REST API the UI uses.
@@ -156,11 +155,12 @@ def config_file(tmp_path_factory):
         copy = root / os.path.basename(source["path"])
         shutil.copy(REPO / "examples" / source["path"], copy)
         source["path"] = str(copy)
-        source["limit"] = 24
+        source["limit"] = 12
     raw["run_root"] = str(root / "runs")
-    raw["generate"]["max_new_tokens"] = 24
+    raw["merge"]["validation_fraction"] = 0.25  # a held-out prompt for the benchmark
+    raw["generate"]["max_new_tokens"] = 16
     raw["train"].update(epochs=1, batch_tokens=1024)
-    raw["benchmark"].update(num_prompts=2, max_new_tokens=16)
+    raw["benchmark"].update(num_prompts=1, max_new_tokens=8, warmup_prompts=0)
     path = root / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
@@ -221,6 +221,11 @@ def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first
         assert gpu["job_variables"]["env"]["NCCL_DEBUG"] == "WARN"
     blocks = {b["name"] for b in server.api.post("/block_documents/filter", json={}).json()}
     assert "gpu-host" in blocks
+    automations = server.api.post("/automations/filter", json={}).json()
+    trigger = [a for a in automations if a["name"].startswith("draftsmith: new data")]
+    assert trigger and trigger[0]["trigger"]["expect"] == ["draftsmith.dataset.updated"]
+    zombie = [a for a in automations if "heartbeats stopped" in a["name"]]
+    assert zombie and zombie[0]["actions"][0]["state"] == "CRASHED"
 
 
 def test_a_run_started_from_the_ui_completes_with_gpu_stages_on_the_gpu_worker(server,
@@ -261,9 +266,9 @@ def test_a_second_run_is_all_cached(server, first_run):
     run = server.wait_run(run_id)
     assert run["state_type"] == "COMPLETED", run["state"]
     states = stage_states(server, run)
-    assert {s: states[s][0] for s in states} == {
-        s: "Cached" for s in ("generate", "merge", "extract", "train", "fix_keys", "deploy",
-                              "benchmark")}
+    assert {s: states[s][0] for s in states} == {s: "Cached" for s in STAGES}
+    # Finished GPU stages need no GPU: no child run, no GPU slot taken.
+    assert server.flow_runs(parent_flow_run_id={"any_": [run["id"]]}) == []
 
 
 def test_a_new_data_event_starts_a_run_with_that_dataset(server, first_run, config_file):
@@ -289,3 +294,59 @@ def test_a_new_data_event_starts_a_run_with_that_dataset(server, first_run, conf
     run = server.wait_run(new[0]["id"])
     assert run["parameters"]["dataset"] == {"source": source["name"], "path": str(update)}
     assert run["state_type"] == "COMPLETED", run["state"]
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_cancelling_a_run_stops_the_server_it_started(server, first_run, config_file):
+    """A served deploy on the gpu pool whose server never gets ready; cancelling the run from
+    the UI stops the server's whole process group."""
+    from draftsmith.config import load_config
+    from draftsmith.plan import finished_outputs
+    from draftsmith.target import resolve_target
+
+    config = load_config(config_file)
+    outputs = finished_outputs(config, resolve_target(config.target), "fix_keys")
+    raw = config.model_dump(mode="json")
+    raw["orchestration"]["mode"] = "distributed"
+    raw["deploy"].update(engine="sglang", port=free_port(), startup_timeout_s=600,
+                         sglang_command=[sys.executable, "-c", "import time; time.sleep(600)"])
+    deployment = server.deployment("draftsmith-deploy/gpu")
+    response = server.api.post(f"/deployments/{deployment['id']}/create_flow_run", json={
+        "parameters": {"config": raw, "inputs": {
+            name: outputs[name].model_dump(mode="json") for name in ("fix_keys", "merge",
+                                                                      "target")}}})
+    response.raise_for_status()
+    run_id = response.json()["id"]
+    pid, deadline = None, time.monotonic() + 90
+    while pid is None and time.monotonic() < deadline:
+        # The child's own log lines reach the run's log (what the UI shows).
+        logs = server.api.post("/logs/filter", json={
+            "logs": {"flow_run_id": {"any_": [run_id]}}}).json()
+        started = [m for e in logs if (m := re.search(r"sglang: started pid (\d+)",
+                                                       e["message"]))]
+        pid = int(started[0].group(1)) if started else None
+        time.sleep(1)
+    assert pid is not None and alive(pid), server.log("worker-gpu")[-3000:]
+    try:
+        cancel_and_check(server, run_id, pid)
+    finally:
+        if alive(pid):
+            os.killpg(pid, signal.SIGKILL)
+
+
+def cancel_and_check(server: Server, run_id: str, pid: int) -> None:
+    server.api.post(f"/flow_runs/{run_id}/set_state", json={
+        "state": {"type": "CANCELLING", "name": "Cancelling"}, "force": True}).raise_for_status()
+    run = server.wait_run(run_id, timeout_s=90)
+    assert run["state_type"] == "CANCELLED"
+    deadline = time.monotonic() + 30
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not alive(pid), f"the server (pid {pid}) outlived its cancelled run"
