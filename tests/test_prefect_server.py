@@ -34,6 +34,20 @@ GPU_STAGES = ["generate", "extract", "train", "deploy", "benchmark"]
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
+class RetryingClient(httpx.Client):
+    """Retries what the server answers 503 (SQLite busy under load), as Prefect's own client
+    and the UI do."""
+
+    def send(self, request, **kwargs):
+        for _ in range(20):
+            response = super().send(request, **kwargs)
+            if response.status_code not in (429, 503):
+                return response
+            response.close()
+            time.sleep(1)
+        return response
+
+
 class Server:
     """A Prefect server, its workers and the environment that points at them."""
 
@@ -53,7 +67,7 @@ class Server:
         }
         self.env.pop("PREFECT_API_KEY", None)
         self.processes: dict[str, subprocess.Popen] = {}
-        self.api = httpx.Client(base_url=self.url, timeout=30)
+        self.api = RetryingClient(base_url=self.url, timeout=60)
 
     def start(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
         log = open(self.root / f"{name}.log", "w")  # noqa: SIM115 (closed with the process)
