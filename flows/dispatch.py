@@ -88,9 +88,10 @@ def run_remote(config: PipelineConfig, stages: list[str],
 
 
 def with_endpoint_block(config: PipelineConfig) -> PipelineConfig:
-    """Fill generate.endpoint from the inference endpoint block the config names."""
+    """Fill generate.endpoint from the inference endpoint block the config names, when generate
+    answers over HTTP."""
     name = config.orchestration.endpoint_block
-    if not name:
+    if not name or config.generate.backend != "openai":  # only an HTTP generate reads it
         return config
     if "endpoint" not in GenerateConfig.model_fields:
         raise ConfigError(f"orchestration.endpoint_block={name!r}: this draftsmith's generate "

@@ -72,3 +72,23 @@ def test_notify_new_data_refuses_a_missing_file(tmp_path):
                            str(tmp_path / "nope.jsonl")], capture_output=True, text=True,
                           cwd=REPO, timeout=120)
     assert proc.returncode == 2 and "no such dataset file" in " ".join(proc.stderr.split())
+
+
+def test_the_endpoint_block_produces_generate_endpoint_and_names_its_secret():
+    from blocks.endpoint import InferenceEndpoint
+
+    block = InferenceEndpoint(base_url="http://gpu-host:30000/v1", model="kimi-k2.5",
+                              api_key_secret="kimi-api-key", partitions=4)
+    assert block.endpoint_config() == {
+        "base_url": "http://gpu-host:30000/v1", "model": "kimi-k2.5",
+        "api_key_env": "DRAFTSMITH_API_KEY", "api_key_secret": "kimi-api-key",
+        "timeout_s": 600.0, "max_retries": 5, "partitions": 4}
+
+
+def test_the_gpu_host_block_pins_devices_and_nccl_for_gpu_runs():
+    from blocks.gpu_host import GpuHost
+
+    host = GpuHost(gpu_count=8, nccl_env={"NCCL_IB_HCA": "mlx5"}, scratch_path="/nvme",
+                   shared_path="/mnt/shared")
+    assert host.job_env() == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "TMPDIR": "/nvme",
+                              "NCCL_IB_HCA": "mlx5"}

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.e2e
 
 BIN = Path(sys.executable).parent
 GPU_STAGES = ["generate", "extract", "train", "deploy", "benchmark"]
+API_KEY = "sk-draftsmith-test-0123456789"
 TERMINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
@@ -184,9 +185,13 @@ def config_file(tmp_path_factory):
 def workers(server, config_file):
     setup = subprocess.run(
         [str(BIN / "draftsmith"), "prefect", "setup", str(config_file), "--gpus", "1",
-         "--nccl", "NCCL_DEBUG=WARN", "--cron", "0 3 * * *"],
-        env=server.env, capture_output=True, text=True, timeout=180)
+         "--nccl", "NCCL_DEBUG=WARN", "--cron", "0 3 * * *",
+         "--endpoint-url", "http://127.0.0.1:9/v1", "--endpoint-model", "tiny",
+         "--api-key-env", "DRAFTSMITH_TEST_KEY"],
+        env={**server.env, "DRAFTSMITH_TEST_KEY": API_KEY}, capture_output=True, text=True,
+        timeout=180)
     assert setup.returncode == 0, setup.stdout + setup.stderr
+    assert API_KEY not in setup.stdout + setup.stderr
     fake = server.root / "bin"
     fake.mkdir()
     shutil.copy(REPO / "tests" / "fake_nvidia_smi.sh", fake / "nvidia-smi")
@@ -233,8 +238,14 @@ def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first
         assert gpu["work_pool_name"] == "gpu"
         assert gpu["job_variables"]["env"]["CUDA_VISIBLE_DEVICES"] == "0"
         assert gpu["job_variables"]["env"]["NCCL_DEBUG"] == "WARN"
-    blocks = {b["name"] for b in server.api.post("/block_documents/filter", json={}).json()}
-    assert "gpu-host" in blocks
+    documents = server.api.post("/block_documents/filter", json={}).json()
+    blocks = {b["name"]: b for b in documents}
+    assert blocks["gpu-host"]["data"]["gpu_count"] == 1
+    endpoint = blocks["inference-endpoint"]["data"]
+    assert endpoint["base_url"] == "http://127.0.0.1:9/v1"
+    assert endpoint["api_key_secret"] == "inference-endpoint-api-key"
+    assert "inference-endpoint-api-key" in blocks
+    assert API_KEY not in str(documents)  # a Secret: never shown
     automations = server.api.post("/automations/filter", json={}).json()
     trigger = [a for a in automations if a["name"].startswith("draftsmith: new data")]
     assert trigger and trigger[0]["trigger"]["expect"] == ["draftsmith.dataset.updated"]
