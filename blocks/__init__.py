@@ -1,5 +1,2 @@
-"""Prefect blocks (endpoints, secrets, storage, GPU host settings).
-
-None exist yet: the local pipeline needs none. The distributed setup (issue 7) adds the
-inference-endpoint and GPU-host blocks here.
-"""
+"""Prefect blocks: the inference endpoint generate talks to, and the GPU host the gpu pool runs
+on. `draftsmith prefect setup` registers both types and saves the instances."""

@@ -302,5 +302,92 @@ def inspect(
     out.print("[green]valid[/green]")
 
 
+prefect_app = typer.Typer(help="Run draftsmith on a Prefect server: work pools, deployments, "
+                          "blocks, triggers.", no_args_is_help=True)
+app.add_typer(prefect_app, name="prefect")
+
+
+def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            console.print(f"[red]{flag} {item!r}: expected KEY=VALUE, e.g. "
+                          f"{flag} NCCL_SOCKET_IFNAME=eth0[/red]")
+            raise typer.Exit(2)
+        out[key] = value
+    return out
+
+
+@prefect_app.command("setup")
+def prefect_setup(
+    config: Annotated[Path, typer.Argument(
+        help="Pipeline YAML: the deployment's default parameters (the UI form).")] = EXAMPLES
+    / "tiny.yaml",
+    gpus: Annotated[int, typer.Option(help="GPUs on the GPU host (concurrency slots).")] = 1,
+    visible_devices: Annotated[str | None, typer.Option(
+        help="CUDA_VISIBLE_DEVICES of GPU stages; default 0..gpus-1.")] = None,
+    nccl: Annotated[list[str] | None, typer.Option(
+        help="NCCL environment of GPU stages, KEY=VALUE (repeatable).")] = None,
+    scratch: Annotated[str, typer.Option(help="Fast local disk on the GPU host.")] = "/tmp",
+    shared: Annotated[str | None, typer.Option(
+        help="Storage both pools see (run_root lives under it); default run_root's parent."
+    )] = None,
+    gpu_host: Annotated[str, typer.Option(help="Name of the GPU host block.")] = "gpu-host",
+    cron: Annotated[str | None, typer.Option(
+        help="Cron schedule of the pipeline, e.g. '0 3 * * *' (paused unless --cron-active).")
+    ] = None,
+    cron_active: Annotated[bool, typer.Option(help="Start the schedule active.")] = False,
+    endpoint_url: Annotated[str | None, typer.Option(
+        help="OpenAI-compatible endpoint for generate: saved as an inference endpoint block."
+    )] = None,
+    endpoint_model: Annotated[str | None, typer.Option(help="Model name at the endpoint.")] = None,
+    api_key_env: Annotated[str | None, typer.Option(
+        help="Environment variable holding the endpoint's API key (saved as a Secret block)."
+    )] = None,
+    set_: SetOption = None,
+) -> None:
+    """Create the cpu and gpu work pools, blocks, the GPU concurrency limit and the
+    deployments (pipeline on cpu, GPU stages on gpu) on the configured Prefect API."""
+    _prepare_environment()
+    from deployments.setup import SetupOptions, setup
+
+    pipeline_config = _load(config, set_)
+    options = SetupOptions(gpu_host=gpu_host, gpu_count=gpus, visible_devices=visible_devices,
+                           nccl_env=_pairs(nccl, "--nccl"), scratch_path=scratch,
+                           shared_path=shared, cron=cron, cron_active=cron_active,
+                           endpoint_url=endpoint_url, endpoint_model=endpoint_model,
+                           api_key_env=api_key_env)
+    try:
+        ids = setup(pipeline_config, options)
+    except ValueError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    for name, deployment_id in ids.items():
+        print(f"{name}\t{deployment_id}")
+    console.print("[green]ready[/green]: start `prefect worker start --pool cpu` anywhere and "
+                  "`prefect worker start --pool gpu` on the GPU host")
+
+
+@prefect_app.command("notify-new-data")
+def prefect_notify_new_data(
+    path: Annotated[Path, typer.Argument(help="The dataset file with new content.")],
+    source: Annotated[str | None, typer.Option(
+        help="data.sources name it replaces (a new name adds a source); default: file stem.")
+    ] = None,
+) -> None:
+    """Emit draftsmith.dataset.updated: the pipeline deployment's trigger re-runs it with
+    this file as the named source."""
+    _prepare_environment()
+    from deployments.setup import notify_new_data
+
+    try:
+        event_id = notify_new_data(path, source)
+    except FileNotFoundError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    print(event_id)
+
+
 if __name__ == "__main__":
     app()

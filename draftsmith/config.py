@@ -227,6 +227,33 @@ class BenchmarkConfig(StrictModel):
         "an interrupted sweep resumes at the first point not yet measured."))
 
 
+class OrchestrationConfig(StrictModel):
+    """Where the stages run. Changes no stage's output, so no cache key covers it."""
+
+    mode: Literal["local", "distributed"] = Field("local", description=(
+        "local: every stage in this process; distributed: GPU stages run as deployments on the "
+        "gpu work pool (draftsmith prefect setup creates them), the rest here."))
+    gpu_deployment: str = Field("gpu", description=(
+        "Deployment name of the GPU stage flows (draftsmith-<stage>/<name>)."))
+    gpu_host: str = Field("gpu-host", description=(
+        "GPU host block: its GPUs size the concurrency limit GPU stages take."))
+    stage_timeout_s: float | None = Field(None, gt=0, description=(
+        "Fail a GPU stage whose child run has not finished after this long (e.g. its worker "
+        "died); none waits for ever."))
+    poll_interval_s: float = Field(2.0, gt=0, description="How often to poll a child run.")
+    endpoint_block: str | None = Field(None, description=(
+        "Inference endpoint block that fills generate.endpoint (base URL, model, API key)."))
+
+
+class RetentionConfig(StrictModel):
+    """Big intermediate outputs to delete once the next stage no longer needs them. A later run
+    that needs deleted files recomputes them."""
+
+    delete_generations_after_merge: bool = False
+    delete_hidden_states_after_train: bool = Field(False, description=(
+        "Hidden-state stores run to terabytes on real targets."))
+
+
 class PipelineConfig(StrictModel):
     """Everything a run needs. Each stage reads only its own section (plus the target)."""
 
@@ -240,6 +267,8 @@ class PipelineConfig(StrictModel):
     fix_keys: FixKeysConfig = Field(default_factory=FixKeysConfig)
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
+    orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
@@ -302,3 +331,23 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
     if not Path(config.run_root).is_absolute():
         config.run_root = str(Path.cwd() / config.run_root)
     return config
+
+
+class DatasetUpdate(StrictModel):
+    """New data for one source (the payload of a draftsmith.dataset.updated event)."""
+
+    source: str = Field(..., min_length=1, description="data.sources name; a new name adds one.")
+    path: str = Field(..., min_length=1, description="The dataset file to read from now on.")
+
+
+def with_source(config: PipelineConfig, name: str, path: str) -> PipelineConfig:
+    """The config with data source `name` read from `path` (a new source when none has that
+    name): what a new-data event asks for."""
+    raw = config.model_dump(mode="json")
+    sources = raw["data"]["sources"]
+    match = [s for s in sources if s["name"] == name]
+    if match:
+        match[0]["path"] = path
+    else:
+        sources.append({"name": name, "path": path})
+    return parse_config(raw, f"dataset update {name}={path}")

@@ -20,6 +20,7 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
+from draftsmith import preflight
 from draftsmith import progress as engine_progress
 from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
 from draftsmith.config import (
@@ -83,6 +84,8 @@ def generate(plan: StagePlan, cfg: GenerateConfig, data: DataConfig, target_cfg:
 
     if done := _already_done(plan):
         return done
+    preflight.check_stage(plan, target_cfg.device, preflight.generate_bytes(
+        cfg, [s.path for s in data.sources]))
     with progress_artifact("generate"):
         return run_generate(cfg, data, target_cfg, target, plan)
 
@@ -110,6 +113,7 @@ def extract(plan: StagePlan, cfg: ExtractConfig, target_cfg: TargetConfig, merge
 
     if done := _already_done(plan):
         return done
+    preflight.check_stage(plan, target_cfg.device, preflight.extract_bytes(cfg, merged, target))
     with progress_artifact("extract"):
         return run_extract(cfg, target_cfg, merged, target, plan)
 
@@ -123,6 +127,8 @@ def train(plan: StagePlan, cfg: TrainConfig, hidden: Descriptor, merged: Descrip
 
     if done := _already_done(plan):
         return done
+    preflight.check_stage(plan, cfg.device, preflight.train_bytes(
+        target, merged.figures.get("draft_vocab_size", 0)))
     with progress_artifact("train"):
         descriptor = run_train(cfg, hidden, merged, target, plan)
     rows = [json.loads(line) for line in (descriptor.dir / METRICS_FILE).read_text().splitlines()]
@@ -153,6 +159,8 @@ def deploy(plan: StagePlan, cfg: DeployConfig, target_cfg: TargetConfig, exporte
     # A served deploy is checked against its live server by the engine, not by the directory.
     if cfg.engine == "embedded" and (done := _already_done(plan)):
         return done
+    if cfg.engine == "embedded":  # a served deploy checks its GPUs itself, minding its server
+        preflight.check_stage(plan, target_cfg.device)
     return run_deploy(cfg, target_cfg, exported, merged, target, plan)
 
 
@@ -164,6 +172,8 @@ def benchmark(plan: StagePlan, cfg: BenchmarkConfig, target_cfg: TargetConfig,
 
     if done := _already_done(plan):
         return done
+    if deploy_cfg.engine == "embedded":  # a served benchmark's GPUs are its server's
+        preflight.check_stage(plan, target_cfg.device)
     with progress_artifact("benchmark"):
         descriptor = run_benchmark(cfg, target_cfg, deployment, merged, target, plan,
                                    deploy_cfg)

@@ -206,3 +206,31 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
     finally:
         servers.stop_all()
+
+
+def test_retention_deletes_big_outputs_and_recomputes_them_when_a_stage_needs_them(
+        first_run, base_raw):
+    """Last in this module: it deletes the generations and the hidden-state store."""
+    raw = json.loads(json.dumps(base_raw))
+    raw["retention"] = {"delete_generations_after_merge": True,
+                        "delete_hidden_states_after_train": True}
+    generated = first_run["generate"]["descriptor"]
+    hidden = first_run["extract"]["descriptor"]
+    run_pipeline(raw)
+    assert not os.path.exists(generated["path"]) and not os.path.exists(hidden["path"])
+
+    # Nothing downstream needs them: the run stays cached and says what was deleted.
+    again = run_pipeline(raw)
+    expected = {stage: "Cached" for stage in STAGES}
+    expected.update(generate="Pruned", extract="Pruned")
+    assert states(again) == expected
+    assert again["benchmark"]["descriptor"] == first_run["benchmark"]["descriptor"]
+
+    # New training settings: train reads the hidden states, so extract runs again first (the
+    # same store, bit for bit) and is deleted again once training has finished.
+    raw["train"]["max_steps"] = 2
+    retrained = run_pipeline(raw, ["train"])
+    assert states(retrained) == {"generate": "Pruned", "merge": "Reused", "extract": "Completed",
+                                 "train": "Completed"}
+    assert retrained["extract"]["descriptor"]["fingerprint"] == hidden["fingerprint"]
+    assert not os.path.exists(hidden["path"])

@@ -19,6 +19,10 @@ from pathlib import Path
 
 log = logging.getLogger("draftsmith.child")
 
+# Every child this process started and has not stopped: a cancelled or failed run stops them all
+# (they run in their own sessions, so a signal to the run's process group misses them).
+_started: list[ManagedProcess] = []
+
 
 class ManagedProcess:
     def __init__(self, argv: list[str], log_file: str | Path, env: dict[str, str] | None = None,
@@ -35,6 +39,7 @@ class ManagedProcess:
             self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
         )
+        _started.append(self)
         log.info("%s: started pid %d: %s", self.name, self.process.pid, " ".join(self.argv))
         self._reader = threading.Thread(target=self._stream, daemon=True)
         self._reader.start()
@@ -66,6 +71,8 @@ class ManagedProcess:
         """SIGTERM to the whole group, SIGKILL after `grace_s`; safe to call twice."""
         if self.process is None:
             return
+        with contextlib.suppress(ValueError):
+            _started.remove(self)
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGTERM)
         try:
@@ -85,3 +92,15 @@ class ManagedProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def stop_started(grace_s: float = 30.0) -> int:
+    """Stop every child this process started that is still registered (servers kept for later
+    runs included); returns how many. For cancellation and failure of a run."""
+    count = 0
+    while _started:
+        child = _started[-1]
+        log.info("%s: stopping pid %d (the run that started it is ending)", child.name, child.pid)
+        child.stop(grace_s)
+        count += 1
+    return count

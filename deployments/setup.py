@@ -1,0 +1,244 @@
+"""`draftsmith prefect setup`: everything distributed mode needs, against the configured Prefect
+API (PREFECT_API_URL). Idempotent: running it again updates what exists.
+
+- work pools `cpu` and `gpu` (process workers);
+- blocks: the GPU host (GPU count, NCCL environment, paths), the inference endpoint and its API
+  key as a Secret block when asked;
+- a global concurrency limit per GPU host, one slot per GPU;
+- the pipeline deployment on `cpu` with the config as its default parameters (the UI's form),
+  an optional cron schedule, and a trigger that re-runs it on `draftsmith.dataset.updated`;
+- one deployment per GPU stage flow on `gpu`, whose job variables pin CUDA_VISIBLE_DEVICES and
+  the NCCL environment;
+- an automation that marks a flow run Crashed when its heartbeats stop (zombie detection).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draftsmith.config import PipelineConfig
+
+log = logging.getLogger("draftsmith.setup")
+
+DATASET_EVENT = "draftsmith.dataset.updated"
+PIPELINE_DEPLOYMENT = "cpu"
+# Engine and child-process logs ("draftsmith.*") in every flow run's Prefect log; Prefect reads
+# it when it starts, before any draftsmith module could set it.
+LOG_ENV = {"PREFECT_LOGGING_EXTRA_LOGGERS": "draftsmith"}
+
+
+@dataclass
+class SetupOptions:
+    cpu_pool: str = "cpu"
+    gpu_pool: str = "gpu"
+    gpu_host: str = "gpu-host"
+    gpu_count: int = 1
+    visible_devices: str | None = None
+    nccl_env: dict[str, str] = field(default_factory=dict)
+    scratch_path: str = "/tmp"
+    shared_path: str | None = None
+    cron: str | None = None
+    cron_active: bool = False
+    timezone: str = "UTC"
+    endpoint_block: str | None = None
+    endpoint_url: str | None = None
+    endpoint_model: str | None = None
+    api_key_env: str | None = None
+    # Flow runs send a heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (180 by
+    # default); a run silent this long is marked Crashed. None: no automation.
+    zombie_after_s: int | None = 600
+
+
+def _ensure_pool(client, name: str, description: str) -> None:
+    from prefect.client.schemas.actions import WorkPoolCreate
+    from prefect.exceptions import ObjectNotFound
+    from prefect.workers.process import ProcessWorker
+
+    try:
+        pool = client.read_work_pool(name)
+        if pool.type != "process":
+            raise ValueError(f"work pool {name!r} exists with type {pool.type!r}; draftsmith "
+                             "needs a process pool there: delete it or choose another name")
+        return
+    except ObjectNotFound:
+        pass
+    client.create_work_pool(WorkPoolCreate(
+        name=name, type="process", description=description,
+        base_job_template=ProcessWorker.get_default_base_job_template()))
+    log.info("work pool %s created (process)", name)
+
+
+def _ensure_limit(client, name: str, slots: int) -> None:
+    from prefect.client.schemas.actions import (
+        GlobalConcurrencyLimitCreate,
+        GlobalConcurrencyLimitUpdate,
+    )
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        client.read_global_concurrency_limit_by_name(name)
+        client.update_global_concurrency_limit(
+            name, GlobalConcurrencyLimitUpdate(limit=slots, active=True))
+    except ObjectNotFound:
+        client.create_global_concurrency_limit(
+            GlobalConcurrencyLimitCreate(name=name, limit=slots, active=True))
+    log.info("global concurrency limit %s: %d slot(s)", name, slots)
+
+
+def ensure_zombie_detection(after_s: int) -> None:
+    """An automation that marks a flow run Crashed when its heartbeats stop (its worker or
+    machine died), so the run, and the parent waiting on it, end in a state the user sees.
+    Prefect Cloud does this itself; a self-hosted server needs the automation."""
+    from datetime import timedelta
+
+    from prefect.automations import Automation
+    from prefect.client.schemas.objects import StateType
+    from prefect.events.actions import ChangeFlowRunState
+    from prefect.events.schemas.automations import EventTrigger, Posture
+
+    name = "draftsmith: crash flow runs whose heartbeats stopped"
+    with contextlib.suppress(ValueError):  # not there yet
+        Automation.read(name=name).delete()
+    Automation(
+        name=name,
+        description="A flow run that sent no heartbeat and did not finish within "
+                    f"{after_s}s is marked Crashed (its worker or machine died).",
+        trigger=EventTrigger(
+            match={"prefect.resource.id": "prefect.flow-run.*"},
+            after={"prefect.flow-run.heartbeat"},
+            expect={"prefect.flow-run.heartbeat", "prefect.flow-run.Completed",
+                    "prefect.flow-run.Failed", "prefect.flow-run.Cancelled",
+                    "prefect.flow-run.Crashed"},
+            for_each={"prefect.resource.id"},
+            posture=Posture.Proactive, threshold=1, within=timedelta(seconds=after_s)),
+        actions=[ChangeFlowRunState(
+            state=StateType.CRASHED, name="Crashed",
+            message=f"no heartbeat for {after_s}s: the worker running it (or its machine) died")],
+    ).create()
+    log.info("automation: %s (%ds)", name, after_s)
+
+
+def save_blocks(options: SetupOptions, run_root: str) -> None:
+    from prefect.blocks.system import Secret
+
+    from blocks.endpoint import InferenceEndpoint
+    from blocks.gpu_host import GpuHost
+
+    GpuHost.register_type_and_schema()
+    InferenceEndpoint.register_type_and_schema()
+    GpuHost(gpu_count=options.gpu_count, visible_devices=options.visible_devices,
+            nccl_env=options.nccl_env, scratch_path=options.scratch_path,
+            shared_path=options.shared_path or str(Path(run_root).parent)).save(
+        options.gpu_host, overwrite=True)
+    if options.endpoint_url:
+        secret_name = None
+        if options.api_key_env:
+            value = os.environ.get(options.api_key_env)
+            if not value:
+                raise ValueError(f"--api-key-env {options.api_key_env}: that environment "
+                                 "variable is empty; export the API key in it first")
+            secret_name = f"{options.endpoint_block}-api-key"
+            Secret(value=value).save(secret_name, overwrite=True)
+        InferenceEndpoint(base_url=options.endpoint_url,
+                          model=options.endpoint_model or "default",
+                          api_key_secret=secret_name).save(options.endpoint_block,
+                                                           overwrite=True)
+
+
+def setup(config: PipelineConfig, options: SetupOptions | None = None) -> dict[str, str]:
+    """Create or update pools, blocks, limit and deployments; returns deployment name -> id."""
+    from prefect.client.orchestration import get_client
+    from prefect.deployments.runner import EntrypointType
+    from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
+    from prefect.schedules import Cron
+
+    from blocks.gpu_host import GpuHost, concurrency_limit_name
+    from flows.gpu_stages import STAGE_FLOWS
+    from flows.pipeline import pipeline
+
+    options = options or SetupOptions()
+    if options.endpoint_url and not options.endpoint_block:
+        options.endpoint_block = "inference-endpoint"
+    config = config.model_copy(deep=True)
+    config.orchestration.mode = "distributed"
+    config.orchestration.gpu_host = options.gpu_host
+    if options.endpoint_url:
+        config.orchestration.endpoint_block = options.endpoint_block
+
+    with get_client(sync_client=True) as client:
+        _ensure_pool(client, options.cpu_pool, "draftsmith: the pipeline flow and CPU stages")
+        _ensure_pool(client, options.gpu_pool, "draftsmith: GPU stages, on the GPU host")
+        save_blocks(options, config.run_root)
+        host = GpuHost.load(options.gpu_host)
+        _ensure_limit(client, concurrency_limit_name(options.gpu_host), host.gpu_count)
+    if options.zombie_after_s:
+        ensure_zombie_detection(options.zombie_after_s)
+
+    ids: dict[str, str] = {}
+    schedules = []
+    if options.cron:
+        schedules.append(Cron(options.cron, timezone=options.timezone,
+                              active=options.cron_active))
+    trigger = DeploymentEventTrigger(
+        name="draftsmith: new data re-runs the pipeline",
+        expect={DATASET_EVENT},
+        match={"prefect.resource.id": "draftsmith.dataset.*"},
+        parameters={"dataset": {"source": "{{ event.payload.source }}",
+                                "path": "{{ event.payload.path }}"}},
+    )
+    deployment = pipeline.to_deployment(
+        PIPELINE_DEPLOYMENT, work_pool_name=options.cpu_pool,
+        parameters={"config": config.model_dump(mode="json")},
+        job_variables={"env": dict(LOG_ENV)},
+        schedules=schedules, triggers=[trigger], entrypoint_type=EntrypointType.MODULE_PATH,
+        description="draftsmith: generate -> merge -> extract -> train -> fix-keys -> deploy "
+                    "-> benchmark; GPU stages run on the gpu pool",
+        tags=["draftsmith"])
+    ids[f"{pipeline.name}/{PIPELINE_DEPLOYMENT}"] = str(deployment.apply())
+    for flow_ in STAGE_FLOWS.values():
+        stage_deployment = flow_.to_deployment(
+            config.orchestration.gpu_deployment, work_pool_name=options.gpu_pool,
+            job_variables={"env": {**LOG_ENV, **host.job_env()}},
+            entrypoint_type=EntrypointType.MODULE_PATH, tags=["draftsmith", "gpu"])
+        ids[f"{flow_.name}/{config.orchestration.gpu_deployment}"] = str(
+            stage_deployment.apply())
+    for name in ids:
+        log.info("deployment %s", name)
+    return ids
+
+
+def dataset_event(path: str | Path, source: str | None = None) -> dict:
+    """The event that says a dataset file has new content (the pipeline trigger's input)."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such dataset file")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    name = source or path.stem
+    return {"event": DATASET_EVENT,
+            "resource": {"prefect.resource.id": f"draftsmith.dataset.{name}",
+                         "prefect.resource.name": name},
+            "payload": {"source": name, "path": str(path), "sha256": digest.hexdigest()}}
+
+
+def notify_new_data(path: str | Path, source: str | None = None) -> str:
+    """Emit the new-data event and wait until the server has it; returns the event id."""
+    from prefect.events import Event
+    from prefect.events.clients import get_events_client
+
+    event = Event(**dataset_event(path, source))
+
+    async def send() -> None:
+        async with get_events_client() as client:
+            await client.emit(event)
+
+    asyncio.run(send())
+    return str(event.id)

@@ -1,0 +1,102 @@
+"""Preflight for the stages that use GPUs: the GPUs are free and the disk has room.
+
+Which GPUs a stage uses: those in CUDA_VISIBLE_DEVICES when it is set (a GPU work pool's job
+variables set it), all of them when the stage's device is CUDA, none otherwise. Disk room is
+checked against an estimate of what the stage will write; the hidden-state store dominates
+(the seeds' 87.8M tokens took ~4.6 TB).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from draftsmith.artifacts import Descriptor, StagePlan
+from draftsmith.config import ExtractConfig, GenerateConfig
+from draftsmith.serve.gpus import GpusBusyError, gpu_processes
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Room a stage needs beyond its estimate: logs, temp files written before a rename.
+MARGIN_BYTES = 256 << 20
+
+
+class PreflightError(RuntimeError):
+    pass
+
+
+def stage_gpus(device: str) -> list[str] | None | bool:
+    """The GPU indices the stage will use, None for all of them, False for none."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [g.strip() for g in visible.split(",") if g.strip() and g.strip() != "-1"]
+        return gpus or False
+    return None if device.startswith("cuda") else False
+
+
+def require_free_stage_gpus(stage: str, device: str) -> None:
+    """Raise naming every other process that holds one of this stage's GPUs."""
+    gpus = stage_gpus(device)
+    if gpus is False:
+        return
+    processes = gpu_processes()
+    if processes is None:  # no nvidia-smi: nothing to ask (CPU hosts)
+        return
+    busy = [p for p in processes
+            if p.pid != os.getpid() and (gpus is None or p.gpu in gpus)]
+    if busy:
+        listing = "\n".join(f"  GPU {p.gpu}: pid {p.pid} {p.name} ({p.used_mib} MiB)"
+                            for p in busy)
+        which = "all GPUs" if gpus is None else f"GPUs {','.join(gpus)}"
+        raise GpusBusyError(
+            f"{stage}: {which} must be free, but other processes hold them:\n{listing}\n"
+            "stop them (a system service such as nv-hostengine or a leftover server), or give "
+            "this stage other GPUs with CUDA_VISIBLE_DEVICES (the gpu pool's job variables)")
+
+
+def free_bytes(path: str | Path) -> int:
+    path = Path(path).resolve()
+    while not path.exists():
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def require_disk_room(stage: str, plan: StagePlan, needed_bytes: int) -> None:
+    free = free_bytes(plan.dir)
+    needed = needed_bytes + MARGIN_BYTES
+    if free < needed:
+        raise PreflightError(
+            f"{stage}: needs about {needed / 2**30:.2f} GiB under {plan.dir.parent} (estimate "
+            f"{needed_bytes / 2**30:.2f} GiB plus a {MARGIN_BYTES >> 20} MiB margin) but only "
+            f"{free / 2**30:.2f} GiB is free; free space there or point run_root at a bigger "
+            "disk (the GPU host block's scratch path)")
+
+
+def check_stage(plan: StagePlan, device: str, needed_bytes: int = 0) -> None:
+    """Everything a GPU stage needs before it starts: free GPUs, disk room."""
+    require_free_stage_gpus(plan.stage, device)
+    require_disk_room(plan.stage, plan, needed_bytes)
+
+
+def generate_bytes(cfg: GenerateConfig, source_paths: list[str]) -> int:
+    """Generations: about the input again plus the answers (a token is ~4 bytes of text)."""
+    inputs = sum(Path(p).stat().st_size for p in source_paths if Path(p).is_file())
+    return 2 * inputs
+
+
+def extract_bytes(cfg: ExtractConfig, merged: Descriptor, target: Descriptor) -> int:
+    """The hidden-state store: per token K aux states and the final state, plus ids and mask."""
+    train_tokens = merged.counts.get("train_tokens", 0)
+    validation_share = merged.counts.get("validation_records", 0) / max(
+        1, merged.counts.get("train_records", 0))
+    tokens = int(train_tokens * (1 + validation_share))
+    aux = len(cfg.aux_layer_ids) if cfg.aux_layer_ids else 3
+    per_token = (aux + 1) * target.figures["hidden_size"] * DTYPE_BYTES[cfg.dtype] + 16
+    return tokens * per_token
+
+
+def train_bytes(target: Descriptor, draft_vocab_size: int) -> int:
+    """Drafter checkpoints (best and last) in float32: one decoder layer, fc, head."""
+    hidden = target.figures["hidden_size"]
+    params = 16 * hidden * hidden + draft_vocab_size * hidden
+    return 2 * 4 * params

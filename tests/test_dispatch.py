@@ -1,0 +1,94 @@
+"""Which stages go to the gpu pool, how new data enters a run, the new-data event."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from deployments.setup import DATASET_EVENT, dataset_event
+from draftsmith.config import ConfigError, PipelineConfig, parse_config, with_source
+from flows import dispatch
+from tests.conftest import REPO
+
+
+def config(**sections) -> PipelineConfig:
+    return PipelineConfig.model_validate({
+        "data": {"sources": [{"name": "a", "path": "/data/a.jsonl"}]}, **sections})
+
+
+def test_local_mode_runs_everything_in_process():
+    cfg = config()
+    assert not any(dispatch.is_remote(cfg, s) for s in ("generate", "extract", "train"))
+
+
+def test_distributed_mode_sends_the_gpu_stages_to_the_gpu_pool():
+    cfg = config(orchestration={"mode": "distributed"})
+    remote = [s for s in ("generate", "merge", "extract", "train", "fix_keys", "deploy",
+                          "benchmark") if dispatch.is_remote(cfg, s)]
+    assert remote == ["generate", "extract", "train", "deploy", "benchmark"]
+    assert dispatch.deployment_name(cfg, "extract") == "draftsmith-extract/gpu"
+    # Answering prompts over HTTP needs no GPU.
+    http = config(orchestration={"mode": "distributed"}, generate={"backend": "openai"})
+    assert not dispatch.is_remote(http, "generate")
+
+
+def test_a_served_deploy_and_its_benchmark_run_in_one_child_run():
+    every = {"deploy", "benchmark"}
+    served = config(orchestration={"mode": "distributed"}, deploy={"engine": "sglang"})
+    assert dispatch.remote_group(served, "deploy", every) == ["deploy", "benchmark"]
+    assert dispatch.remote_group(served, "deploy", {"deploy"}) == ["deploy"]
+    embedded = config(orchestration={"mode": "distributed"})
+    assert dispatch.remote_group(embedded, "deploy", every) == ["deploy"]
+
+
+def test_new_data_replaces_a_named_source_or_adds_one():
+    cfg = config()
+    assert with_source(cfg, "a", "/new/a.jsonl").data.sources[0].path == "/new/a.jsonl"
+    added = with_source(cfg, "b", "/new/b.jsonl").data.sources
+    assert [(s.name, s.path) for s in added] == [("a", "/data/a.jsonl"), ("b", "/new/b.jsonl")]
+    assert cfg.data.sources[0].path == "/data/a.jsonl"  # the deployment's config is untouched
+
+
+def test_orchestration_and_retention_keys_are_checked():
+    with pytest.raises(ConfigError, match="orchestration.mode"):
+        parse_config({"data": {"sources": [{"name": "a", "path": "x"}]},
+                      "orchestration": {"mode": "cluster"}})
+
+
+def test_the_new_data_event_names_the_file_its_source_and_content(tmp_path):
+    data = tmp_path / "traces.jsonl"
+    data.write_text('{"prompt": "hi"}\n')
+    event = dataset_event(data)
+    assert event["event"] == DATASET_EVENT
+    assert event["resource"]["prefect.resource.id"] == "draftsmith.dataset.traces"
+    assert event["payload"]["path"] == str(data) and event["payload"]["source"] == "traces"
+    assert len(event["payload"]["sha256"]) == 64
+
+
+def test_notify_new_data_refuses_a_missing_file(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "draftsmith.cli", "prefect", "notify-new-data",
+                           str(tmp_path / "nope.jsonl")], capture_output=True, text=True,
+                          cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "no such dataset file" in " ".join(proc.stderr.split())
+
+
+def test_the_endpoint_block_produces_generate_endpoint_and_names_its_secret():
+    from blocks.endpoint import InferenceEndpoint
+
+    block = InferenceEndpoint(base_url="http://gpu-host:30000/v1", model="kimi-k2.5",
+                              api_key_secret="kimi-api-key", partitions=4)
+    assert block.endpoint_config() == {
+        "base_url": "http://gpu-host:30000/v1", "model": "kimi-k2.5",
+        "api_key_env": "DRAFTSMITH_API_KEY", "api_key_secret": "kimi-api-key",
+        "timeout_s": 600.0, "max_retries": 5, "partitions": 4}
+
+
+def test_the_gpu_host_block_pins_devices_and_nccl_for_gpu_runs():
+    from blocks.gpu_host import GpuHost
+
+    host = GpuHost(gpu_count=8, nccl_env={"NCCL_IB_HCA": "mlx5"}, scratch_path="/nvme",
+                   shared_path="/mnt/shared")
+    assert host.job_env() == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "TMPDIR": "/nvme",
+                              "NCCL_IB_HCA": "mlx5"}
