@@ -70,6 +70,11 @@ def load_model(path: str, device: str, dtype: str, device_map: str | None):
     from transformers import AutoModelForCausalLM
 
     if device_map is not None:  # weights spread over the visible GPUs by accelerate
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise RuntimeError(f"extract.device_map={device_map!r} needs the accelerate "
+                               "package: pip install accelerate")
         return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
                                                     device_map=device_map).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])

@@ -128,8 +128,9 @@ class AsyncShardWriter:
     the tensors, so device-to-host copies started asynchronously are waited for on the writer
     thread, not on the compute thread."""
 
-    def __init__(self, root: str | Path, max_pending: int = 2, threads: int = 2):
-        self.root = Path(root)
+    def __init__(self, root: str | Path, max_pending: int = 2, threads: int = 2,
+                 on_written=None):
+        self.root, self.on_written = Path(root), on_written
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._lock = threading.Lock()
         self.records: dict[str, dict[str, Any]] = {}
@@ -152,6 +153,8 @@ class AsyncShardWriter:
                     with self._lock:
                         self.records[spec.file] = record
                         self.bytes_written += record["bytes"]
+                    if self.on_written is not None:
+                        self.on_written(record)
             except BaseException as err:  # surfaced on the compute thread by submit/close
                 self._error = err
             finally:
