@@ -180,6 +180,8 @@ def main() -> None:
     p.add_argument("--write-tokens", type=int, default=1_000_000)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--batch-tokens", type=int, default=16384)
+    p.add_argument("--compute-batch-tokens", type=int, nargs="*", default=None,
+                   help="compute pass once per value (compare token budgets)")
     p.add_argument("--shard-tokens", type=int, default=65536)
     p.add_argument("--writer-queue", type=int, default=2)
     p.add_argument("--writer-threads", type=int, default=4)
@@ -203,7 +205,11 @@ def main() -> None:
     run_pass("warmup", args, config, capture, warm, None)
     if args.compute_tokens:
         rows = make_rows(args.compute_tokens, args.min_len, args.max_len, args.vocab, seed=1)
-        results["compute"] = run_pass("compute", args, config, capture, rows, None)
+        results["compute"] = []
+        for budget in args.compute_batch_tokens or [args.batch_tokens]:
+            variant = argparse.Namespace(**{**vars(args), "batch_tokens": budget})
+            results["compute"].append({"batch_tokens": budget, **run_pass(
+                f"compute batch_tokens={budget}", variant, config, capture, rows, None)})
     if args.write_tokens:
         rows = make_rows(args.write_tokens, args.min_len, args.max_len, args.vocab, seed=2)
         results["write"] = run_pass("write", args, config, capture, rows, out)
