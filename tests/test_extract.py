@@ -239,3 +239,27 @@ def test_a_shard_counts_as_done_only_with_a_matching_receipt(tmp_path):
     assert finished_shard(tmp_path, spec) is None
     with pytest.raises(ValueError, match="token counts"):
         write_shard(tmp_path, other, shard_tensors(samples))
+
+
+def test_shards_are_standard_safetensors_files(tmp_path):
+    from safetensors import safe_open
+
+    samples = make_samples(9, seed=4)
+    written = write_store(tmp_path, {"train": samples}, shard_tokens=10_000)
+    with safe_open(str(tmp_path / written["train"][0]["file"]), framework="pt") as f:
+        aux = f.get_tensor("aux")
+        offsets = f.get_tensor("offsets")
+    assert torch.equal(aux, torch.cat([s.aux for s in samples]))
+    assert offsets.tolist()[-1] == sum(len(s.input_ids) for s in samples)
+
+
+def test_a_shard_given_as_row_blocks_equals_the_concatenated_one(tmp_path):
+    samples = make_samples(5, seed=6)
+    spec = ShardSpec("train", 0, tuple(s.id for s in samples),
+                     tuple(len(s.input_ids) for s in samples))
+    whole = shard_tensors(samples)
+    blocks = {**whole, "aux": [s.aux for s in samples], "final": [s.final for s in samples]}
+    a = write_shard(tmp_path / "a", spec, whole)
+    b = write_shard(tmp_path / "b", spec, blocks)
+    assert a["sha256"] == b["sha256"]
+    assert (tmp_path / "a" / spec.file).read_bytes() == (tmp_path / "b" / spec.file).read_bytes()

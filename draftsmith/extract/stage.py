@@ -129,7 +129,7 @@ class ShardComputer:
             if on_batch is not None:
                 on_batch(len(batch), sum(lengths))
 
-        def tensors() -> dict[str, torch.Tensor]:
+        def tensors() -> dict[str, torch.Tensor | list[torch.Tensor]]:
             for event, _, _ in pieces:
                 if event is not None:
                     event.synchronize()
@@ -140,8 +140,8 @@ class ShardComputer:
                                         for r in ordered]),  # [T]
                 "loss_mask": torch.cat([torch.tensor(r["loss_mask"], dtype=torch.uint8)
                                         for r in ordered]),  # [T]
-                "aux": torch.cat([p[1] for p in pieces]),  # [T, K*H]
-                "final": torch.cat([p[2] for p in pieces]),  # [T, H]
+                "aux": [p[1] for p in pieces],  # blocks of [N, K*H], streamed in order
+                "final": [p[2] for p in pieces],  # blocks of [N, H]
                 "offsets": torch.cat([torch.zeros(1, dtype=torch.long),
                                       lengths.cumsum(0)]),  # [n+1]
             }
