@@ -84,22 +84,14 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
 
 
-def write_shard(root: str | Path, spec: ShardSpec,
-                tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> dict[str, Any]:
-    """Write one shard as a safetensors file, atomically, then its receipt; returns the
-    record that goes into the index.
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]],
+                      metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write a safetensors file atomically; returns (bytes, sha256).
 
-    A tensor may be given as a list of row blocks (the batches of the shard): they are
-    streamed to the file one after another, so the shard is never concatenated in memory.
-    Streaming buffers through hashlib and the file keeps the GIL free (serialising through
-    safetensors' `save` held it for two full copies per shard, which starved the compute
-    thread)."""
-    root = Path(root)
-    offsets = tensors["offsets"]
-    assert isinstance(offsets, torch.Tensor)
-    if offsets.tolist()[1:] != torch.tensor(spec.tokens).cumsum(0).tolist():
-        raise ValueError(f"{spec.file}: token counts {list(spec.tokens)} do not match the "
-                         f"tensors' offsets {offsets.tolist()}")
+    A tensor may be given as a list of row blocks (the batches of a shard): they are streamed
+    to the file one after another, so the tensor is never concatenated in memory. Streaming
+    buffers through hashlib and the file keeps the GIL free (serialising through safetensors'
+    `save` held it for two full copies per shard, which starved the compute thread)."""
     header: dict[str, Any] = {}
     chunks: list[torch.Tensor] = []
     position = 0
@@ -112,15 +104,30 @@ def write_shard(root: str | Path, spec: ShardSpec,
                         "data_offsets": [position, position + size]}
         chunks += blocks
         position += size
+    if metadata:
+        header["__metadata__"] = metadata
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     digest = hashlib.sha256()
-    with atomic_path(root / spec.file) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
         for part in (len(text).to_bytes(8, "little"), text, *map(_as_bytes, chunks)):
             digest.update(part)
             f.write(part)
+    return 8 + len(text) + position, digest.hexdigest()
+
+
+def write_shard(root: str | Path, spec: ShardSpec,
+                tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> dict[str, Any]:
+    """Write one shard atomically, then its receipt; returns the record for the index."""
+    root = Path(root)
+    offsets = tensors["offsets"]
+    assert isinstance(offsets, torch.Tensor)
+    if offsets.tolist()[1:] != torch.tensor(spec.tokens).cumsum(0).tolist():
+        raise ValueError(f"{spec.file}: token counts {list(spec.tokens)} do not match the "
+                         f"tensors' offsets {offsets.tolist()}")
+    size, sha256 = write_safetensors(root / spec.file, tensors)
     record = {"file": spec.file, "ids": list(spec.ids), "tokens": list(spec.tokens),
-              "bytes": 8 + len(text) + position, "sha256": digest.hexdigest()}
+              "bytes": size, "sha256": sha256}
     atomic_write_json(root / RECEIPTS / f"{spec.file}.json", record)
     return record
 
