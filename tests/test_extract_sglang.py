@@ -295,6 +295,9 @@ def test_capture_launch_turns_off_radix_cache_and_chunked_prefill(tmp_path, rand
                                                                  "8192"]})
     with pytest.raises(ValueError, match="chunked-prefill-size"):
         build_capture_launch(bad, target_cfg, random_target.path, "X", [1], tmp_path)
+    dp = ExtractConfig(backend="sglang", sglang={"extra_args": ["--enable-dp-attention"]})
+    with pytest.raises(ValueError, match="dp-attention"):
+        build_capture_launch(dp, target_cfg, random_target.path, "X", [1], tmp_path)
 
 
 def test_external_package_overrides_the_architecture_with_a_capturing_class(

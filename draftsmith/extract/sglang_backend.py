@@ -86,6 +86,10 @@ def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_pat
         if flag in s.extra_args:
             raise ValueError(f"extract.sglang.extra_args: {flag} is set by draftsmith for "
                              "capture (radix cache off, chunked prefill off)")
+    if "--enable-dp-attention" in s.extra_args:  # tokens are split over ranks there
+        raise ValueError("extract.sglang.extra_args: --enable-dp-attention splits a batch's "
+                         "tokens over the ranks, so no rank holds every request's states; "
+                         "capture with plain tensor parallelism")
     argv += s.extra_args
     launch = SGLangLaunch(argv=argv, env=env, host=s.host, port=s.port, drafter_dir=None)
     check_with_sglang_parser(launch)

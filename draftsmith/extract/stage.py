@@ -205,12 +205,30 @@ def _spawned_worker(rank: int, world: int, args: tuple, results: Any) -> None:
 
 
 def _run_spawned(world: int, args: tuple) -> list[dict[str, Any]]:
+    """Run the ranks as child processes; this process reports their combined progress from
+    the receipts on disk (the children's own progress never reaches this process's
+    listeners, such as the Prefect progress artifact)."""
     import torch.multiprocessing as mp
 
+    out, specs = args[3], args[4]
+    pending = [s for s in specs if finished_shard(out, s) is None]
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
-    mp.start_processes(_spawned_worker, args=(world, args, results), nprocs=world,
-                       start_method="spawn", join=True)
+    context = mp.start_processes(_spawned_worker, args=(world, args, results), nprocs=world,
+                                 start_method="spawn", join=False)
+    progress = Progress(f"extract ({world} processes)", total=sum(s.num_tokens for s in pending),
+                        unit="token")
+    finished: set[str] = set()
+    while True:
+        stopped = context.join(timeout=2.0)
+        for spec in pending:
+            if spec.file not in finished and finished_shard(out, spec) is not None:
+                finished.add(spec.file)
+                progress.update(spec.num_tokens, shards=f"{len(finished)}/{len(pending)}",
+                                free_disk=f"{free_disk_bytes(out) / 2**30:.1f} GiB")
+        if stopped:
+            break
+    progress.close()
     return [results[r] for r in range(world)]
 
 
