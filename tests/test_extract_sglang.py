@@ -327,3 +327,20 @@ def test_external_package_overrides_the_architecture_with_a_capturing_class(
         assert (tmp_path / "rid-x.safetensors").is_file()
     finally:
         sys.modules.pop(f"{EXTERNAL_PACKAGE}.capture_model", None)
+
+
+def test_capture_command_is_printed_for_a_config(tmp_path, random_target_dir, capsys):
+    from draftsmith.extract.sglang_backend import main
+
+    config = tmp_path / "c.yaml"
+    config.write_text(f"""
+target: {{model: {random_target_dir}, tp_size: 2}}
+data: {{sources: [{{name: a, path: x.jsonl}}]}}
+extract: {{backend: sglang, sglang: {{dump_dir: /dev/shm/caps, port: 31555}}}}
+""")
+    main([str(config)])
+    line = capsys.readouterr().out.strip()
+    assert f"SGLANG_EXTERNAL_MODEL_PACKAGE={EXTERNAL_PACKAGE}" in line
+    assert f"{ENV_LAYERS}=1,3,4" in line and f"{ENV_DIR}=/dev/shm/caps" in line
+    assert "--disable-radix-cache --chunked-prefill-size -1" in line
+    assert "--port 31555" in line and "--tp-size 2" in line

@@ -258,3 +258,33 @@ def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out
     finally:
         if process is not None:
             process.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the capture server's command for a config, to start it yourself and point
+    extract.sglang.url at it:  python -m draftsmith.extract.sglang_backend CONFIG [--set k=v]"""
+    import argparse
+
+    from draftsmith.config import load_config
+    from draftsmith.extract.stage import aux_layer_ids_for
+    from draftsmith.target import resolve_target
+
+    parser = argparse.ArgumentParser(prog="python -m draftsmith.extract.sglang_backend")
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    target = resolve_target(config.target)
+    aux_ids = aux_layer_ids_for(config.extract, target)
+    check_capturable(aux_ids, target.figures["num_layers"])
+    dump_dir = config.extract.sglang.dump_dir
+    if dump_dir is None:
+        raise SystemExit("set extract.sglang.dump_dir: a server you start yourself and this "
+                         "pipeline must agree on where the dumps go")
+    launch = build_capture_launch(config.extract, config.target, target.path,
+                                  target.figures["architectures"][0], aux_ids, dump_dir)
+    print(launch.shell())
+
+
+if __name__ == "__main__":
+    main()
