@@ -154,7 +154,7 @@ class StandInServer:
     """Collects concurrent /generate requests for a short window, runs them as one batch in
     shuffled order through the SGLang-style model, answers in random order."""
 
-    def __init__(self, model, mode: str = "rids"):
+    def __init__(self, model, mode: str = "rids", host: str = "127.0.0.1", port: int = 0):
         self.model, self.mode = model, mode
         self.pending: list[tuple[dict, threading.Event]] = []
         self.lock = threading.Lock()
@@ -186,8 +186,8 @@ class StandInServer:
                 time.sleep(random.random() * 0.01)
                 self._reply(200, {"meta_info": {"id": body["rid"], "completion_tokens": 1}})
 
-        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        self.http = ThreadingHTTPServer((host, port), Handler)
+        self.url = f"http://{host}:{self.http.server_address[1]}"
         self.stop = threading.Event()
         self.threads = [threading.Thread(target=self.http.serve_forever, daemon=True),
                         threading.Thread(target=self._batcher, daemon=True)]
@@ -344,3 +344,31 @@ extract: {{backend: sglang, sglang: {{dump_dir: /dev/shm/caps, port: 31555}}}}
     assert f"{ENV_LAYERS}=1,3,4" in line and f"{ENV_DIR}=/dev/shm/caps" in line
     assert "--disable-radix-cache --chunked-prefill-size -1" in line
     assert "--port 31555" in line and "--tp-size 2" in line
+
+
+def test_stage_starts_supervises_and_stops_its_capture_server(tmp_path, merged_small,
+                                                             random_target, random_target_model):
+    """extract.sglang.url unset: the stage launches the server itself (here a stand-in that
+    reads the launcher's flags and environment like SGLang and the capture package would)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dumps = tmp_path / "dumps"
+    cfg = ExtractConfig(backend="sglang", shard_tokens=150, sglang={
+        "port": port, "dump_dir": str(dumps), "dump_timeout_s": 20, "startup_timeout_s": 120,
+        "sglang_command": [sys.executable, str(Path(__file__).with_name(
+            "fake_capture_server.py"))]})
+    plan = plan_stage(tmp_path / "run", "extract", {"launched": 1}, [merged_small, random_target])
+    descriptor = run_extract(cfg, TargetConfig(model=random_target.path), merged_small,
+                             random_target, plan)
+    reader = ShardReader(descriptor.path)
+    row = pq.read_table(Path(merged_small.path) / "train.parquet").to_pylist()[5]
+    aux, final = HiddenStateCapture(random_target_model, AUX_IDS)(
+        torch.tensor([row["input_ids"]]), None)
+    torch.testing.assert_close(reader.sample(row["id"]).aux, aux[0], rtol=1e-5, atol=1e-6)
+    server_log = (plan.dir / ".capture-server.log").read_text()
+    assert "--disable-radix-cache" in server_log and "LlamaForCausalLM" in server_log
+    with socket.socket() as s:  # stopped with its process group at the end
+        assert s.connect_ex(("127.0.0.1", port)) != 0

@@ -242,8 +242,11 @@ def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out
     if url is None:
         launch = build_capture_launch(cfg, target_cfg, target.path, architectures[0], aux_ids,
                                       dump_dir)
-        log.info("extract: starting SGLang capture server: %s", launch.shell())
-        process = ManagedProcess(launch.argv, out / "capture-server.log", env=launch.env,
+        # A dot name keeps the log out of the stage's content fingerprint.
+        server_log = out / ".capture-server.log"
+        log.info("extract: starting SGLang capture server (log: %s): %s", server_log,
+                 launch.shell())
+        process = ManagedProcess(launch.argv, server_log, env=launch.env,
                                  name="sglang-capture").start()
         url = launch.url
     try:

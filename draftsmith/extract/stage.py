@@ -116,15 +116,16 @@ class ShardComputer:
             ids_dev = input_ids.to(self.device, non_blocking=True)
             mask_dev = None if mask is None else mask.long().to(self.device, non_blocking=True)
             aux, final = self.capture(ids_dev, mask_dev)  # [B, T, K*H], [B, T, H]
-            flat_dev = flat.to(self.device, non_blocking=True)
+            states_device = aux.device  # the last GPU when device_map spreads the model
+            flat_dev = flat.to(states_device, non_blocking=True)
             aux = aux.reshape(-1, aux.shape[-1]).index_select(0, flat_dev)  # [N, K*H]
             final = final.reshape(-1, final.shape[-1]).index_select(0, flat_dev)  # [N, H]
             aux = aux.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, K*H]
             final = final.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, H]
             event = None
-            if pinned:
+            if pinned:  # on the stream that issued the copies
                 event = torch.cuda.Event()
-                event.record()
+                event.record(torch.cuda.current_stream(states_device))
             pieces.append((event, aux, final))
             if on_batch is not None:
                 on_batch(len(batch), sum(lengths))
