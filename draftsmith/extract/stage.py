@@ -151,14 +151,14 @@ class ShardComputer:
 
 
 def extract_shards(cfg: ExtractConfig, target_cfg: TargetConfig, target_path: str,
-                   out: Path, specs: list[ShardSpec], rows: dict[str, list[dict]],
+                   out: Path, pending: list[ShardSpec], rows: dict[str, list[dict]],
                    aux_ids: list[int], rank: int = 0, world: int = 1,
                    local_rank: int = 0) -> dict[str, Any]:
-    """This rank's share of the pending shards: load the target, compute, write."""
+    """This rank's share of the pending shards: load the target, compute, write. Every rank
+    must be given the same `pending` list, taken before any rank started writing."""
     by_id = {r["id"]: r for split_rows in rows.values() for r in split_rows}
-    pending = [s for s in specs if finished_shard(out, s) is None]
     mine = pending[rank::world]
-    figures = {"rank": rank, "shards": len(mine), "skipped": len(specs) - len(pending)}
+    figures = {"rank": rank, "shards": len(mine)}
     if not mine:
         return figures
     device = _rank_device(target_cfg.device, local_rank, world)
@@ -211,8 +211,7 @@ def _run_spawned(world: int, args: tuple) -> list[dict[str, Any]]:
     listeners, such as the Prefect progress artifact)."""
     import torch.multiprocessing as mp
 
-    out, specs = args[3], args[4]
-    pending = [s for s in specs if finished_shard(out, s) is None]
+    out, pending = args[3], args[4]
     manager = mp.get_context("spawn").Manager()
     results = manager.dict()
     context = mp.start_processes(_spawned_worker, args=(world, args, results), nprocs=world,
@@ -264,9 +263,10 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
         out = plan.dir
     rows = load_rows(merged)
     specs = shard_plan(rows, cfg.shard_tokens)
-    done_before = sum(finished_shard(out, s) is not None for s in specs)
-    if done_before:
-        log.info("extract: resuming, %d of %d shards already complete", done_before, len(specs))
+    pending = [s for s in specs if finished_shard(out, s) is None]
+    if len(pending) < len(specs):
+        log.info("extract: resuming, %d of %d shards already complete",
+                 len(specs) - len(pending), len(specs))
     meta = {"target_fingerprint": target.fingerprint, "aux_layer_ids": aux_ids,
             "hidden_size": target.figures["hidden_size"], "dtype": cfg.dtype,
             "backend": cfg.backend, "layer_id_convention": LAYER_ID_CONVENTION}
@@ -275,8 +275,9 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
 
         reports = [run_sglang_capture(cfg, target_cfg, target, out, specs, rows, aux_ids)]
     else:
-        args = (cfg, target_cfg, target.path, out, specs, rows, aux_ids)
+        args = (cfg, target_cfg, target.path, out, pending, rows, aux_ids)
         if ranked:
+            _barrier()  # every rank has its `pending` list before any rank writes a shard
             reports = [extract_shards(*args, rank=rank, world=ranked[1], local_rank=ranked[2])]
             _barrier()
             if rank != 0:  # rank 0 writes the index; the others return its descriptor
