@@ -88,6 +88,27 @@ class MergeConfig(StrictModel):
     draft_vocab_size: int = Field(32000, ge=2)
 
 
+class SGLangCaptureConfig(StrictModel):
+    """The capture server for extract.backend=sglang (targets only SGLang can serve)."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(30100, ge=1, le=65535)
+    url: str | None = Field(None, description=(
+        "Use a capture server that is already running (started with the launch command "
+        "`draftsmith` prints) instead of starting one."))
+    concurrency: int = Field(8, ge=1, description="Requests in flight.")
+    dump_dir: str | None = Field(None, description=(
+        "Where the server writes per-request dumps; must be local to the server and to this "
+        "process. Default: <extract output>/dumps."))
+    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
+    extra_args: list[str] = Field(default_factory=list, description="Passed to SGLang as is.")
+    env: dict[str, str] = Field(default_factory=dict)
+    sglang_command: list[str] | None = None
+    startup_timeout_s: float = Field(1800.0, gt=0)
+    dump_timeout_s: float = Field(120.0, gt=0, description=(
+        "How long to wait for a request's dump after its response."))
+
+
 class ExtractConfig(StrictModel):
     backend: Literal["transformers", "sglang"] = "transformers"
     aux_layer_ids: list[int] | None = Field(
@@ -95,8 +116,31 @@ class ExtractConfig(StrictModel):
         description="Canonical ids (output of decoder layer i). Default [1, L//2-1, L-4].",
     )
     batch_size: int = Field(8, ge=1)
-    shard_tokens: int = Field(1 << 20, ge=1, description="Tokens per safetensors shard.")
+    batch_tokens: int | None = Field(None, ge=1, description=(
+        "Cap on padded tokens (samples x longest) per forward pass; samples are bucketed by "
+        "length, so batches pad little. null: batch_size alone decides."))
+    shard_tokens: int = Field(1 << 16, ge=1, description=(
+        "Tokens per safetensors shard (65536 tokens of a Llama-8B target are ~2 GiB; host "
+        "memory holds about writer_queue + writer_threads shards)."))
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    data_parallel: int = Field(1, ge=1, description=(
+        "Processes, one per GPU, each extracting its share of the shards (spawned here; under "
+        "torchrun the world comes from its environment instead)."))
+    device_map: str | None = Field(None, description=(
+        "transformers device_map (e.g. 'auto') for a target that does not fit one GPU; "
+        "exclusive with data_parallel > 1."))
+    writer_queue: int = Field(2, ge=1, description="Shards waiting for the disk writers.")
+    writer_threads: int = Field(2, ge=1)
+    sglang: SGLangCaptureConfig = Field(default_factory=SGLangCaptureConfig)
+
+    @model_validator(mode="after")
+    def _check_parallel(self) -> ExtractConfig:
+        if self.device_map is not None and self.data_parallel > 1:
+            raise ValueError(
+                f"extract.device_map={self.device_map!r} with extract.data_parallel="
+                f"{self.data_parallel}: a model sharded over the GPUs runs in one process; set "
+                "data_parallel=1 (or device_map=null for one model copy per GPU)")
+        return self
 
 
 class TrainConfig(StrictModel):

@@ -28,7 +28,11 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
     if stage == "merge":
         return {"merge": config.merge.model_dump()}
     if stage == "extract":
-        return {"extract": config.extract.model_dump(), "target_dtype": dtype}
+        # How many processes, GPUs, writer threads or which server compute the shards does
+        # not change their bytes (each shard is computed from the same batches).
+        return {"extract": config.extract.model_dump(exclude={
+            "data_parallel", "device_map", "writer_queue", "writer_threads", "sglang"}),
+                "target_dtype": dtype}
     if stage == "train":
         return {"train": config.train.model_dump(exclude={"device", "log_every"})}
     if stage == "fix_keys":

@@ -51,8 +51,9 @@ def progress_artifact(stage: str) -> Iterator[None]:
     artifact_id = create_progress_artifact(0.0, description=f"{stage} progress")
 
     def listener(p: engine_progress.Progress) -> None:
-        if p.total:
-            update_progress_artifact(artifact_id, min(100.0, 100.0 * p.done / p.total))
+        if p.total:  # the description carries the counts, rate and ETA of the log line
+            update_progress_artifact(artifact_id, min(100.0, 100.0 * p.done / p.total),
+                                     description=p.message())
 
     engine_progress.add_listener(listener)
     try:

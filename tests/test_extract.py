@@ -12,9 +12,13 @@ from draftsmith.extract.store import (
     INDEX_FILE,
     Sample,
     ShardReader,
+    ShardSpec,
     ShardWriter,
     StoreError,
+    finished_shard,
+    shard_tensors,
     write_index,
+    write_shard,
 )
 
 AUX_IDS = [1, 3, 4]
@@ -113,7 +117,7 @@ def make_samples(n: int, seed: int = 0) -> list[Sample]:
     for i in range(n):
         T = int(torch.randint(1, 20, (1,), generator=g))
         samples.append(Sample(
-            id=f"sample-{i}",
+            id=f"sample-{seed}-{i}",
             input_ids=torch.randint(0, 512, (T,), generator=g),
             loss_mask=torch.randint(0, 2, (T,), generator=g).to(torch.uint8),
             aux=torch.randn(T, K * HIDDEN, generator=g).to(torch.bfloat16),
@@ -182,3 +186,80 @@ def test_store_without_index_is_refused(tmp_path):
     (tmp_path / INDEX_FILE).unlink()
     with pytest.raises(StoreError, match=INDEX_FILE):
         ShardReader(tmp_path)
+
+
+def test_samples_are_served_by_id_in_any_order(tmp_path):
+    train = make_samples(25, seed=3)
+    write_store(tmp_path, {"train": train})
+    reader = ShardReader(tmp_path)
+    assert len(reader) == 25 and "sample-3-7" in reader and "nope" not in reader
+    assert reader.ids("train") == [s.id for s in train]
+    for original in reversed(train):
+        back = reader.sample(original.id)
+        assert torch.equal(back.aux, original.aux) and torch.equal(back.final, original.final)
+        assert torch.equal(back.input_ids, original.input_ids)
+    with pytest.raises(KeyError, match="nope"):
+        reader.sample("nope")
+
+
+def test_truncated_shard_is_detected_even_without_checksums(tmp_path):
+    written = write_store(tmp_path, {"train": make_samples(12)})
+    path = tmp_path / written["train"][0]["file"]
+    path.write_bytes(path.read_bytes()[:-64])
+    with pytest.raises(StoreError, match="truncated"):
+        list(ShardReader(tmp_path, verify_checksums=False).samples("train"))
+
+
+def test_dtype_that_disagrees_with_the_index_is_detected(tmp_path):
+    write_store(tmp_path, {"train": make_samples(6)})
+    index = json.loads((tmp_path / INDEX_FILE).read_text())
+    index["dtype"] = "float16"  # the shards hold bfloat16
+    (tmp_path / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(StoreError, match="aux is torch.bfloat16"):
+        list(ShardReader(tmp_path).samples("train"))
+
+
+def test_duplicate_sample_ids_are_refused(tmp_path):
+    write_store(tmp_path, {"train": make_samples(4, seed=5), "validation": make_samples(4, seed=5)})
+    with pytest.raises(StoreError, match="sample-5-0"):
+        ShardReader(tmp_path)
+
+
+def test_a_shard_counts_as_done_only_with_a_matching_receipt(tmp_path):
+    samples = make_samples(3)
+    spec = ShardSpec("train", 0, tuple(s.id for s in samples),
+                     tuple(len(s.input_ids) for s in samples))
+    assert finished_shard(tmp_path, spec) is None
+    record = write_shard(tmp_path, spec, shard_tensors(samples))
+    assert finished_shard(tmp_path, spec) == record
+    other = ShardSpec("train", 0, spec.ids[:2], spec.tokens[:2])  # a different plan
+    assert finished_shard(tmp_path, other) is None
+    path = tmp_path / spec.file
+    path.write_bytes(path.read_bytes() + b"x")  # file replaced after its receipt
+    assert finished_shard(tmp_path, spec) is None
+    with pytest.raises(ValueError, match="token counts"):
+        write_shard(tmp_path, other, shard_tensors(samples))
+
+
+def test_shards_are_standard_safetensors_files(tmp_path):
+    from safetensors import safe_open
+
+    samples = make_samples(9, seed=4)
+    written = write_store(tmp_path, {"train": samples}, shard_tokens=10_000)
+    with safe_open(str(tmp_path / written["train"][0]["file"]), framework="pt") as f:
+        aux = f.get_tensor("aux")
+        offsets = f.get_tensor("offsets")
+    assert torch.equal(aux, torch.cat([s.aux for s in samples]))
+    assert offsets.tolist()[-1] == sum(len(s.input_ids) for s in samples)
+
+
+def test_a_shard_given_as_row_blocks_equals_the_concatenated_one(tmp_path):
+    samples = make_samples(5, seed=6)
+    spec = ShardSpec("train", 0, tuple(s.id for s in samples),
+                     tuple(len(s.input_ids) for s in samples))
+    whole = shard_tensors(samples)
+    blocks = {**whole, "aux": [s.aux for s in samples], "final": [s.final for s in samples]}
+    a = write_shard(tmp_path / "a", spec, whole)
+    b = write_shard(tmp_path / "b", spec, blocks)
+    assert a["sha256"] == b["sha256"]
+    assert (tmp_path / "a" / spec.file).read_bytes() == (tmp_path / "b" / spec.file).read_bytes()

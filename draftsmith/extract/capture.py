@@ -38,8 +38,10 @@ class HiddenStateCapture:
         try:
             self._captured.clear()
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-            aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, K*H]
             final = out.last_hidden_state  # [B, T, H], after model.norm
+            # With device_map the layers live on several GPUs: gather on the last one.
+            aux = torch.cat([self._captured[i].to(final.device) for i in self.aux_layer_ids],
+                            dim=-1)  # [B, T, K*H]
         finally:
             for h in handles:
                 h.remove()

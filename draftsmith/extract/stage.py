@@ -1,25 +1,41 @@
-"""Stage `extract`: run the target over the merged data and store its hidden states."""
+"""Stage `extract`: run the target over the merged data and store its hidden states.
+
+The work is a list of shards fixed up front (batching.plan_shards). Each shard is computed from
+the same batches whoever computes it, written by a background writer and receipted; a rerun
+skips receipted shards and redoes the rest. Data parallel: shard k of the pending list goes to
+rank k % world, for a world spawned here (extract.data_parallel) or given by torchrun.
+"""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
 
 import torch
 
-from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, stage_output
+from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
 from draftsmith.config import ExtractConfig, TargetConfig
 from draftsmith.data.merge import SPLITS, read_split
+from draftsmith.extract.batching import plan_batches, plan_shards
 from draftsmith.extract.capture import HiddenStateCapture
-from draftsmith.extract.store import Sample, ShardWriter, write_index
-from draftsmith.progress import Progress
-from draftsmith.target import (
-    DTYPES,
-    check_aux_layer_ids,
-    default_aux_layer_ids,
-    load_target_model,
+from draftsmith.extract.store import (
+    AsyncShardWriter,
+    ShardSpec,
+    finished_shard,
+    free_disk_bytes,
+    remove_partial_files,
+    write_index,
 )
+from draftsmith.progress import Progress
+from draftsmith.target import DTYPES, check_aux_layer_ids, default_aux_layer_ids
 
 log = logging.getLogger(__name__)
+
+LAYER_ID_CONVENTION = "output of decoder layer i (= transformers hidden_states[i+1])"
 
 
 def aux_layer_ids_for(cfg: ExtractConfig, target: Descriptor) -> list[int]:
@@ -28,54 +44,275 @@ def aux_layer_ids_for(cfg: ExtractConfig, target: Descriptor) -> list[int]:
     return check_aux_layer_ids(list(ids), num_layers)
 
 
+def load_rows(merged: Descriptor) -> dict[str, list[dict]]:
+    return {split: read_split(merged, split) for split in SPLITS}
+
+
+def shard_plan(rows: dict[str, list[dict]], shard_tokens: int) -> list[ShardSpec]:
+    return [spec for split in SPLITS for spec in plan_shards(split, rows[split], shard_tokens)]
+
+
+def torchrun_world() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun with more than one process."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return None
+    return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+
+
+def _rank_device(device: str, local_rank: int, world: int) -> str:
+    if world > 1 and device.startswith("cuda"):
+        return f"cuda:{local_rank}"
+    return device
+
+
+def load_model(path: str, device: str, dtype: str, device_map: str | None):
+    from transformers import AutoModelForCausalLM
+
+    if device_map is not None:  # weights spread over the visible GPUs by accelerate
+        import importlib.util
+
+        if importlib.util.find_spec("accelerate") is None:
+            raise RuntimeError(f"extract.device_map={device_map!r} needs the accelerate "
+                               "package: pip install accelerate")
+        return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
+                                                    device_map=device_map).eval()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    return model.to(device).eval()
+
+
+class ShardComputer:
+    """Runs the capture over one shard's batches and hands the writer a closure that returns
+    the shard's tensors once the device-to-host copies have landed."""
+
+    def __init__(self, capture: HiddenStateCapture, device: torch.device, store_dtype,
+                 batch_size: int, batch_tokens: int | None):
+        self.capture, self.device, self.store_dtype = capture, device, store_dtype
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+        self.real_tokens = self.padded_tokens = 0
+
+    def __call__(self, spec: ShardSpec, rows: dict[str, dict], on_batch=None):
+        plan = plan_batches(spec.tokens, self.batch_size, self.batch_tokens)
+        self.real_tokens += plan.real_tokens
+        self.padded_tokens += plan.padded_tokens
+        pinned = self.device.type == "cuda"
+        pieces: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        for positions in plan.batches:
+            batch = [rows[spec.ids[p]] for p in positions]
+            lengths = [spec.tokens[p] for p in positions]
+            longest = max(lengths)
+            input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, T]
+            for i, row in enumerate(batch):
+                input_ids[i, : lengths[i]] = torch.tensor(row["input_ids"])
+            # Equal lengths need no mask, which lets SDPA take its fused causal kernel.
+            mask = None
+            if min(lengths) != longest:
+                mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
+            # Real tokens in order, as flat indices: gathering with them avoids the host sync
+            # that boolean indexing on the device would cost.
+            flat = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])  # [N]
+            if pinned:
+                input_ids, flat = input_ids.pin_memory(), flat.pin_memory()
+            ids_dev = input_ids.to(self.device, non_blocking=True)
+            mask_dev = None if mask is None else mask.long().to(self.device, non_blocking=True)
+            aux, final = self.capture(ids_dev, mask_dev)  # [B, T, K*H], [B, T, H]
+            states_device = aux.device  # the last GPU when device_map spreads the model
+            flat_dev = flat.to(states_device, non_blocking=True)
+            aux = aux.reshape(-1, aux.shape[-1]).index_select(0, flat_dev)  # [N, K*H]
+            final = final.reshape(-1, final.shape[-1]).index_select(0, flat_dev)  # [N, H]
+            aux = aux.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, K*H]
+            final = final.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, H]
+            event = None
+            if pinned:  # on the stream that issued the copies
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(states_device))
+            pieces.append((event, aux, final))
+            if on_batch is not None:
+                on_batch(len(batch), sum(lengths))
+
+        def tensors() -> dict[str, torch.Tensor | list[torch.Tensor]]:
+            for event, _, _ in pieces:
+                if event is not None:
+                    event.synchronize()
+            ordered = [rows[i] for i in spec.ids]
+            lengths = torch.tensor(spec.tokens)  # [n]
+            return {
+                "input_ids": torch.cat([torch.tensor(r["input_ids"], dtype=torch.long)
+                                        for r in ordered]),  # [T]
+                "loss_mask": torch.cat([torch.tensor(r["loss_mask"], dtype=torch.uint8)
+                                        for r in ordered]),  # [T]
+                "aux": [p[1] for p in pieces],  # blocks of [N, K*H], streamed in order
+                "final": [p[2] for p in pieces],  # blocks of [N, H]
+                "offsets": torch.cat([torch.zeros(1, dtype=torch.long),
+                                      lengths.cumsum(0)]),  # [n+1]
+            }
+
+        return tensors
+
+
+def extract_shards(cfg: ExtractConfig, target_cfg: TargetConfig, target_path: str,
+                   out: Path, pending: list[ShardSpec], rows: dict[str, list[dict]],
+                   aux_ids: list[int], rank: int = 0, world: int = 1,
+                   local_rank: int = 0) -> dict[str, Any]:
+    """This rank's share of the pending shards: load the target, compute, write. Every rank
+    must be given the same `pending` list, taken before any rank started writing."""
+    by_id = {r["id"]: r for split_rows in rows.values() for r in split_rows}
+    mine = pending[rank::world]
+    figures = {"rank": rank, "shards": len(mine)}
+    if not mine:
+        return figures
+    device = _rank_device(target_cfg.device, local_rank, world)
+    model = load_model(target_path, device, target_cfg.dtype, cfg.device_map)
+    if device.startswith("cuda") and cfg.device_map is None:
+        torch.cuda.set_device(torch.device(device))
+    capture = HiddenStateCapture(model, aux_ids)
+    input_device = model.get_input_embeddings().weight.device
+    computer = ShardComputer(capture, input_device, DTYPES[cfg.dtype], cfg.batch_size,
+                             cfg.batch_tokens)
+    writer = AsyncShardWriter(out, max_pending=cfg.writer_queue, threads=cfg.writer_threads)
+    total = sum(s.num_tokens for s in mine)
+    name = f"extract rank {rank}/{world}" if world > 1 else "extract"
+    progress = Progress(name, total=total, unit="token")
+    samples = 0
+
+    def on_batch(n_samples: int, n_tokens: int) -> None:
+        nonlocal samples
+        samples += n_samples
+        progress.update(n_tokens, samples=samples,
+                        written=f"{writer.bytes_written / 2**30:.2f} GiB",
+                        free_disk=f"{free_disk_bytes(out) / 2**30:.1f} GiB")
+
+    started = time.monotonic()
+    try:
+        for spec in mine:
+            writer.submit(spec, computer(spec, by_id, on_batch))
+    finally:
+        records = writer.close()
+    progress.close()
+    seconds = time.monotonic() - started
+    waste = 1 - computer.real_tokens / computer.padded_tokens if computer.padded_tokens else 0.0
+    log.info("%s: %d shards, %d tokens in %.1fs (%.0f tokens/s), padding waste %.1f%%, "
+             "%.2f GiB written", name, len(records), total, seconds, total / max(seconds, 1e-9),
+             100 * waste, writer.bytes_written / 2**30)
+    return {**figures, "tokens": total, "seconds": seconds, "padding_waste": waste,
+            "real_tokens": computer.real_tokens, "padded_tokens": computer.padded_tokens}
+
+
+def _spawned_worker(rank: int, world: int, args: tuple, results: Any) -> None:
+    from draftsmith.logs import configure_logging
+
+    configure_logging()
+    results[rank] = extract_shards(*args, rank=rank, world=world, local_rank=rank)
+
+
+def _run_spawned(world: int, args: tuple) -> list[dict[str, Any]]:
+    """Run the ranks as child processes; this process reports their combined progress from
+    the receipts on disk (the children's own progress never reaches this process's
+    listeners, such as the Prefect progress artifact)."""
+    import torch.multiprocessing as mp
+
+    out, pending = args[3], args[4]
+    manager = mp.get_context("spawn").Manager()
+    results = manager.dict()
+    context = mp.start_processes(_spawned_worker, args=(world, args, results), nprocs=world,
+                                 start_method="spawn", join=False)
+    progress = Progress(f"extract ({world} processes)", total=sum(s.num_tokens for s in pending),
+                        unit="token")
+    finished: set[str] = set()
+    while True:
+        stopped = context.join(timeout=2.0)
+        for spec in pending:
+            if spec.file not in finished and finished_shard(out, spec) is not None:
+                finished.add(spec.file)
+                progress.update(spec.num_tokens, shards=f"{len(finished)}/{len(pending)}",
+                                free_disk=f"{free_disk_bytes(out) / 2**30:.1f} GiB")
+        if stopped:
+            break
+    progress.close()
+    return [results[r] for r in range(world)]
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # gloo: the barrier needs no GPU
+        dist.init_process_group("gloo")
+    dist.barrier()
+
+
+def prepare_output(plan: StagePlan) -> Path:
+    """Unlike a stage that starts afresh, extract keeps what a crashed attempt finished."""
+    if plan.is_complete():
+        raise RuntimeError(f"{plan.dir} is already complete; refusing to overwrite it")
+    plan.dir.mkdir(parents=True, exist_ok=True)
+    removed = remove_partial_files(plan.dir)
+    if removed:
+        log.info("extract: removed %d partial file(s) of an interrupted attempt", removed)
+    return plan.dir
+
+
 def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor,
                 target: Descriptor, plan: StagePlan) -> Descriptor:
-    if cfg.backend != "transformers":
-        raise NotImplementedError(
-            f"extract.backend={cfg.backend!r} is not available yet; use 'transformers'"
-        )
     aux_ids = aux_layer_ids_for(cfg, target)
-    model = load_target_model(target.path, target_cfg.device, target_cfg.dtype)
-    capture = HiddenStateCapture(model, aux_ids)
-    store_dtype = DTYPES[cfg.dtype]
+    ranked = torchrun_world()
+    rank = ranked[0] if ranked else 0
+    if rank == 0:
+        out = prepare_output(plan)
+    if ranked:
+        _barrier()  # nobody writes before rank 0 has cleared partial files
+        out = plan.dir
+    rows = load_rows(merged)
+    specs = shard_plan(rows, cfg.shard_tokens)
+    pending = [s for s in specs if finished_shard(out, s) is None]
+    if len(pending) < len(specs):
+        log.info("extract: resuming, %d of %d shards already complete",
+                 len(specs) - len(pending), len(specs))
     meta = {"target_fingerprint": target.fingerprint, "aux_layer_ids": aux_ids,
             "hidden_size": target.figures["hidden_size"], "dtype": cfg.dtype,
-            "layer_id_convention": "output of decoder layer i (= transformers hidden_states[i+1])"}
-    splits: dict[str, list[dict]] = {}
-    tokens = 0
-    with stage_output(plan) as out:
-        for split in SPLITS:
-            rows = sorted(read_split(merged, split), key=lambda r: len(r["input_ids"]))
-            writer = ShardWriter(out, split, cfg.shard_tokens)
-            progress = Progress(f"extract {split}", total=len(rows), unit="sample")
-            for start in range(0, len(rows), cfg.batch_size):
-                batch = rows[start:start + cfg.batch_size]
-                lengths = [len(r["input_ids"]) for r in batch]
-                input_ids = torch.zeros(len(batch), max(lengths), dtype=torch.long)  # [B, T]
-                attention_mask = torch.zeros_like(input_ids)  # [B, T]
-                for i, r in enumerate(batch):
-                    input_ids[i, : lengths[i]] = torch.tensor(r["input_ids"])
-                    attention_mask[i, : lengths[i]] = 1
-                aux, final = capture(input_ids.to(model.device), attention_mask.to(model.device))
-                for i, r in enumerate(batch):
-                    n = lengths[i]
-                    writer.add(Sample(
-                        id=r["id"],
-                        input_ids=input_ids[i, :n].clone(),
-                        loss_mask=torch.tensor(r["loss_mask"], dtype=torch.uint8),
-                        aux=aux[i, :n].to("cpu", store_dtype).clone(),  # [T, K*H]
-                        final=final[i, :n].to("cpu", store_dtype).clone(),  # [T, H]
-                    ))
-                tokens += sum(lengths)
-                progress.update(len(batch), tokens=tokens)
-            progress.close()
-            splits[split] = writer.close()
-        write_index(out, meta, splits)
-    log.info("extract: %d tokens, aux layers %s (outputs of those decoder layers)", tokens, aux_ids)
-    shards = [shard for split_shards in splits.values() for shard in split_shards]
+            "backend": cfg.backend, "layer_id_convention": LAYER_ID_CONVENTION}
+    if cfg.backend == "sglang":
+        from draftsmith.extract.sglang_backend import run_sglang_capture
+
+        reports = [run_sglang_capture(cfg, target_cfg, target, out, specs, rows, aux_ids)]
+    else:
+        args = (cfg, target_cfg, target.path, out, pending, rows, aux_ids)
+        if ranked:
+            _barrier()  # every rank has its `pending` list before any rank writes a shard
+            reports = [extract_shards(*args, rank=rank, world=ranked[1], local_rank=ranked[2])]
+            _barrier()
+            if rank != 0:  # rank 0 writes the index; the others return its descriptor
+                _barrier()
+                return Descriptor.model_validate(
+                    json.loads((plan.dir / "manifest.json").read_text())["descriptor"])
+        elif cfg.data_parallel > 1:
+            reports = _run_spawned(cfg.data_parallel, args)
+        else:
+            reports = [extract_shards(*args)]
+    descriptor = _finish(plan, out, specs, meta, aux_ids, cfg, reports)
+    if ranked:
+        _barrier()
+    return descriptor
+
+
+def _finish(plan: StagePlan, out: Path, specs: list[ShardSpec], meta: dict[str, Any],
+            aux_ids: list[int], cfg: ExtractConfig, reports: list[dict[str, Any]]) -> Descriptor:
+    records = {s.file: finished_shard(out, s) for s in specs}
+    missing = [name for name, r in records.items() if r is None]
+    if missing:
+        raise RuntimeError(f"extract: shards {missing[:5]} were not written (a worker failed); "
+                           "run extract again to redo them")
+    splits = {split: [records[s.file] for s in specs if s.split == split] for split in SPLITS}
+    write_index(out, meta, splits)
+    tokens = sum(s.num_tokens for s in specs)
+    real = sum(r.get("real_tokens", 0) for r in reports)
+    padded = sum(r.get("padded_tokens", 0) for r in reports)
+    log.info("extract: %d tokens in %d shards, aux layers %s (outputs of those decoder layers)",
+             tokens, len(specs), aux_ids)
     return finish_stage(
         plan,
-        counts={"tokens": tokens, "samples": sum(len(s["ids"]) for s in shards)},
-        figures={"aux_layer_ids": aux_ids, "dtype": cfg.dtype},
-        known_checksums={s["file"]: s["sha256"] for s in shards},
+        counts={"tokens": tokens, "samples": sum(len(s.ids) for s in specs),
+                "shards": len(specs), "bytes": sum(r["bytes"] for r in records.values())},
+        figures={"aux_layer_ids": aux_ids, "dtype": cfg.dtype,
+                 "padding_waste": round(1 - real / padded, 4) if padded else 0.0},
+        known_checksums={name: r["sha256"] for name, r in records.items()},
     )

@@ -2,24 +2,40 @@
 
 A shard concatenates the tokens of its samples:
     input_ids [T] int64, loss_mask [T] uint8, aux [T, K*H], final [T, H], offsets [n+1] int64
-`store.json` lists every shard with its sample ids, token counts and sha256, plus what the
-tensors mean (target fingerprint, canonical aux layer ids, dtype), and is checked on read.
+`store.json` lists every shard with its sample ids, token counts, size and sha256, plus what
+the tensors mean (target fingerprint, canonical aux layer ids, dtype), and is checked on read.
+
+Resume: each shard is written to a temp name, fsynced and renamed, then a receipt
+(`.receipts/<shard>.json`, with its sha256) is written the same way. A shard counts as done only
+when its receipt exists and the file's size matches it; anything else is redone, so a kill -9
+at any moment leaves nothing that a resumed run or the reader would take for finished work.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import mmap
+import os
+import queue
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from draftsmith.artifacts import atomic_path, atomic_write_json, sha256_file
 
 INDEX_FILE = "store.json"
+RECEIPTS = ".receipts"
+STORE_VERSION = 2
+
+_ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+              "I64": torch.int64, "U8": torch.uint8}
+_DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass
@@ -31,36 +47,195 @@ class Sample:
     final: torch.Tensor  # [T, H], after the target's final norm
 
 
+@dataclass(frozen=True)
+class ShardSpec:
+    """One shard decided before extraction: its file name and exactly which samples it holds,
+    so a rerun (or another rank) computes the same shard from the same samples."""
+
+    split: str
+    index: int
+    ids: tuple[str, ...]
+    tokens: tuple[int, ...]
+
+    @property
+    def file(self) -> str:
+        return f"{self.split}-{self.index:05d}.safetensors"
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.tokens)
+
+
+def shard_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    lengths = torch.tensor([len(s.input_ids) for s in samples])  # [n]
+    return {
+        "input_ids": torch.cat([s.input_ids for s in samples]),  # [T]
+        "loss_mask": torch.cat([s.loss_mask for s in samples]),  # [T]
+        "aux": torch.cat([s.aux for s in samples]).contiguous(),  # [T, K*H]
+        "final": torch.cat([s.final for s in samples]).contiguous(),  # [T, H]
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [n+1]
+    }
+
+
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor | list[torch.Tensor]],
+                      metadata: dict[str, str] | None = None) -> tuple[int, str]:
+    """Write a safetensors file atomically; returns (bytes, sha256).
+
+    A tensor may be given as a list of row blocks (the batches of a shard): they are streamed
+    to the file one after another, so the tensor is never concatenated in memory. Streaming
+    buffers through hashlib and the file keeps the GIL free (serialising through safetensors'
+    `save` held it for two full copies per shard, which starved the compute thread)."""
+    header: dict[str, Any] = {}
+    chunks: list[torch.Tensor] = []
+    position = 0
+    for name in sorted(tensors):
+        value = tensors[name]
+        blocks = value if isinstance(value, list) else [value]
+        shape = [sum(b.shape[0] for b in blocks), *blocks[0].shape[1:]]
+        size = sum(b.numel() * b.element_size() for b in blocks)
+        header[name] = {"dtype": _ST_NAMES[blocks[0].dtype], "shape": shape,
+                        "data_offsets": [position, position + size]}
+        chunks += blocks
+        position += size
+    if metadata:
+        header["__metadata__"] = metadata
+    text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+    text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    digest = hashlib.sha256()
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        for part in (len(text).to_bytes(8, "little"), text, *map(_as_bytes, chunks)):
+            digest.update(part)
+            f.write(part)
+    return 8 + len(text) + position, digest.hexdigest()
+
+
+def write_shard(root: str | Path, spec: ShardSpec,
+                tensors: dict[str, torch.Tensor | list[torch.Tensor]]) -> dict[str, Any]:
+    """Write one shard atomically, then its receipt; returns the record for the index."""
+    root = Path(root)
+    offsets = tensors["offsets"]
+    assert isinstance(offsets, torch.Tensor)
+    if offsets.tolist()[1:] != torch.tensor(spec.tokens).cumsum(0).tolist():
+        raise ValueError(f"{spec.file}: token counts {list(spec.tokens)} do not match the "
+                         f"tensors' offsets {offsets.tolist()}")
+    size, sha256 = write_safetensors(root / spec.file, tensors)
+    record = {"file": spec.file, "ids": list(spec.ids), "tokens": list(spec.tokens),
+              "bytes": size, "sha256": sha256}
+    atomic_write_json(root / RECEIPTS / f"{spec.file}.json", record)
+    return record
+
+
+def finished_shard(root: str | Path, spec: ShardSpec) -> dict[str, Any] | None:
+    """The receipt of a shard that is fully written and belongs to this plan, else None."""
+    root = Path(root)
+    receipt = root / RECEIPTS / f"{spec.file}.json"
+    path = root / spec.file
+    try:
+        record = json.loads(receipt.read_text())
+        size = path.stat().st_size
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    if (record.get("ids") != list(spec.ids) or record.get("tokens") != list(spec.tokens)
+            or record.get("bytes") != size):
+        return None
+    return record
+
+
+def remove_partial_files(root: str | Path) -> int:
+    """Temp files of writes a crash interrupted; returns how many were removed."""
+    removed = 0
+    for p in Path(root).rglob(".*.tmp"):
+        p.unlink(missing_ok=True)
+        removed += 1
+    return removed
+
+
+class AsyncShardWriter:
+    """Writes shards on background threads so the forward passes never wait on disk.
+
+    The queue is bounded: when `max_pending` shards are waiting, `submit` blocks, which keeps
+    host memory at most (max_pending + threads) shards. `submit` takes a callable that returns
+    the tensors, so device-to-host copies started asynchronously are waited for on the writer
+    thread, not on the compute thread."""
+
+    def __init__(self, root: str | Path, max_pending: int = 2, threads: int = 2,
+                 on_written=None):
+        self.root, self.on_written = Path(root), on_written
+        self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
+        self._lock = threading.Lock()
+        self.records: dict[str, dict[str, Any]] = {}
+        self.bytes_written = 0
+        self._error: BaseException | None = None
+        self._threads = [threading.Thread(target=self._run, daemon=True, name=f"shard-writer-{i}")
+                         for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            try:
+                if item is None:
+                    return
+                spec, make_tensors = item
+                if self._error is None:
+                    record = write_shard(self.root, spec, make_tensors())
+                    with self._lock:
+                        self.records[spec.file] = record
+                        self.bytes_written += record["bytes"]
+                    if self.on_written is not None:
+                        self.on_written(record)
+            except BaseException as err:  # surfaced on the compute thread by submit/close
+                self._error = err
+            finally:
+                self._queue.task_done()
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"writing a shard under {self.root} failed: {self._error}"
+                               ) from self._error
+
+    def submit(self, spec: ShardSpec, make_tensors) -> None:
+        self._raise_if_failed()
+        self._queue.put((spec, make_tensors))
+
+    def close(self) -> dict[str, dict[str, Any]]:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join()
+        self._raise_if_failed()
+        return self.records
+
+
 class ShardWriter:
+    """Synchronous writer for callers that build a store sample by sample (tests, imports):
+    a shard is cut whenever `shard_tokens` tokens are pending."""
+
     def __init__(self, root: str | Path, split: str, shard_tokens: int):
         self.root, self.split, self.shard_tokens = Path(root), split, shard_tokens
         self.shards: list[dict[str, Any]] = []
         self._pending: list[Sample] = []
-        self._pending_tokens = 0
 
     def add(self, sample: Sample) -> None:
         self._pending.append(sample)
-        self._pending_tokens += len(sample.input_ids)
-        if self._pending_tokens >= self.shard_tokens:
+        if sum(len(s.input_ids) for s in self._pending) >= self.shard_tokens:
             self.flush()
 
     def flush(self) -> None:
         if not self._pending:
             return
-        name = f"{self.split}-{len(self.shards):05d}.safetensors"
-        lengths = [len(s.input_ids) for s in self._pending]
-        tensors = {
-            "input_ids": torch.cat([s.input_ids for s in self._pending]),  # [T]
-            "loss_mask": torch.cat([s.loss_mask for s in self._pending]),  # [T]
-            "aux": torch.cat([s.aux for s in self._pending]).contiguous(),  # [T, K*H]
-            "final": torch.cat([s.final for s in self._pending]).contiguous(),  # [T, H]
-            "offsets": torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()]),  # [n+1]
-        }
-        with atomic_path(self.root / name) as tmp:
-            save_file(tensors, str(tmp))
-        self.shards.append({"file": name, "ids": [s.id for s in self._pending],
-                            "tokens": lengths, "sha256": sha256_file(self.root / name)})
-        self._pending, self._pending_tokens = [], 0
+        spec = ShardSpec(self.split, len(self.shards), tuple(s.id for s in self._pending),
+                         tuple(len(s.input_ids) for s in self._pending))
+        self.shards.append(write_shard(self.root, spec, shard_tensors(self._pending)))
+        self._pending = []
 
     def close(self) -> list[dict[str, Any]]:
         self.flush()
@@ -68,48 +243,143 @@ class ShardWriter:
 
 
 def write_index(root: str | Path, meta: dict[str, Any], splits: dict[str, list[dict]]) -> None:
-    atomic_write_json(Path(root) / INDEX_FILE, {**meta, "splits": splits})
+    atomic_write_json(Path(root) / INDEX_FILE, {"store_version": STORE_VERSION, **meta,
+                                               "splits": splits})
 
 
 class StoreError(ValueError):
     pass
 
 
+class _MappedShard:
+    """A shard's tensors as zero-copy views of a memory map of the file."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb") as f:
+            # ACCESS_COPY: writable pages for torch.frombuffer, never written back to the file.
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        header_len = int.from_bytes(self._map[:8], "little")
+        try:
+            header = json.loads(self._map[8:8 + header_len])
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise StoreError(f"{path}: not a safetensors file ({err})") from None
+        header.pop("__metadata__", None)
+        start = 8 + header_len
+        self.tensors: dict[str, torch.Tensor] = {}
+        for name, info in header.items():
+            dtype = _ST_DTYPES.get(info["dtype"])
+            if dtype is None:
+                raise StoreError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
+            begin, end = info["data_offsets"]
+            count = (end - begin) // torch.tensor([], dtype=dtype).element_size()
+            flat = torch.frombuffer(self._map, dtype=dtype, count=count,
+                                    offset=start + begin) if count else torch.empty(0, dtype=dtype)
+            self.tensors[name] = flat.view(info["shape"])
+
+
 class ShardReader:
-    """Reads samples back, checking each shard against the index before trusting it."""
+    """Serves samples by id from memory-mapped shards, checking each shard against the index
+    the first time it is opened: size and sha256, tensor names, dtypes, shapes, offsets."""
 
     def __init__(self, root: str | Path, verify_checksums: bool = True):
         self.root = Path(root)
         index_path = self.root / INDEX_FILE
         if not index_path.is_file():
-            raise StoreError(f"{self.root}: no {INDEX_FILE}; the extraction did not finish")
+            raise StoreError(f"{self.root}: no {INDEX_FILE}; the extraction did not finish "
+                             "(run the extract stage again; it resumes from finished shards)")
         self.index = json.loads(index_path.read_text())
         self.verify_checksums = verify_checksums
+        self._where: dict[str, tuple[dict[str, Any], int]] = {}
+        for shards in self.index["splits"].values():
+            for shard in shards:
+                for position, sample_id in enumerate(shard["ids"]):
+                    if sample_id in self._where:
+                        raise StoreError(f"{index_path}: sample id {sample_id!r} appears in "
+                                         f"{self._where[sample_id][0]['file']} and "
+                                         f"{shard['file']}; ids must be unique")
+                    self._where[sample_id] = (shard, position)
+        self._open: dict[str, _MappedShard] = {}
 
     @property
     def aux_layer_ids(self) -> list[int]:
         return self.index["aux_layer_ids"]
 
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, sample_id: str) -> bool:
+        return sample_id in self._where
+
+    def ids(self, split: str) -> list[str]:
+        return [i for shard in self.index["splits"].get(split, []) for i in shard["ids"]]
+
     def num_tokens(self, split: str) -> int:
         return sum(sum(s["tokens"]) for s in self.index["splits"].get(split, []))
 
-    def samples(self, split: str):
-        hidden = self.index["hidden_size"]
-        k = len(self.index["aux_layer_ids"])
+    def _shard(self, shard: dict[str, Any]) -> _MappedShard:
+        name = shard["file"]
+        if name in self._open:
+            return self._open[name]
+        path = self.root / name
+        if not path.is_file():
+            raise StoreError(f"{path}: listed in {INDEX_FILE} but missing; run extract again")
+        if "bytes" in shard and path.stat().st_size != shard["bytes"]:
+            raise StoreError(f"{path}: {path.stat().st_size} bytes, {INDEX_FILE} says "
+                             f"{shard['bytes']}; the shard is truncated or replaced, run extract "
+                             "again")
+        if self.verify_checksums and sha256_file(path) != shard["sha256"]:
+            raise StoreError(f"{path}: checksum does not match {INDEX_FILE}; the shard is "
+                             "corrupt, delete the extract output and run extract again")
+        mapped = _MappedShard(path)
+        self._validate(path, shard, mapped.tensors)
+        self._open[name] = mapped
+        return mapped
+
+    def _validate(self, path: Path, shard: dict[str, Any], t: dict[str, torch.Tensor]) -> None:
+        hidden, k = self.index["hidden_size"], len(self.index["aux_layer_ids"])
+        dtype = _DTYPE_NAMES[self.index["dtype"]]
+        missing = {"input_ids", "loss_mask", "aux", "final", "offsets"} - set(t)
+        if missing:
+            raise StoreError(f"{path}: tensors {sorted(missing)} missing")
+        expected = [0, *torch.tensor(shard["tokens"]).cumsum(0).tolist()]
+        total = expected[-1]
+        problems = []
+        if t["offsets"].tolist() != expected:
+            problems.append(f"offsets {t['offsets'].tolist()[:4]}... vs token counts in the index")
+        for name, shape, want in (("input_ids", (total,), torch.int64),
+                                  ("loss_mask", (total,), torch.uint8),
+                                  ("aux", (total, k * hidden), dtype),
+                                  ("final", (total, hidden), dtype)):
+            if tuple(t[name].shape) != shape or t[name].dtype != want:
+                problems.append(f"{name} is {t[name].dtype} {tuple(t[name].shape)}, expected "
+                                f"{want} {shape}")
+        if problems:
+            raise StoreError(f"{path}: shapes, dtypes or token counts do not match "
+                             f"{INDEX_FILE}: " + "; ".join(problems))
+
+    def sample(self, sample_id: str) -> Sample:
+        """One sample; its tensors are views of the memory-mapped shard (no copy)."""
+        if sample_id not in self._where:
+            raise KeyError(f"{self.root}: no sample {sample_id!r} in this store")
+        shard, position = self._where[sample_id]
+        t = self._shard(shard).tensors
+        a, b = int(t["offsets"][position]), int(t["offsets"][position + 1])
+        return Sample(sample_id, t["input_ids"][a:b], t["loss_mask"][a:b], t["aux"][a:b],
+                      t["final"][a:b])
+
+    def samples(self, split: str) -> Iterator[Sample]:
         for shard in self.index["splits"].get(split, []):
-            path = self.root / shard["file"]
-            if self.verify_checksums and sha256_file(path) != shard["sha256"]:
-                raise StoreError(f"{path}: checksum does not match {INDEX_FILE}; the shard is "
-                                 "corrupt, delete the extract output and run extract again")
-            with safe_open(str(path), framework="pt") as f:
-                tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118
-            offsets = tensors["offsets"].tolist()
-            expected = [0, *torch.tensor(shard["tokens"]).cumsum(0).tolist()]
-            total = offsets[-1]
-            if (offsets != expected or tensors["aux"].shape != (total, k * hidden)
-                    or tensors["final"].shape != (total, hidden)):
-                raise StoreError(f"{path}: shapes or token counts do not match {INDEX_FILE}")
-            for i, sample_id in enumerate(shard["ids"]):
-                a, b = offsets[i], offsets[i + 1]
-                yield Sample(sample_id, tensors["input_ids"][a:b], tensors["loss_mask"][a:b],
-                             tensors["aux"][a:b], tensors["final"][a:b])
+            for sample_id in shard["ids"]:
+                yield self.sample(sample_id)
+
+    def close(self) -> None:
+        for mapped in self._open.values():
+            mapped.tensors.clear()
+            with contextlib.suppress(BufferError):  # views still held elsewhere keep it open
+                mapped._map.close()
+        self._open.clear()
+
+
+def free_disk_bytes(path: str | Path) -> int:
+    stat = os.statvfs(path)
+    return stat.f_bavail * stat.f_frsize

@@ -1,0 +1,293 @@
+"""extract.backend=sglang: hidden states from an SGLang capture server.
+
+For targets only SGLang can serve (Kimi-K2.5 on 8 GPUs). The server is stock SGLang with
+draftsmith's external model package (sglang_dump.py), started with the radix cache and chunked
+prefill off (a cached prefix is not recomputed, so its hidden states would be missing; a
+chunked prefill is seen in pieces). The client sends each sample's token ids with its own
+request id and max_new_tokens=1, reads the dump named by that id, checks the tokens in it
+against the sample, and assembles the same shards as the transformers backend. Finished shards
+are skipped on a rerun; dumps are deleted once their shard is written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import httpx
+import torch
+from safetensors import safe_open
+
+from draftsmith.config import ExtractConfig, TargetConfig
+from draftsmith.extract.sglang_dump import (
+    ENV_ARCH,
+    ENV_DIR,
+    ENV_LAYERS,
+    content_key,
+    dump_name,
+)
+from draftsmith.extract.store import AsyncShardWriter, ShardSpec, finished_shard, free_disk_bytes
+from draftsmith.progress import Progress
+from draftsmith.serve.process import ManagedProcess
+from draftsmith.serve.readiness import wait_for_port
+from draftsmith.serve.sglang_launch import SGLangLaunch, check_with_sglang_parser
+
+log = logging.getLogger(__name__)
+
+EXTERNAL_PACKAGE = "draftsmith.extract.sglang_models"
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+def check_capturable(aux_ids: list[int], num_layers: int) -> None:
+    if max(aux_ids) >= num_layers - 1:
+        raise ValueError(
+            f"extract.aux_layer_ids={aux_ids}: with extract.backend=sglang the largest id is "
+            f"{num_layers - 2} (SGLang records the input of layer i+1, and layer {num_layers} "
+            "does not exist); the final layer's output is stored as `final` anyway")
+
+
+def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_path: str,
+                         architecture: str, aux_ids: list[int], dump_dir: str | Path
+                         ) -> SGLangLaunch:
+    s = cfg.sglang
+    env = {**s.env, "SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_PACKAGE, ENV_ARCH: architecture,
+           ENV_LAYERS: ",".join(map(str, aux_ids)), ENV_DIR: str(dump_dir)}
+    # The package must import in SGLang's processes even when draftsmith runs from a checkout.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
+                                        if p)
+    argv = [
+        *(s.sglang_command or [sys.executable, "-m", "sglang.launch_server"]),
+        "--model-path", model_path,
+        "--tp-size", str(target_cfg.tp_size),
+        "--host", s.host,
+        "--port", str(s.port),
+        "--disable-radix-cache",  # a cached prefix would be skipped, its states missing
+        "--chunked-prefill-size", "-1",  # one prefill per request, never pieces
+        "--disable-cuda-graph",  # capture runs prefill only; graphs would only cost startup
+    ]
+    if target_cfg.context_length:
+        argv += ["--context-length", str(target_cfg.context_length)]
+    if s.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(s.mem_fraction_static)]
+    if target_cfg.dtype != "float32":
+        argv += ["--dtype", target_cfg.dtype]
+    for flag in ("--enable-radix-cache", "--chunked-prefill-size"):
+        if flag in s.extra_args:
+            raise ValueError(f"extract.sglang.extra_args: {flag} is set by draftsmith for "
+                             "capture (radix cache off, chunked prefill off)")
+    if "--enable-dp-attention" in s.extra_args:  # tokens are split over ranks there
+        raise ValueError("extract.sglang.extra_args: --enable-dp-attention splits a batch's "
+                         "tokens over the ranks, so no rank holds every request's states; "
+                         "capture with plain tensor parallelism")
+    argv += s.extra_args
+    launch = SGLangLaunch(argv=argv, env=env, host=s.host, port=s.port, drafter_dir=None)
+    check_with_sglang_parser(launch)
+    return launch
+
+
+def request_id(nonce: str, sample_id: str) -> str:
+    return f"ds-{nonce}-{hashlib.sha256(sample_id.encode()).hexdigest()[:20]}"
+
+
+class CaptureClient:
+    """Sends samples to a capture server and collects their dumps, matched by request id and
+    checked by token content."""
+
+    def __init__(self, url: str, dump_dir: str | Path, concurrency: int,
+                 dump_timeout_s: float, expected_width: tuple[int, int]):
+        self.url, self.dump_dir = url.rstrip("/"), Path(dump_dir)
+        self.concurrency, self.dump_timeout_s = concurrency, dump_timeout_s
+        self.aux_width, self.hidden = expected_width
+        self.nonce = uuid.uuid4().hex[:8]  # a new attempt never takes an old attempt's dumps
+        self.client = httpx.Client(base_url=self.url, timeout=httpx.Timeout(600.0))
+
+    def close(self) -> None:
+        self.client.close()
+
+    def _find_dump(self, rid: str, input_ids: list[int]) -> Path:
+        by_rid = self.dump_dir / dump_name(rid, input_ids)
+        by_content = self.dump_dir / f"{content_key(input_ids)}.safetensors"
+        deadline = time.monotonic() + self.dump_timeout_s
+        while True:
+            for path in (by_rid, by_content):
+                if path.is_file():
+                    return path
+            if time.monotonic() > deadline:
+                raise CaptureError(
+                    f"request {rid}: answered, but no dump {by_rid.name} (or {by_content.name}) "
+                    f"in {self.dump_dir} after {self.dump_timeout_s:.0f}s. Is the server "
+                    "running draftsmith's capture model (its log says 'draftsmith capture'), "
+                    "and is the dump directory shared with this process?")
+            time.sleep(0.005)
+
+    def capture(self, sample_id: str, input_ids: list[int]) -> dict[str, torch.Tensor]:
+        rid = request_id(self.nonce, sample_id)
+        response = self.client.post("/generate", json={
+            "input_ids": input_ids, "rid": rid,
+            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}})
+        if response.status_code != 200:
+            raise CaptureError(f"sample {sample_id}: /generate answered {response.status_code}: "
+                               f"{response.text[:300]}")
+        path = self._find_dump(rid, input_ids)
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in ("input_ids", "aux", "final")}
+        n = len(input_ids)
+        if tensors["input_ids"].tolist() != input_ids:
+            raise CaptureError(f"sample {sample_id}: dump {path.name} holds other tokens than "
+                               "the request (a dump matched to the wrong request)")
+        if int(meta.get("prefix_len", "0")) != 0:
+            raise CaptureError(f"sample {sample_id}: the server reused a cached prefix of "
+                               f"{meta['prefix_len']} tokens, so their states are missing; start "
+                               "it with --disable-radix-cache")
+        if (tuple(tensors["aux"].shape) != (n, self.aux_width)
+                or tuple(tensors["final"].shape) != (n, self.hidden)):
+            raise CaptureError(f"sample {sample_id}: dump shapes aux {tuple(tensors['aux'].shape)}"
+                               f", final {tuple(tensors['final'].shape)}; expected ({n}, "
+                               f"{self.aux_width}) and ({n}, {self.hidden})")
+        path.unlink(missing_ok=True)
+        return tensors
+
+    def capture_shard(self, spec: ShardSpec, rows: dict[str, dict], store_dtype,
+                      pool: ThreadPoolExecutor) -> dict[str, Any]:
+        futures = [pool.submit(self.capture, i, rows[i]["input_ids"]) for i in spec.ids]
+        results = [f.result() for f in futures]
+        lengths = torch.tensor(spec.tokens)  # [n]
+        return {
+            "input_ids": torch.cat([r["input_ids"] for r in results]),  # [T]
+            "loss_mask": torch.cat([torch.tensor(rows[i]["loss_mask"], dtype=torch.uint8)
+                                    for i in spec.ids]),  # [T]
+            "aux": [r["aux"].to(store_dtype) for r in results],  # blocks of [n, K*H]
+            "final": [r["final"].to(store_dtype) for r in results],  # blocks of [n, H]
+            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [n+1]
+        }
+
+
+def default_dump_dir(out: Path) -> Path:
+    """Dumps live seconds: RAM-backed /dev/shm keeps them off the disk when it exists."""
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm / f"draftsmith-dumps-{hashlib.sha256(str(out).encode()).hexdigest()[:12]}"
+    return out / "dumps"
+
+
+def capture_shards(client: CaptureClient, out: Path, specs: list[ShardSpec],
+                   rows: dict[str, list[dict]], cfg: ExtractConfig) -> dict[str, Any]:
+    by_id = {r["id"]: r for split_rows in rows.values() for r in split_rows}
+    pending = [s for s in specs if finished_shard(out, s) is None]
+    total = sum(s.num_tokens for s in pending)
+    progress = Progress("extract (sglang)", total=total, unit="token")
+    writer = AsyncShardWriter(out, max_pending=cfg.writer_queue, threads=cfg.writer_threads)
+    samples = 0
+    started = time.monotonic()
+    from draftsmith.target import DTYPES
+
+    try:
+        with ThreadPoolExecutor(max_workers=client.concurrency) as pool:
+            for spec in pending:
+                tensors = client.capture_shard(spec, by_id, DTYPES[cfg.dtype], pool)
+                writer.submit(spec, lambda t=tensors: t)
+                samples += len(spec.ids)
+                progress.update(spec.num_tokens, samples=samples,
+                                written=f"{writer.bytes_written / 2**30:.2f} GiB",
+                                free_disk=f"{free_disk_bytes(out) / 2**30:.1f} GiB")
+    finally:
+        writer.close()
+    progress.close()
+    seconds = time.monotonic() - started
+    return {"shards": len(pending), "tokens": total, "seconds": seconds,
+            "skipped": len(specs) - len(pending)}
+
+
+def wait_for_capture_server(url: str, host: str, port: int, process: ManagedProcess | None,
+                            timeout_s: float) -> None:
+    wait_for_port(host, port, process, timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(f"{url}/health", timeout=30.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise CaptureError(f"{url}/health did not answer 200 within {timeout_s:.0f}s")
+        time.sleep(2.0)
+
+
+def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: Path,
+                       specs: list[ShardSpec], rows: dict[str, list[dict]],
+                       aux_ids: list[int]) -> dict[str, Any]:
+    check_capturable(aux_ids, target.figures["num_layers"])
+    s = cfg.sglang
+    dump_dir = Path(s.dump_dir) if s.dump_dir else default_dump_dir(out)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    hidden = target.figures["hidden_size"]
+    architectures = target.figures.get("architectures") or []
+    if not architectures:
+        raise ValueError(f"{target.path}/config.json: no 'architectures'; SGLang needs one to "
+                         "pick the model class the capture package overrides")
+    process = None
+    url = s.url
+    if url is None:
+        launch = build_capture_launch(cfg, target_cfg, target.path, architectures[0], aux_ids,
+                                      dump_dir)
+        # A dot name keeps the log out of the stage's content fingerprint.
+        server_log = out / ".capture-server.log"
+        log.info("extract: starting SGLang capture server (log: %s): %s", server_log,
+                 launch.shell())
+        process = ManagedProcess(launch.argv, server_log, env=launch.env,
+                                 name="sglang-capture").start()
+        url = launch.url
+    try:
+        if process is not None:
+            wait_for_capture_server(url, s.host, s.port, process, s.startup_timeout_s)
+        client = CaptureClient(url, dump_dir, s.concurrency, s.dump_timeout_s,
+                               (len(aux_ids) * hidden, hidden))
+        try:
+            return capture_shards(client, out, specs, rows, cfg)
+        finally:
+            client.close()
+    finally:
+        if process is not None:
+            process.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Print the capture server's command for a config, to start it yourself and point
+    extract.sglang.url at it:  python -m draftsmith.extract.sglang_backend CONFIG [--set k=v]"""
+    import argparse
+
+    from draftsmith.config import load_config
+    from draftsmith.extract.stage import aux_layer_ids_for
+    from draftsmith.target import resolve_target
+
+    parser = argparse.ArgumentParser(prog="python -m draftsmith.extract.sglang_backend")
+    parser.add_argument("config")
+    parser.add_argument("--set", dest="overrides", action="append", default=[])
+    args = parser.parse_args(argv)
+    config = load_config(args.config, args.overrides)
+    target = resolve_target(config.target)
+    aux_ids = aux_layer_ids_for(config.extract, target)
+    check_capturable(aux_ids, target.figures["num_layers"])
+    dump_dir = config.extract.sglang.dump_dir
+    if dump_dir is None:
+        raise SystemExit("set extract.sglang.dump_dir: a server you start yourself and this "
+                         "pipeline must agree on where the dumps go")
+    launch = build_capture_launch(config.extract, config.target, target.path,
+                                  target.figures["architectures"][0], aux_ids, dump_dir)
+    print(launch.shell())
+
+
+if __name__ == "__main__":
+    main()
