@@ -36,6 +36,15 @@ TASKS = {
 }
 
 
+def preflight_extract_disk(config: PipelineConfig, out: dict[str, Descriptor], plan) -> None:
+    """Stop before extraction when the hidden-state store will not fit on its disk."""
+    from draftsmith.extract.preflight import check_extract_disk
+    from draftsmith.extract.stage import aux_layer_ids_for
+
+    check_extract_disk(config.extract, out["merge"], out["target"], plan.dir,
+                       aux_layer_ids_for(config.extract, out["target"]))
+
+
 @flow(name="draftsmith-pipeline")
 def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[str, dict]:
     """Run the selected stages (all by default). Returns, per stage, its descriptor and the
@@ -54,6 +63,8 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None) -> dict[st
             descriptor = load_descriptor(plan)
             results[stage] = {"state": "Reused", "descriptor": descriptor.model_dump()}
             return descriptor
+        if stage == "extract" and not plan.is_complete():
+            preflight_extract_disk(config, out, plan)
         # A live server is not cacheable: a served deploy always runs (and reuses a server
         # that is still up).
         live = stage == "deploy" and config.deploy.engine == "sglang"
