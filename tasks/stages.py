@@ -101,7 +101,10 @@ def report_generate(descriptor: Descriptor) -> None:
                           description="generate: records read, kept and dropped per source")
     for row in rows:
         logger.info("generate source %s", row)
-    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    summary_file = descriptor.dir / "generation.json"
+    if not summary_file.is_file():  # written by a draftsmith before the HTTP backend
+        return
+    summary = json.loads(summary_file.read_text())
     flat = {k: v for k, v in summary.items() if k != "per_partition"}
     create_table_artifact([{"figure": k, "value": str(v)} for k, v in flat.items()],
                           key="draftsmith-generate-summary",
@@ -122,6 +125,8 @@ def report_merge(descriptor: Descriptor) -> None:
                           "duplicates and truncations per source")
     for row in rows:
         logger.info("merge source %s", row)
+    if not (descriptor.dir / COVERAGE_FILE).is_file():  # an older merge output
+        return
     coverage = json.loads((descriptor.dir / COVERAGE_FILE).read_text())
     create_table_artifact([{"figure": k, "value": str(v)} for k, v in coverage.items()],
                           key="draftsmith-merge-vocab",
@@ -134,10 +139,10 @@ def generate(plan: StagePlan, cfg: GenerateConfig, data: DataConfig, target_cfg:
              target: Descriptor) -> Descriptor:
     from draftsmith.generate.stage import run_generate
 
-    if done := _already_done(plan):
-        return done
-    with progress_artifact("generate"):
-        descriptor = run_generate(cfg, data, target_cfg, target, plan, api_key=_api_key(cfg))
+    if not (descriptor := _already_done(plan)):
+        with progress_artifact("generate"):
+            descriptor = run_generate(cfg, data, target_cfg, target, plan,
+                                      api_key=_api_key(cfg))
     report_generate(descriptor)
     return descriptor
 
@@ -147,9 +152,8 @@ def merge(plan: StagePlan, cfg: MergeConfig, generated: Descriptor,
           target: Descriptor) -> Descriptor:
     from draftsmith.data.merge import run_merge
 
-    if done := _already_done(plan):
-        return done
-    descriptor = run_merge(cfg, generated, target, plan)
+    if not (descriptor := _already_done(plan)):
+        descriptor = run_merge(cfg, generated, target, plan)
     report_merge(descriptor)
     return descriptor
 

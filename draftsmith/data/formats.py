@@ -218,10 +218,12 @@ def read_hub_rows(name: str, config: str | None = None, split: str = "train",
 
     try:
         dataset = datasets.load_dataset(name, config, split=split, revision=revision)
-    except (FileNotFoundError, ValueError, datasets.exceptions.DatasetNotFoundError) as err:
+    except (FileNotFoundError, ValueError, ConnectionError,
+            datasets.exceptions.DatasetNotFoundError) as err:
         raise DataFormatError(
             f"hub dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: "
-            f"{err}. Check the name, that you have access (HF_TOKEN), and the split") from None
+            f"{err}. Check the name, the split, that you have access (HF_TOKEN) and, offline "
+            "(HF_HUB_OFFLINE=1), that it is in the local datasets cache") from None
     yield from _dataset_rows(dataset)
 
 

@@ -99,8 +99,8 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
         read_per_source[r.source] += 1
     records, removed = deduplicate(records, cfg.dedup, cfg.dedup and cfg.near_dedup)
     log.info("merge: %d exact and %d near-exact duplicates removed",
-             sum(c["exact_duplicates"] for c in removed.values()),
-             sum(c["near_duplicates"] for c in removed.values()))
+             sum(c.get("exact_duplicates", 0) for c in removed.values()),
+             sum(c.get("near_duplicates", 0) for c in removed.values()))
     random.Random(cfg.seed).shuffle(records)
 
     tokenizer = load_tokenizer(target)
