@@ -44,7 +44,9 @@ class ServeProcess:
     def start(self, timeout_s: float = 180.0) -> None:
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
                "OMP_NUM_THREADS": "1"}
-        argv = [sys.executable, "-c", "from transformers.cli.transformers import main; main()",
+        # The console script of this environment's transformers (its module path moved in v5).
+        cli = Path(sys.executable).with_name("transformers")
+        argv = [str(cli) if cli.is_file() else "transformers",
                 "serve", "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
                 "--log-level", "info", str(self.model_dir)]
         log = open(self.log_file, "ab")  # noqa: SIM115 - the child owns it while it runs

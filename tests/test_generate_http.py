@@ -234,3 +234,46 @@ def test_server_killed_mid_run_then_restarted_every_prompt_answered_exactly_once
     sent = {prompt_key({"messages": [{"role": "user", "content": r["messages"][0]["content"]}]})
             for r in records}
     assert sent == set(proxy.answers)
+
+
+def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
+        proxy, random_target, random_target_dir, tmp_path):
+    """The task layer resolves generate.endpoint.api_key_secret: the key reaches the server,
+    and neither the run's logs, task parameters nor artifacts hold it."""
+    from prefect import flow
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.logging.handlers import APILogWorker
+    from prefect.testing.utilities import prefect_test_harness
+
+    from tasks.stages import generate as generate_task
+
+    secret = "sk-prefect-secret-5d1e77"
+    proxy.required_key = secret
+    cfg = generate_cfg(proxy, random_target_dir, api_key_secret="draftsmith-test-key")
+    data = DataConfig(sources=[{"name": "p", "path": str(write_prompts(tmp_path / "p.jsonl",
+                                                                       3))}])
+    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
+
+    @flow
+    def regenerate():
+        return generate_task(plan, cfg, data, TargetConfig(model=str(random_target_dir)),
+                             random_target)
+
+    with prefect_test_harness(server_startup_timeout=120):
+        Secret(value=secret).save("draftsmith-test-key")
+        descriptor = regenerate()
+        APILogWorker.drain_all(timeout=10)
+        with get_client(sync_client=True) as client:
+            logs = [log.message for log in client.read_logs()]
+            runs = [run.model_dump(mode="json") for run in client.read_task_runs()]
+            artifacts = [a.model_dump(mode="json") for a in client.read_artifacts()]
+    assert descriptor.counts["generated"] == 3
+    assert proxy.auth_headers == [f"Bearer {secret}"] * 3
+    assert any(m.startswith("generate summary") for m in logs)  # the logs did arrive
+    assert {a["key"] for a in artifacts} >= {"draftsmith-generate-sources",
+                                             "draftsmith-generate-summary"}
+    assert secret not in json.dumps([logs, runs, artifacts])
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert secret not in path.read_text(errors="replace"), path
