@@ -2,9 +2,9 @@
 
 `ServeProcess` runs `transformers serve` on a loopback port with a local model directory,
 offline, in its own process group (so kill -9 takes the whole server down, as a crash would).
-`FaultProxy` forwards to it and can answer 429/503 a few times, fail chosen prompts always,
-require an API key, add `reasoning_content` the way reasoning servers do, and count answers
-per prompt; a hook runs after each answer (the kill test uses it).
+`FaultProxy` forwards to it and can answer 429/503 a few times, hang on a request, fail chosen
+prompts always, require an API key, add `reasoning_content` the way reasoning servers do, and
+count answers per prompt; a hook runs after each answer (the kill test uses it).
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class FaultProxy:
             self.required_key = None
             self.add_reasoning = False
             self.after_answer = None
+            self.stall_next: deque[float] = deque()  # seconds to hold a request before sending
             self.answers: Counter[str] = Counter()  # prompt -> 200 answers sent
             self.requests = 0
             self.auth_headers: list[str | None] = []
@@ -154,6 +155,12 @@ class FaultProxy:
                     proxy.in_flight[max_tokens] += 1
                     proxy.max_in_flight[max_tokens] = max(proxy.max_in_flight[max_tokens],
                                                           proxy.in_flight[max_tokens])
+                    stall = proxy.stall_next.popleft() if proxy.stall_next else 0.0
+                if stall:  # a hung server: the client's timeout must fire first
+                    time.sleep(stall)
+                    with proxy.lock:
+                        proxy.in_flight[max_tokens] -= 1
+                    return None
                 try:
                     upstream = httpx.post(proxy.upstream + self.path, json=body, timeout=120)
                 except httpx.HTTPError as err:  # the server is gone: what a gateway says

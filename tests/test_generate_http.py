@@ -126,6 +126,18 @@ def test_429_and_503_are_retried_with_backoff(proxy, random_target, random_targe
     assert sum(proxy.answers.values()) == 4  # no prompt answered twice
 
 
+def test_a_hung_request_times_out_and_is_retried(proxy, random_target, random_target_dir,
+                                                 tmp_path, caplog):
+    proxy.stall_next.append(4.0)
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 2)
+    with caplog.at_level(logging.WARNING, logger="draftsmith"):
+        descriptor, _ = run(generate_cfg(proxy, random_target_dir, timeout_s=1.0), data_path,
+                            random_target, random_target_dir, tmp_path)
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert summary["answered"] == 2 and summary["retries_this_attempt"] == 1
+    assert "ReadTimeout" in caplog.text
+
+
 def test_a_request_failing_every_retry_goes_to_the_error_file_never_to_the_data(
         proxy, random_target, random_target_dir, tmp_path):
     proxy.always_fail["def f2(x)"] = 503
