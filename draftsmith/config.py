@@ -353,6 +353,8 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
     for src in config.data.sources:
         if src.path is not None and not Path(src.path).is_absolute():
             src.path = str((base / src.path).resolve())
+        if src.hub is not None and not Path(src.hub).is_absolute() and (base / src.hub).is_dir():
+            src.hub = str((base / src.hub).resolve())  # a local dataset directory
     if not Path(config.run_root).is_absolute():
         config.run_root = str(Path.cwd() / config.run_root)
     return config

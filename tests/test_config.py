@@ -291,3 +291,14 @@ def test_partitions_must_ascend():
                                           r"ascending \(got \[8192, 1024\]\)"):
         parse_config(_with_generate({"backend": "openai",
                                      "endpoint": {**ENDPOINT, "partitions": partitions}}))
+
+
+def test_a_local_dataset_directory_resolves_against_the_config_file(tmp_path):
+    (tmp_path / "datasets" / "mine").mkdir(parents=True)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"data": {"sources": [
+        {"name": "local", "hub": "datasets/mine"},
+        {"name": "remote", "hub": "owner/name", "split": "test"}]}}))
+    config = load_config(path)
+    assert config.data.sources[0].hub == str(tmp_path / "datasets" / "mine")
+    assert config.data.sources[1].hub == "owner/name"  # a hub name stays a name

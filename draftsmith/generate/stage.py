@@ -132,10 +132,16 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
         tokenizer = load_tokenizer(target)
         for index, prompt in todo:
             wire = _wire_messages(prompt)
+            try:
+                prompt_tokens = len(tokenizer.apply_chat_template(
+                    wire, add_generation_prompt=True, tokenize=True, return_dict=False))
+            except Exception as err:  # jinja raises what the template's author chose
+                raise GenerateError(
+                    f"record {records[index].id} ({records[index].source}): the target's chat "
+                    f"template cannot render its prompt: {type(err).__name__}: {err}") from None
             request_for[index] = Request(
                 key=hash_json([records[index].id, wire])[:24], record_id=records[index].id,
-                messages=wire, prompt_tokens=len(tokenizer.apply_chat_template(
-                    wire, add_generation_prompt=True, tokenize=True, return_dict=False)))
+                messages=wire, prompt_tokens=prompt_tokens)
         requests = list(request_for.values())
     done_before = journal.answers()
     missing = [r for r in requests if r.key not in done_before]
