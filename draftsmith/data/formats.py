@@ -5,10 +5,10 @@ Common record: {"id", "source", "messages": [{"role", "content", "reasoning"?, "
 silently: each adapter reports what it read, kept and dropped (with reasons), and a source that
 keeps nothing is an error.
 
-Sources: local JSON / JSONL files are read line by line (an agent trajectory mixes text and
-structured content in one column, which Arrow's one-type-per-column schema refuses, and an error
-can name its line); Parquet files and Hugging Face datasets (hub names or local dataset
-directories) are read with `datasets`.
+Sources: local JSON / JSONL files are read here, line by line, so an error names the file's
+line and a large file is not first converted into a second Arrow copy in the datasets cache;
+Parquet files and Hugging Face datasets (hub names or local dataset directories) are read with
+`datasets`.
 """
 
 from __future__ import annotations
