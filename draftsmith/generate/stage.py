@@ -144,7 +144,8 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                 messages=wire, prompt_tokens=prompt_tokens)
         requests = list(request_for.values())
     done_before = journal.answers()
-    missing = [r for r in requests if r.key not in done_before]
+    # Records repeated with the same id and prompt share one request (and its answer).
+    missing = list({r.key: r for r in requests if r.key not in done_before}.values())
     if done_before:
         log.info("generate: resuming: %d of %d prompts already answered (journal %s), %d to go",
                  len(requests) - len(missing), len(requests), journal.dir, len(missing))
