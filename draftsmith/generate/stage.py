@@ -146,9 +146,10 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     done_before = journal.answers()
     # Records repeated with the same id and prompt share one request (and its answer).
     missing = list({r.key: r for r in requests if r.key not in done_before}.values())
+    answered_before = len({r.key for r in requests} & done_before.keys())
     if done_before:
         log.info("generate: resuming: %d of %d prompts already answered (journal %s), %d to go",
-                 len(requests) - len(missing), len(requests), journal.dir, len(missing))
+                 answered_before, len(requests), journal.dir, len(missing))
     totals = RunTotals()
     if missing and cfg.backend == "openai":
         assert cfg.endpoint is not None  # the config refuses openai without an endpoint
@@ -202,7 +203,7 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
         "requests": len(requests),
         "answered": len(used),
         "answered_this_attempt": totals.answered,
-        "answered_before": len(requests) - len(missing),
+        "answered_before": answered_before,
         "failed": len(unanswered),
         "retries_this_attempt": totals.retries,
         "prompt_tokens": prompt_tokens,
@@ -228,7 +229,7 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     log.info("generate: %d records, %d answered by the target (%d this attempt, %d from the "
              "journal), %d failed, %d prompt + %d completion tokens (mean completion %.1f), %d "
              "ended their turn, %d carried reasoning%s", len(kept), len(used), totals.answered,
-             len(requests) - len(missing), len(unanswered), prompt_tokens, completion_tokens,
+             answered_before, len(unanswered), prompt_tokens, completion_tokens,
              summary["mean_completion_tokens"], finished, with_reasoning,
              f", cost ${cost:.4f}" if cost is not None else "")
     descriptor = finish_stage(
