@@ -73,7 +73,8 @@ def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
             if counts.get("with_reasoning"):
                 text += f", {counts['with_reasoning']} with reasoning"
             if figures.get("cost_usd") is not None:
-                text += f", cost ${figures['cost_usd']:.2f}"
+                cost = figures["cost_usd"]
+                text += f", cost ${cost:.2f}" if cost >= 1 else f", cost ${cost:.4f}"
         elif stage == "merge":
             text = (f"{counts['train_records']} train / {counts['validation_records']} validation "
                     f"records, {counts['train_tokens']} train tokens, draft vocab covers "
