@@ -208,7 +208,8 @@ def test_generate_and_merge_publish_their_stats_as_table_artifacts(first_run):
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
     tables = {}
-    for artifact in artifacts:  # the first run's version of each (later runs add versions)
+    # The first run's version of each (later runs with other data add versions).
+    for artifact in sorted(artifacts, key=lambda a: a.created):
         data = artifact.data if isinstance(artifact.data, list) else json.loads(artifact.data)
         tables.setdefault(artifact.key, data)
     assert set(tables) == set(keys) and all(a.type == "table" for a in artifacts)
