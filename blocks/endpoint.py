@@ -1,13 +1,12 @@
 """Inference endpoint block: an OpenAI-compatible server that answers prompts for generate.
 
-The API key is never stored here in clear: the block names a Prefect Secret block, and the flow
-that runs generate copies the secret into the environment variable the engine reads
-(`api_key_env`), so it reaches no config file, log or artifact.
+The API key is never stored here in clear: the block names a Prefect Secret block, which the
+generate task reads and hands to the engine as a value (tasks/stages.py), so it reaches no
+config file, log, task parameter or artifact.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 from prefect.blocks.core import Block
@@ -26,33 +25,19 @@ class InferenceEndpoint(Block):
     model: str = Field(..., description="Model name the server expects in requests.")
     api_key_secret: str | None = Field(
         None, description="Name of the Prefect Secret block that holds the API key.")
-    api_key_env: str = Field(
-        "DRAFTSMITH_API_KEY", description="Environment variable the engine reads the key from.")
+    api_key_env: str | None = Field(
+        None, description="Or: the environment variable that holds the key on the worker.")
     timeout_s: float = Field(600.0, gt=0, description="Per-request timeout.")
-    max_retries: int = Field(5, ge=0, description="Retries of a failed request.")
-    partitions: int = Field(1, ge=1, description="Parallel request partitions (limits load).")
+    max_retries: int = Field(6, ge=0, description="Retries of a failed request.")
+    partitions: list[dict[str, int]] = Field(default_factory=list, description=(
+        "Request limits by prompt length: [{max_prompt_tokens, concurrency, max_tokens}]; "
+        "empty: generate's defaults."))
 
     def endpoint_config(self) -> dict[str, Any]:
         """The `generate.endpoint` section of a pipeline config."""
-        return {"base_url": self.base_url, "model": self.model, "api_key_env": self.api_key_env,
-                "api_key_secret": self.api_key_secret, "timeout_s": self.timeout_s,
-                "max_retries": self.max_retries, "partitions": self.partitions}
-
-
-def export_api_key(endpoint: dict[str, Any] | None) -> bool:
-    """Put the key of `endpoint` (a generate.endpoint section) into its environment variable,
-    read from its Secret block; returns whether a key was exported."""
-    if not endpoint or not endpoint.get("api_key_secret"):
-        return False
-    from prefect.blocks.system import Secret
-
-    env = endpoint.get("api_key_env") or "DRAFTSMITH_API_KEY"
-    try:
-        value = Secret.load(endpoint["api_key_secret"]).get()
-    except ValueError as err:
-        raise ValueError(
-            f"generate.endpoint.api_key_secret={endpoint['api_key_secret']!r}: no such Secret "
-            "block on this Prefect server; create it (draftsmith prefect setup --api-key-env VAR "
-            "does) or unset api_key_secret") from err
-    os.environ[env] = str(value)
-    return True
+        config = {"base_url": self.base_url, "model": self.model,
+                  "api_key_env": self.api_key_env, "api_key_secret": self.api_key_secret,
+                  "timeout_s": self.timeout_s, "max_retries": self.max_retries}
+        if self.partitions:
+            config["partitions"] = self.partitions
+        return config

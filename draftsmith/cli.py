@@ -68,6 +68,13 @@ def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
         counts, figures = d["counts"], d["figures"]
         if stage == "generate":
             text = f"{counts['records']} records, {counts['generated']} answered by the target"
+            if counts.get("failed"):
+                text += f", {counts['failed']} failed (errors.jsonl)"
+            if counts.get("with_reasoning"):
+                text += f", {counts['with_reasoning']} with reasoning"
+            if figures.get("cost_usd") is not None:
+                cost = figures["cost_usd"]
+                text += f", cost ${cost:.2f}" if cost >= 1 else f", cost ${cost:.4f}"
         elif stage == "merge":
             text = (f"{counts['train_records']} train / {counts['validation_records']} validation "
                     f"records, {counts['train_tokens']} train tokens, draft vocab covers "

@@ -43,9 +43,24 @@ class TargetConfig(StrictModel):
 
 class DataSource(StrictModel):
     name: str = Field(..., min_length=1)
-    path: str = Field(..., description="Local JSON/JSONL file.")
-    format: Literal["auto", "sharegpt", "openai", "prompt"] = "auto"
+    path: str | None = Field(None, description="Local JSON/JSONL/Parquet file.")
+    hub: str | None = Field(None, description=(
+        "A Hugging Face dataset: a hub name the user has access to, or a local dataset "
+        "directory; read with datasets.load_dataset."))
+    hub_config: str | None = Field(None, description="The hub dataset's configuration (subset).")
+    split: str = Field("train", description="The hub dataset's split.")
+    revision: str | None = Field(None, description=(
+        "Pin the hub dataset's revision: the generate key covers it, so new hub data is picked "
+        "up only when the revision changes."))
+    format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = "auto"
     limit: int | None = Field(None, ge=1, description="Read at most this many records.")
+
+    @model_validator(mode="after")
+    def _one_location(self) -> DataSource:
+        if (self.path is None) == (self.hub is None):
+            raise ValueError(f"data.sources[{self.name}]: give exactly one of path (a local "
+                             "JSON/JSONL/Parquet file) or hub (a dataset name or directory)")
+        return self
 
 
 class DataConfig(StrictModel):
@@ -64,6 +79,56 @@ class DataConfig(StrictModel):
         return self
 
 
+class Partition(StrictModel):
+    """Prompts up to max_prompt_tokens share a concurrency limit and a completion budget:
+    long prompts hold a server's KV cache longer, so they get fewer requests in flight."""
+
+    max_prompt_tokens: int = Field(..., ge=1)
+    concurrency: int = Field(..., ge=1)
+    max_tokens: int = Field(..., ge=1, description="Completion tokens per request.")
+
+
+class EndpointConfig(StrictModel):
+    """An OpenAI-compatible chat-completions server (SGLang, vLLM, OpenRouter, transformers
+    serve). The API key comes from an environment variable or a Prefect Secret block, never
+    from this file."""
+
+    base_url: str = Field(..., min_length=1, description="e.g. http://host:30000/v1")
+    model: str = Field(..., min_length=1)
+    api_key_env: str | None = Field(None, description="Name of the env var holding the key.")
+    api_key_secret: str | None = Field(None, description=(
+        "Name of a Prefect Secret block holding the key (resolved by the Prefect task)."))
+    timeout_s: float = Field(600.0, gt=0, description="Per request.")
+    max_retries: int = Field(6, ge=0, description="On 429, 5xx, timeouts, connection errors.")
+    partitions: list[Partition] = Field(
+        default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64,
+                                           max_tokens=2048),
+                                 Partition(max_prompt_tokens=32768, concurrency=8,
+                                           max_tokens=4096)],
+        min_length=1)
+    price_per_1m_prompt_tokens: float | None = Field(None, ge=0.0)
+    price_per_1m_completion_tokens: float | None = Field(None, ge=0.0)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_plain_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "api_key" in data:
+            raise ValueError(
+                "generate.endpoint.api_key: API keys are never read from the config file; put "
+                "the key in an environment variable and set generate.endpoint.api_key_env to its "
+                "name, or store it in a Prefect Secret block and set "
+                "generate.endpoint.api_key_secret")
+        return data
+
+    @model_validator(mode="after")
+    def _partitions_ascending(self) -> EndpointConfig:
+        bounds = [p.max_prompt_tokens for p in self.partitions]
+        if bounds != sorted(set(bounds)):
+            raise ValueError(f"generate.endpoint.partitions: max_prompt_tokens must be distinct "
+                             f"and ascending (got {bounds})")
+        return self
+
+
 class GenerateConfig(StrictModel):
     """Answer prompts with the target itself, so the drafter learns the target's distribution."""
 
@@ -78,6 +143,20 @@ class GenerateConfig(StrictModel):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     batch_size: int = Field(16, ge=1)
     seed: int = 0
+    endpoint: EndpointConfig | None = Field(None, description=(
+        "The OpenAI-compatible server that answers (backend: openai only)."))
+    max_failure_rate: float = Field(0.0, ge=0.0, le=1.0, description=(
+        "Requests that fail after every retry go to errors.jsonl, never into the data; a "
+        "larger share than this fails the stage (a rerun retries only those)."))
+
+    @model_validator(mode="after")
+    def _endpoint_matches_backend(self) -> GenerateConfig:
+        # backend=openai without an endpoint is checked by PipelineConfig: an inference
+        # endpoint block (orchestration.endpoint_block) may supply it at run time.
+        if self.backend != "openai" and self.endpoint is not None:
+            raise ValueError(f"generate.endpoint is set but generate.backend={self.backend!r}; "
+                             "set generate.backend=openai or remove generate.endpoint")
+        return self
 
 
 class MergeConfig(StrictModel):
@@ -85,6 +164,9 @@ class MergeConfig(StrictModel):
     max_length: int = Field(2048, ge=16)
     validation_fraction: float = Field(0.1, ge=0.0, lt=1.0)
     dedup: bool = True
+    near_dedup: bool = Field(True, description=(
+        "Also drop records whose text matches another's after case, whitespace and "
+        "punctuation are normalised."))
     draft_vocab_size: int = Field(32000, ge=2)
 
 
@@ -314,6 +396,16 @@ class PipelineConfig(StrictModel):
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
 
+    @model_validator(mode="after")
+    def _endpoint_given(self) -> PipelineConfig:
+        if (self.generate.backend == "openai" and self.generate.endpoint is None
+                and not self.orchestration.endpoint_block):
+            raise ValueError(
+                "generate.backend=openai needs generate.endpoint (base_url, model, partitions, "
+                "...; see examples/kimi-k2.5-8gpu.yaml) or orchestration.endpoint_block (an "
+                "inference endpoint block registered by draftsmith prefect setup)")
+        return self
+
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=c` overrides; values are parsed as YAML so `x=3`, `x=[1,2]`, `x=true` work."""
@@ -370,8 +462,10 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
     config = parse_config(raw, str(path))
     base = path.resolve().parent
     for src in config.data.sources:
-        if not Path(src.path).is_absolute():
+        if src.path is not None and not Path(src.path).is_absolute():
             src.path = str((base / src.path).resolve())
+        if src.hub is not None and not Path(src.hub).is_absolute() and (base / src.hub).is_dir():
+            src.hub = str((base / src.hub).resolve())  # a local dataset directory
     if not Path(config.run_root).is_absolute():
         config.run_root = str(Path.cwd() / config.run_root)
     return config

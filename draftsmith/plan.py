@@ -7,23 +7,33 @@ choices are left out on purpose: moving a run to another device must not redo fi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from draftsmith.artifacts import (
     Descriptor,
     StagePlan,
     external_descriptor,
+    hash_json,
     load_descriptor,
     plan_stage,
     sha256_file,
 )
-from draftsmith.config import STAGES, ConfigError, PipelineConfig
+from draftsmith.config import STAGES, ConfigError, DataSource, PipelineConfig
 
 
 def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
     dtype = config.target.dtype
     if stage == "generate":
-        return {"generate": config.generate.model_dump(), "target_dtype": dtype,
+        # Where the server is, how hard it is driven and what it costs change no answer.
+        endpoint_operational = {"base_url", "api_key_env", "api_key_secret", "timeout_s",
+                                "max_retries", "price_per_1m_prompt_tokens",
+                                "price_per_1m_completion_tokens"}
+        generate = config.generate.model_dump(exclude={"endpoint": endpoint_operational})
+        if generate["endpoint"]:
+            for partition in generate["endpoint"]["partitions"]:
+                partition.pop("concurrency")
+        return {"generate": generate, "target_dtype": dtype,
                 "sources": [s.model_dump(exclude={"path"}) for s in config.data.sources]}
     if stage == "merge":
         return {"merge": config.merge.model_dump()}
@@ -50,6 +60,9 @@ def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
     """Content fingerprints of the source files: new data means new keys downstream."""
     out = []
     for source in config.data.sources:
+        if source.hub is not None:
+            out.append(external_descriptor("data", source.hub, hub_fingerprint(source)))
+            continue
         try:
             fingerprint = sha256_file(source.path)[:16]
         except FileNotFoundError:
@@ -57,6 +70,18 @@ def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
                               ) from None
         out.append(external_descriptor("data", source.path, fingerprint))
     return out
+
+
+def hub_fingerprint(source: DataSource) -> str:
+    """A local dataset directory is fingerprinted by its files' content; a hub dataset by its
+    name, configuration, split and revision (pin the revision to pick up new hub data)."""
+    where = Path(source.hub)
+    if where.is_dir():
+        files = {str(p.relative_to(where)): sha256_file(p)
+                 for p in sorted(where.rglob("*")) if p.is_file()}
+        return hash_json(files)[:16]
+    return hash_json(source.model_dump(include={"hub", "hub_config", "split",
+                                                "revision"}))[:16]
 
 
 def select_stages(only: str | None = None, start: str | None = None,

@@ -9,14 +9,13 @@ checked against an estimate of what the stage will write; the hidden-state store
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan
 from draftsmith.config import ExtractConfig, GenerateConfig
+from draftsmith.extract.preflight import free_bytes
 from draftsmith.serve.gpus import GpusBusyError, gpu_processes
 
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # Room a stage needs beyond its estimate: logs, temp files written before a rename.
 MARGIN_BYTES = 256 << 20
 
@@ -54,13 +53,6 @@ def require_free_stage_gpus(stage: str, device: str) -> None:
             "this stage other GPUs with CUDA_VISIBLE_DEVICES (the gpu pool's job variables)")
 
 
-def free_bytes(path: str | Path) -> int:
-    path = Path(path).resolve()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
-
-
 def require_disk_room(stage: str, plan: StagePlan, needed_bytes: int) -> None:
     free = free_bytes(plan.dir)
     needed = needed_bytes + MARGIN_BYTES
@@ -85,14 +77,13 @@ def generate_bytes(cfg: GenerateConfig, source_paths: list[str]) -> int:
 
 
 def extract_bytes(cfg: ExtractConfig, merged: Descriptor, target: Descriptor) -> int:
-    """The hidden-state store: per token K aux states and the final state, plus ids and mask."""
-    train_tokens = merged.counts.get("train_tokens", 0)
-    validation_share = merged.counts.get("validation_records", 0) / max(
-        1, merged.counts.get("train_records", 0))
-    tokens = int(train_tokens * (1 + validation_share))
-    aux = len(cfg.aux_layer_ids) if cfg.aux_layer_ids else 3
-    per_token = (aux + 1) * target.figures["hidden_size"] * DTYPE_BYTES[cfg.dtype] + 16
-    return tokens * per_token
+    """The hidden-state store (draftsmith/extract/preflight.py holds the one estimate)."""
+    from draftsmith.extract.preflight import estimate_store_bytes, merged_tokens
+    from draftsmith.target import default_aux_layer_ids
+
+    aux = cfg.aux_layer_ids or default_aux_layer_ids(target.figures["num_layers"])
+    return estimate_store_bytes(merged_tokens(merged), target.figures["hidden_size"], len(aux),
+                                cfg.dtype)
 
 
 def train_bytes(target: Descriptor, draft_vocab_size: int) -> int:

@@ -7,7 +7,7 @@ key (flows/pipeline.py: run_stage_task), so caching is identical."""
 from __future__ import annotations
 
 from draftsmith.artifacts import Descriptor
-from draftsmith.config import ConfigError, GenerateConfig, PipelineConfig, parse_config
+from draftsmith.config import PipelineConfig, parse_config
 from draftsmith.plan import STAGE_INPUTS
 
 
@@ -93,21 +93,8 @@ def with_endpoint_block(config: PipelineConfig) -> PipelineConfig:
     name = config.orchestration.endpoint_block
     if not name or config.generate.backend != "openai":  # only an HTTP generate reads it
         return config
-    if "endpoint" not in GenerateConfig.model_fields:
-        raise ConfigError(f"orchestration.endpoint_block={name!r}: this draftsmith's generate "
-                          "stage has no HTTP endpoint support (generate.endpoint); unset it")
     from blocks.endpoint import InferenceEndpoint
 
     raw = config.model_dump(mode="json")
     raw["generate"]["endpoint"] = InferenceEndpoint.load(name).endpoint_config()
     return parse_config(raw, f"orchestration.endpoint_block={name}")
-
-
-def export_endpoint_key(config: PipelineConfig) -> None:
-    """The API key of generate's endpoint, from its Secret block into its environment
-    variable, in the process that runs generate."""
-    from blocks.endpoint import export_api_key
-
-    endpoint = getattr(config.generate, "endpoint", None)
-    if endpoint is not None:
-        export_api_key(endpoint.model_dump() if hasattr(endpoint, "model_dump") else endpoint)

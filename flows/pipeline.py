@@ -39,6 +39,16 @@ TASKS = {
 }
 
 
+def preflight_extract_disk(config: PipelineConfig, out: dict[str, Descriptor],
+                           plan: StagePlan) -> None:
+    """Stop before extraction when the hidden-state store will not fit on its disk."""
+    from draftsmith.extract.preflight import check_extract_disk
+    from draftsmith.extract.stage import aux_layer_ids_for
+
+    check_extract_disk(config.extract, out["merge"], out["target"], plan.dir,
+                       aux_layer_ids_for(config.extract, out["target"]))
+
+
 def stage_args(config: PipelineConfig, out: dict[str, Descriptor]):
     """The arguments of each stage's task after its plan (what it reads: draftsmith/plan.py)."""
     return {
@@ -58,8 +68,6 @@ def run_stage_task(config: PipelineConfig, stage: str, plan: StagePlan,
                    out: dict[str, Descriptor]) -> State:
     """Run one stage's task in this process; the same call in local mode and inside a GPU
     stage flow, so caching is the same in both."""
-    if stage == "generate":
-        dispatch.export_endpoint_key(config)
     # A live server is not cacheable: a served deploy always runs (and reuses a server that is
     # still up).
     live = stage == "deploy" and config.deploy.engine == "sglang"
@@ -133,6 +141,8 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None,
                     pruned.discard(name)
                     out[name] = execute(name, stage_plan(config, name, out))
             plan = stage_plan(config, stage, out)
+            if stage == "extract":  # before any GPU is taken or any shard written
+                preflight_extract_disk(config, out, plan)
         return execute(stage, plan)
 
     try:

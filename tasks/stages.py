@@ -78,32 +78,87 @@ def resolve_target(cfg: TargetConfig) -> Descriptor:
     return resolve(cfg)
 
 
+def _api_key(cfg: GenerateConfig) -> str | None:
+    """The Secret block's value, read here and handed to the engine as a value: it is not a
+    task parameter, so Prefect never stores or shows it."""
+    if cfg.endpoint is None or cfg.endpoint.api_key_secret is None:
+        return None
+    from prefect.blocks.system import Secret
+
+    return Secret.load(cfg.endpoint.api_key_secret).get()
+
+
+def report_generate(descriptor: Descriptor) -> None:
+    """Per-source guard counts and the generation summary, as table artifacts and log lines."""
+    import json
+
+    logger = get_run_logger()
+    sources = json.loads((descriptor.dir / "stats.json").read_text())
+    rows = [{"source": s["source"], "read": s["read"], "kept": s["kept"],
+             "dropped": sum(s["dropped"].values()),
+             "drop reasons": "; ".join(f"{r} ({n})" for r, n in s["dropped"].items()) or "-",
+             "notes": "; ".join(f"{r} ({n})" for r, n in s.get("notes", {}).items()) or "-"}
+            for s in sources]
+    create_table_artifact(rows, key="draftsmith-generate-sources",
+                          description="generate: records read, kept and dropped per source")
+    for row in rows:
+        logger.info("generate source %s", row)
+    summary_file = descriptor.dir / "generation.json"
+    if not summary_file.is_file():  # written by a draftsmith before the HTTP backend
+        return
+    summary = json.loads(summary_file.read_text())
+    flat = {k: v for k, v in summary.items() if k != "per_partition"}
+    create_table_artifact([{"figure": k, "value": str(v)} for k, v in flat.items()],
+                          key="draftsmith-generate-summary",
+                          description="generate: requests, tokens, throughput, cost")
+    logger.info("generate summary %s", flat)
+
+
+def report_merge(descriptor: Descriptor) -> None:
+    import json
+
+    from draftsmith.data.merge import COVERAGE_FILE
+
+    logger = get_run_logger()
+    stats = json.loads((descriptor.dir / "stats.json").read_text())
+    rows = [{"source": s, **c} for s, c in stats.items()]
+    create_table_artifact(rows, key="draftsmith-merge-sources",
+                          description="merge: records, tokens, masked tokens, mean length, "
+                          "duplicates and truncations per source")
+    for row in rows:
+        logger.info("merge source %s", row)
+    if not (descriptor.dir / COVERAGE_FILE).is_file():  # an older merge output
+        return
+    coverage = json.loads((descriptor.dir / COVERAGE_FILE).read_text())
+    create_table_artifact([{"figure": k, "value": str(v)} for k, v in coverage.items()],
+                          key="draftsmith-merge-vocab",
+                          description="merge: draft vocab coverage of loss-masked tokens")
+    logger.info("merge draft vocab %s", coverage)
+
+
 @task(name="generate", **STAGE_TASK)
 def generate(plan: StagePlan, cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
              target: Descriptor) -> Descriptor:
     from draftsmith.generate.stage import run_generate
 
-    if done := _already_done(plan):
-        return done
-    preflight.check_stage(plan, target_cfg.device, preflight.generate_bytes(
-        cfg, [s.path for s in data.sources]))
-    with progress_artifact("generate"):
-        return run_generate(cfg, data, target_cfg, target, plan)
+    if not (descriptor := _already_done(plan)):
+        preflight.check_stage(plan, target_cfg.device, preflight.generate_bytes(
+            cfg, [s.path for s in data.sources if s.path]))
+        with progress_artifact("generate"):
+            descriptor = run_generate(cfg, data, target_cfg, target, plan,
+                                      api_key=_api_key(cfg))
+    report_generate(descriptor)
+    return descriptor
 
 
 @task(name="merge", **STAGE_TASK)
 def merge(plan: StagePlan, cfg: MergeConfig, generated: Descriptor,
           target: Descriptor) -> Descriptor:
-    import json
-
     from draftsmith.data.merge import run_merge
 
-    if done := _already_done(plan):
-        return done
-    descriptor = run_merge(cfg, generated, target, plan)
-    stats = json.loads((descriptor.dir / "stats.json").read_text())
-    create_table_artifact([{"source": s, **c} for s, c in stats.items()],
-                          description="merge: records and tokens per source")
+    if not (descriptor := _already_done(plan)):
+        descriptor = run_merge(cfg, generated, target, plan)
+    report_merge(descriptor)
     return descriptor
 
 

@@ -254,3 +254,51 @@ def test_relative_run_root_resolves_against_cwd(tmp_path, monkeypatch):
     path = write_config(tmp_path / "cfg", minimal_raw(run_root="runs/x"))
     monkeypatch.chdir(tmp_path)
     assert load_config(path).run_root == str(tmp_path / "runs" / "x")
+
+
+# --- generate.endpoint ------------------------------------------------------------------------
+
+def _with_generate(generate: dict) -> dict:
+    return {"data": {"sources": [{"name": "s", "path": "x.jsonl"}]}, "generate": generate}
+
+
+ENDPOINT = {"base_url": "http://127.0.0.1:30000/v1", "model": "m"}
+
+
+def test_a_plain_api_key_in_the_config_is_refused_with_the_fix():
+    with pytest.raises(ConfigError) as info:
+        parse_config(_with_generate({"backend": "openai",
+                                     "endpoint": {**ENDPOINT, "api_key": "sk-live-123"}}))
+    message = str(info.value)
+    assert "generate.endpoint.api_key" in message
+    assert "api_key_env" in message and "api_key_secret" in message
+    assert "sk-live-123" not in message  # the refusal does not echo the key
+
+
+def test_endpoint_goes_with_the_openai_backend():
+    with pytest.raises(ConfigError, match="backend=openai needs generate.endpoint"):
+        parse_config(_with_generate({"backend": "openai"}))
+    with pytest.raises(ConfigError, match="endpoint is set but generate.backend='transformers'"):
+        parse_config(_with_generate({"endpoint": ENDPOINT}))
+    config = parse_config(_with_generate({"backend": "openai", "endpoint": ENDPOINT}))
+    assert [p.max_prompt_tokens for p in config.generate.endpoint.partitions] == [2048, 32768]
+
+
+def test_partitions_must_ascend():
+    partitions = [{"max_prompt_tokens": 8192, "concurrency": 4, "max_tokens": 512},
+                  {"max_prompt_tokens": 1024, "concurrency": 64, "max_tokens": 512}]
+    with pytest.raises(ConfigError, match=r"partitions: max_prompt_tokens must be distinct and "
+                                          r"ascending \(got \[8192, 1024\]\)"):
+        parse_config(_with_generate({"backend": "openai",
+                                     "endpoint": {**ENDPOINT, "partitions": partitions}}))
+
+
+def test_a_local_dataset_directory_resolves_against_the_config_file(tmp_path):
+    (tmp_path / "datasets" / "mine").mkdir(parents=True)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"data": {"sources": [
+        {"name": "local", "hub": "datasets/mine"},
+        {"name": "remote", "hub": "owner/name", "split": "test"}]}}))
+    config = load_config(path)
+    assert config.data.sources[0].hub == str(tmp_path / "datasets" / "mine")
+    assert config.data.sources[1].hub == "owner/name"  # a hub name stays a name

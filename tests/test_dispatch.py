@@ -30,7 +30,8 @@ def test_distributed_mode_sends_the_gpu_stages_to_the_gpu_pool():
     assert remote == ["generate", "extract", "train", "deploy", "benchmark"]
     assert dispatch.deployment_name(cfg, "extract") == "draftsmith-extract/gpu"
     # Answering prompts over HTTP needs no GPU.
-    http = config(orchestration={"mode": "distributed"}, generate={"backend": "openai"})
+    http = config(orchestration={"mode": "distributed", "endpoint_block": "kimi"},
+                  generate={"backend": "openai"})
     assert not dispatch.is_remote(http, "generate")
 
 
@@ -76,13 +77,19 @@ def test_notify_new_data_refuses_a_missing_file(tmp_path):
 
 def test_the_endpoint_block_produces_generate_endpoint_and_names_its_secret():
     from blocks.endpoint import InferenceEndpoint
+    from draftsmith.config import GenerateConfig
 
+    partitions = [{"max_prompt_tokens": 2048, "concurrency": 64, "max_tokens": 4096}]
     block = InferenceEndpoint(base_url="http://gpu-host:30000/v1", model="kimi-k2.5",
-                              api_key_secret="kimi-api-key", partitions=4)
+                              api_key_secret="kimi-api-key", partitions=partitions)
     assert block.endpoint_config() == {
-        "base_url": "http://gpu-host:30000/v1", "model": "kimi-k2.5",
-        "api_key_env": "DRAFTSMITH_API_KEY", "api_key_secret": "kimi-api-key",
-        "timeout_s": 600.0, "max_retries": 5, "partitions": 4}
+        "base_url": "http://gpu-host:30000/v1", "model": "kimi-k2.5", "api_key_env": None,
+        "api_key_secret": "kimi-api-key", "timeout_s": 600.0, "max_retries": 6,
+        "partitions": partitions}
+    # What the block produces is a valid generate.endpoint section.
+    generate = GenerateConfig(backend="openai", endpoint=block.endpoint_config())
+    assert generate.endpoint.api_key_secret == "kimi-api-key"
+    assert generate.endpoint.partitions[0].concurrency == 64
 
 
 def test_the_gpu_host_block_pins_devices_and_nccl_for_gpu_runs():

@@ -273,3 +273,146 @@ def test_prompt_only_records_become_a_user_turn_awaiting_an_answer(tmp_path):
     assert records[0].needs_answer()
     assert stats.dropped == {"prompt='   ', expected non-empty text": 1}
     assert detect_format({"prompt": "x"}) == "prompt"
+
+
+# --- fixture files: one per format, including the three shapes the seeds lost ----------------
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "data"
+
+
+def test_fixture_sharegpt_with_human_and_gpt_speakers():
+    records, stats = load_source("sg", FIXTURES / "sharegpt_human_gpt.jsonl")
+    assert (stats.read, stats.kept, stats.dropped) == (3, 3, {})
+    assert [roles(r) for r in records] == [
+        ["system", "user", "assistant", "user", "assistant"], ["user", "assistant"], ["user"]]
+    assert records[2].needs_answer() and not records[0].needs_answer()
+
+
+def test_fixture_openai_messages_with_text_parts():
+    records, _ = load_source("oa", FIXTURES / "openai_messages.jsonl")
+    assert records[1].messages[0].content == "Part one. Part two."
+    assert roles(records[0]) == ["system", "user", "assistant"]
+
+
+def test_fixture_agent_trajectories_keep_every_assistant_turn_and_tool_turns():
+    records, stats = load_source("agent", FIXTURES / "agent_trajectory.jsonl")
+    assert (stats.read, stats.kept, stats.dropped) == (2, 2, {})
+    openai_style, sharegpt_style = records
+    assert roles(openai_style) == ["system", "user", "assistant", "tool", "assistant", "user",
+                                   "assistant", "tool", "assistant"]
+    call_only = openai_style.messages[2]
+    assert call_only.content == "" and call_only.tool_calls[0]["function"]["name"] == "get_weather"
+    tool = openai_style.messages[3]
+    assert json.loads(tool.content) == {"temp_c": 4, "sky": "rain"}  # structured output as JSON
+    assert (tool.tool_call_id, tool.name) == ("call_1", "get_weather")
+    assert openai_style.messages[4].reasoning == "The tool said 4 C, rain."
+    assert openai_style.messages[6].content == "Let me check."
+    assert openai_style.messages[6].tool_calls[0]["id"] == "call_2"
+    # ShareGPT agent speakers under a "trajectory" key: the call is the target's own turn.
+    assert roles(sharegpt_style) == ["user", "assistant", "tool", "assistant"]
+    assert sharegpt_style.messages[1].content.startswith('{"name": "ls"')
+
+
+def test_fixture_trajectory_with_a_null_system_turn_is_kept_and_noted():
+    records, stats = load_source("traj", FIXTURES / "trajectory_null_system.jsonl")
+    assert (stats.read, stats.kept, stats.dropped) == (2, 2, {})
+    assert stats.notes == {"null system turn left out": 2}
+    assert roles(records[0]) == ["user", "assistant", "tool", "assistant"]
+    assert roles(records[1]) == ["user", "assistant"]
+
+
+def test_fixture_prompt_only_needs_answers():
+    records, _ = load_source("po", FIXTURES / "prompt_only.jsonl")
+    assert all(r.needs_answer() and roles(r) == ["user"] for r in records)
+
+
+def test_fixture_unknown_shape_fails_showing_the_record():
+    path = FIXTURES / "unknown_shape.jsonl"
+    with pytest.raises(DataFormatError) as info:
+        load_source("alpaca", path)
+    message = str(info.value)
+    assert f"'alpaca' ({path}:1)" in message
+    assert "keys: id, input, instruction, output" in message
+    assert '"instruction": "Translate to French"' in message  # the offending record itself
+    assert "data.sources[].format" in message
+
+
+def test_explicit_trajectory_format_reads_openai_and_sharegpt_turns():
+    records, _ = load_source("t", FIXTURES / "agent_trajectory.jsonl", fmt="trajectory")
+    assert len(records) == 2
+    records, _ = load_source("t", FIXTURES / "sharegpt_human_gpt.jsonl", fmt="trajectory")
+    assert roles(records[1]) == ["user", "assistant"]
+
+
+def test_non_text_content_parts_are_dropped_with_a_reason(tmp_path):
+    path = write_jsonl(tmp_path / "img.jsonl", [
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": "x"}]}]},
+        {"messages": [{"role": "user", "content": "ok"}]},
+    ])
+    _, stats = load_source("img", path, max_drop_rate=0.5)
+    assert stats.dropped == {"user turn has non-text content parts ['image_url']": 1}
+
+
+def test_ids_without_tool_fields_are_unchanged_by_the_agent_fields():
+    """Records without an id get one from their content; adding tool fields to the record
+    format must not move existing records between splits."""
+    from draftsmith.artifacts import hash_json
+    from draftsmith.data.formats import to_record
+
+    record = to_record({"messages": [{"role": "user", "content": "q"}]}, "openai", "s")
+    legacy = hash_json([{"role": "user", "content": "q", "reasoning": None}])[:16]
+    assert record.id == f"s/{legacy}"
+
+
+# --- Parquet and Hugging Face datasets --------------------------------------------------------
+
+
+def _parquet(path: Path, rows: list[dict]) -> Path:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    return path
+
+
+PARQUET_ROWS = [
+    {"id": "a", "messages": [{"role": "system", "content": None},
+                             {"role": "user", "content": "q1"},
+                             {"role": "assistant", "content": "a1"}]},
+    {"id": "b", "messages": [{"role": "user", "content": "q2"}]},
+]
+
+
+def test_parquet_file_through_datasets(tmp_path):
+    path = _parquet(tmp_path / "train.parquet", PARQUET_ROWS)
+    records, stats = load_source("pq", path)
+    assert [r.id for r in records] == ["pq/a", "pq/b"]
+    assert roles(records[0]) == ["user", "assistant"]  # Arrow's null system text: left out
+    assert stats.notes == {"null system turn left out": 1}
+
+
+def test_hugging_face_dataset_directory(tmp_path):
+    """A dataset repository laid out as on the hub (data/<split>-*.parquet), read by name
+    through datasets.load_dataset, offline."""
+    repo = tmp_path / "my-dataset"
+    _parquet(repo / "data" / "train-00000-of-00001.parquet", PARQUET_ROWS)
+    _parquet(repo / "data" / "test-00000-of-00001.parquet", PARQUET_ROWS[1:])
+    records, stats = load_source("hub", hub=str(repo), split="test")
+    assert [r.id for r in records] == ["hub/b"] and stats.read == 1
+    records, _ = load_source("hub", hub=str(repo))
+    assert len(records) == 2
+
+
+def test_hub_dataset_that_cannot_be_loaded_names_it(tmp_path):
+    with pytest.raises(DataFormatError, match=r"hub dataset 'nobody/no-such-dataset'.*access"):
+        load_source("hub", hub="nobody/no-such-dataset")
+
+
+def test_a_source_names_path_or_hub_not_both():
+    from draftsmith.config import DataSource
+
+    with pytest.raises(ValueError, match="exactly one of path"):
+        DataSource(name="x", path="a.jsonl", hub="owner/name")
+    with pytest.raises(ValueError, match="exactly one of path"):
+        DataSource(name="x")

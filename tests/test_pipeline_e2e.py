@@ -208,6 +208,65 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         servers.stop_all()
 
 
+def test_generate_and_merge_publish_their_stats_as_table_artifacts(first_run):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    keys = ["draftsmith-generate-sources", "draftsmith-generate-summary",
+            "draftsmith-merge-sources", "draftsmith-merge-vocab"]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+    tables = {}
+    # The first run's version of each (later runs with other data add versions).
+    for artifact in sorted(artifacts, key=lambda a: a.created):
+        data = artifact.data if isinstance(artifact.data, list) else json.loads(artifact.data)
+        tables.setdefault(artifact.key, data)
+    assert set(tables) == set(keys) and all(a.type == "table" for a in artifacts)
+    sources = {row["source"]: row for row in tables["draftsmith-generate-sources"]}
+    assert {s: (r["read"], r["kept"], r["dropped"]) for s, r in sources.items()} == {
+        "stdlib-sharegpt": (90, 90, 0), "stdlib-openai": (90, 90, 0)}
+    summary = {row["figure"]: row["value"] for row in tables["draftsmith-generate-summary"]}
+    assert summary["answered"] == "180" and summary["failed"] == "0"
+    merged = {row["source"]: row for row in tables["draftsmith-merge-sources"]}
+    for row in merged.values():
+        assert row["records"] > 0 and 0 < row["masked_tokens"] < row["tokens"]
+        assert row["mean_length"] == pytest.approx(row["tokens"] / row["records"], abs=0.1)
+    vocab = {row["figure"]: row["value"] for row in tables["draftsmith-merge-vocab"]}
+    assert 0 < float(vocab["coverage_train"]) <= 1
+
+
+def test_cli_runs_generate_and_merge_alone_and_logs_their_stats(first_run, base_raw, tmp_path):
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(base_raw))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
+    env.pop("PREFECT_API_URL", None)
+    for stage, lines in (("generate", ["generate source", "generate summary"]),
+                         ("merge", ["merge source", "merge draft vocab"])):
+        proc = subprocess.run(
+            [sys.executable, "-m", "draftsmith.cli", "run", str(config), "--only", stage],
+            capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        output = proc.stdout + proc.stderr
+        assert all(line in output for line in lines), output[-3000:]
+        assert stage in proc.stdout  # the summary table
+
+
+def test_extract_stops_before_starting_when_the_store_will_not_fit(first_run, base_raw,
+                                                                   monkeypatch):
+    from draftsmith.extract import preflight
+
+    raw = json.loads(json.dumps(base_raw))
+    raw["extract"]["dtype"] = "bfloat16"  # a new extract key: nothing finished to reuse
+    extract_root = Path(raw["run_root"]) / "extract"
+    before = set(extract_root.iterdir())
+    monkeypatch.setattr(preflight, "free_bytes", lambda destination: 1 << 20)  # a full disk
+    with pytest.raises(preflight.DiskSpaceError, match=r"extract will not fit.* 0\.0 GiB free"):
+        run_pipeline(raw, ["extract"])
+    assert set(extract_root.iterdir()) == before  # stopped before the stage began
+
+
 def test_retention_deletes_big_outputs_and_recomputes_them_when_a_stage_needs_them(
         first_run, base_raw):
     """Last in this module: it deletes the generations and the hidden-state store."""

@@ -139,3 +139,40 @@ def test_missing_data_file_names_the_source(tmp_path):
     assert "data.sources[beta]" in message
     assert str(tmp_path / "beta.jsonl") in message
     assert "not found" in message
+
+
+def test_endpoint_settings_that_change_no_answer_keep_the_generate_key(tmp_path):
+    """Moving the server, driving it harder or changing its price must not throw away a long
+    regeneration; the model, the partitions' prompt bounds and completion budgets must."""
+    endpoint = {"base_url": "http://a:1/v1", "model": "m", "partitions": [
+        {"max_prompt_tokens": 100, "concurrency": 4, "max_tokens": 50}]}
+    base = make_config(tmp_path, generate={"backend": "openai", "endpoint": endpoint})
+    material = key_material(base, "generate")
+    for change in ({"base_url": "http://b:2/v1"}, {"timeout_s": 5}, {"max_retries": 0},
+                   {"api_key_env": "K"}, {"price_per_1m_prompt_tokens": 1.0},
+                   {"partitions": [{**endpoint["partitions"][0], "concurrency": 64}]}):
+        config = make_config(tmp_path, generate={"backend": "openai",
+                                                 "endpoint": {**endpoint, **change}})
+        assert key_material(config, "generate") == material, change
+    for change in ({"model": "other"},
+                   {"partitions": [{**endpoint["partitions"][0], "max_tokens": 51}]}):
+        config = make_config(tmp_path, generate={"backend": "openai",
+                                                 "endpoint": {**endpoint, **change}})
+        assert key_material(config, "generate") != material, change
+
+
+def test_hub_sources_are_fingerprinted_by_name_or_by_directory_content(tmp_path):
+    from draftsmith.config import DataSource
+
+    hub = make_config(tmp_path)
+    hub.data.sources[0] = DataSource(name="alpha", hub="owner/dataset")
+    first = data_descriptors(hub)[0].fingerprint
+    hub.data.sources[0].revision = "abc123"
+    assert data_descriptors(hub)[0].fingerprint != first
+    directory = tmp_path / "ds"
+    (directory / "data").mkdir(parents=True)
+    (directory / "data" / "train.jsonl").write_text('{"prompt": "a"}\n')
+    hub.data.sources[0].hub = str(directory)
+    before = data_descriptors(hub)[0].fingerprint
+    (directory / "data" / "train.jsonl").write_text('{"prompt": "b"}\n')
+    assert data_descriptors(hub)[0].fingerprint != before

@@ -106,3 +106,48 @@ def test_fallback_refuses_a_template_that_rewrites_earlier_turns(plain_tokenizer
     record = make_record([("user", "q"), ("assistant", "a"), ("user", "q2")], 9)
     with pytest.raises(TemplateError, match=r"record t/9: .*turn 1.*\{% generation %\}"):
         tokenize_record(tokenizer, record)
+
+
+# --- reasoning and tool calls -----------------------------------------------------------------
+
+NATIVE_TEMPLATE = (
+    "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+    "{%- if m['role'] == 'assistant' -%}{% generation %}"
+    "{%- if m.get('reasoning_content') %}{{ '<think>' + m['reasoning_content'] + '</think>' }}"
+    "{%- endif -%}{{ m['content'] }}"
+    "{%- for c in m.get('tool_calls') or [] %}{{ '[call ' + c['function']['name'] + ']' }}"
+    "{%- endfor -%}{{ '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+    "{%- else -%}{{ m['content'] + '<|im_end|>\\n' }}{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+)
+
+
+def agent_record() -> Record:
+    return Record.model_validate({"id": "a/1", "source": "a", "messages": [
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}}]},
+        {"role": "tool", "content": "rain", "tool_call_id": "c1"},
+        {"role": "assistant", "content": "Rain.", "reasoning": "the tool said rain"}]})
+
+
+def decoded_masked(tokenizer, record):
+    ids, mask = tokenize_record(tokenizer, record)
+    return [tokenizer.decode(s, skip_special_tokens=False) for s in masked_spans(ids, mask)]
+
+
+def test_reasoning_and_tool_calls_without_template_support_become_tagged_text(
+        random_target_tokenizer):
+    assert "reasoning_content" not in random_target_tokenizer.chat_template
+    assert decoded_masked(random_target_tokenizer, agent_record()) == [
+        '\n<tool_call>\n{"name": "get_weather", "arguments": "{}"}\n</tool_call>' + END,
+        "<think>\nthe tool said rain\n</think>\n\nRain." + END]
+
+
+def test_reasoning_and_tool_calls_go_through_a_template_that_renders_them(
+        random_target_tokenizer):
+    tokenizer = copy.deepcopy(random_target_tokenizer)
+    tokenizer.chat_template = NATIVE_TEMPLATE
+    assert decoded_masked(tokenizer, agent_record()) == [
+        "[call get_weather]" + END, "<think>the tool said rain</think>Rain." + END]

@@ -1,8 +1,14 @@
 """Dataset adapters: every supported source format becomes the common record.
 
-Common record: {"id", "source", "messages": [{"role", "content", "reasoning"?}]} with roles
-system / user / assistant / tool. Nothing is dropped silently: each adapter reports what it
-read, kept and dropped (with reasons), and a source that keeps nothing is an error.
+Common record: {"id", "source", "messages": [{"role", "content", "reasoning"?, "tool_calls"?,
+"tool_call_id"?, "name"?}]} with roles system / user / assistant / tool. Nothing is dropped
+silently: each adapter reports what it read, kept and dropped (with reasons), and a source that
+keeps nothing is an error.
+
+Sources: local JSON / JSONL files are read here, line by line, so an error names the file's
+line and a large file is not first converted into a second Arrow copy in the datasets cache;
+Parquet files and Hugging Face datasets (hub names or local dataset directories) are read with
+`datasets`.
 """
 
 from __future__ import annotations
@@ -22,22 +28,34 @@ Role = Literal["system", "user", "assistant", "tool"]
 # ShareGPT speakers and OpenAI roles seen in the wild -> common role.
 _ROLE_ALIASES = {
     "system": "system",
+    "developer": "system",
     "human": "user",
     "user": "user",
     "gpt": "assistant",
     "assistant": "assistant",
     "chatgpt": "assistant",
     "bard": "assistant",
+    "model": "assistant",
+    "function_call": "assistant",  # ShareGPT agent sets: the target's own call, trainable
     "tool": "tool",
     "function": "tool",
     "observation": "tool",
+    "ipython": "tool",
+    "function_response": "tool",
+    "tool_response": "tool",
 }
+# Keys of the turn list, by format; "trajectory" accepts every spelling seen in agent sets.
+_TURN_LISTS = {"sharegpt": ("conversations",), "openai": ("messages",),
+               "trajectory": ("messages", "conversations", "trajectory", "conversation", "turns")}
 
 
 class Message(BaseModel):
     role: Role
     content: str
     reasoning: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # assistant turns of agent trajectories
+    tool_call_id: str | None = None  # tool turns: which call this answers
+    name: str | None = None  # tool turns: the tool's name
 
 
 class Record(BaseModel):
@@ -53,7 +71,9 @@ class SourceStats(BaseModel):
     source: str
     read: int = 0
     kept: int = 0
-    dropped: dict[str, int] = {}
+    dropped: dict[str, int] = {}  # reason -> records
+    # Kept records that were changed on the way in (e.g. a null system turn left out).
+    notes: dict[str, int] = {}
 
 
 class DataFormatError(ValueError):
@@ -65,30 +85,74 @@ def detect_format(row: dict[str, Any]) -> str:
         return "sharegpt"
     if "messages" in row:
         return "openai"
+    if {"trajectory", "conversation", "turns"} & row.keys():
+        return "trajectory"
     # Prompt-only, not prompt/response pairs: an answer field would be silently ignored.
     if "prompt" in row and not {"response", "completion", "output", "answer"} & row.keys():
         return "prompt"
     raise DataFormatError(
         "unknown record shape (keys: " + ", ".join(sorted(row)) + "); expected 'conversations' "
-        "(ShareGPT), 'messages' (OpenAI) or 'prompt' (prompt-only). Set data.sources[].format "
-        "or convert the file."
+        "(ShareGPT), 'messages' (OpenAI), 'trajectory' / 'conversation' / 'turns' (agent "
+        "trajectories) or 'prompt' (prompt-only). Set data.sources[].format or convert the file."
     )
 
 
-def _normalise(turns: list[dict[str, Any]], role_key: str, text_key: str) -> list[Message]:
+def _text(value: Any, role: str, text_key: str) -> str:
+    """Turn text: a string, or OpenAI content parts of type text (joined)."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(part, dict) for part in value):
+        kinds = {part.get("type", "text") for part in value}
+        if kinds <= {"text", "input_text", "output_text"}:
+            return "".join(str(part.get("text", "")) for part in value)
+        raise DataFormatError(f"{role} turn has non-text content parts "
+                              f"{sorted(kinds - {'text', 'input_text', 'output_text'})}")
+    if role == "tool" and isinstance(value, (dict, list, int, float, bool)):
+        return json.dumps(value, ensure_ascii=False)  # structured tool output, kept as context
+    raise DataFormatError(f"{role} turn has {text_key}={value!r:.80}, expected text")
+
+
+def _tool_calls(turn: dict[str, Any]) -> list[dict[str, Any]] | None:
+    calls = turn.get("tool_calls")
+    if calls is None and isinstance(turn.get("function_call"), dict):  # legacy OpenAI
+        calls = [{"type": "function", "function": turn["function_call"]}]
+    if calls is None:
+        return None
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise DataFormatError(f"tool_calls={calls!r:.80}, expected a list of objects")
+    return calls or None
+
+
+def _normalise(turns: Any, role_key: str | None, text_key: str | None,
+               notes: Counter[str]) -> list[Message]:
+    if not isinstance(turns, list):
+        raise DataFormatError(f"turns are {type(turns).__name__}, expected a list")
     messages = []
     for turn in turns:
-        raw_role = str(turn.get(role_key, "")).lower()
+        if not isinstance(turn, dict):
+            raise DataFormatError(f"turn {turn!r:.80} is not an object")
+        rkey = role_key or ("role" if "role" in turn else "from")
+        tkey = text_key or ("content" if "content" in turn or rkey == "role" else "value")
+        raw_role = str(turn.get(rkey, "")).lower()
         role = _ROLE_ALIASES.get(raw_role)
         if role is None:
-            raise DataFormatError(f"unknown role {turn.get(role_key)!r}")
-        text = turn.get(text_key)
-        if text is None and role == "system":
+            raise DataFormatError(f"unknown role {turn.get(rkey)!r}")
+        value = turn.get(tkey)
+        calls = _tool_calls(turn) if role == "assistant" else None
+        if value is None and role == "system":
+            notes["null system turn left out"] += 1
             continue  # trajectories with an empty system turn: the turn carries nothing
-        if not isinstance(text, str):
-            raise DataFormatError(f"{role} turn has {text_key}={text!r}, expected text")
+        if value is None and calls:
+            value = ""  # an assistant turn that only calls tools
+        text = _text(value, role, tkey)
         reasoning = turn.get("reasoning_content") or turn.get("reasoning")
-        messages.append(Message(role=role, content=text, reasoning=reasoning))
+        tool_call_id = turn.get("tool_call_id")
+        name = turn.get("name")
+        messages.append(Message(
+            role=role, content=text, reasoning=reasoning if isinstance(reasoning, str) else None,
+            tool_calls=calls,
+            tool_call_id=str(tool_call_id) if role == "tool" and tool_call_id else None,
+            name=str(name) if role == "tool" and name else None))
     if not messages:
         raise DataFormatError("no turns")
     if not any(m.role == "user" for m in messages):
@@ -96,11 +160,19 @@ def _normalise(turns: list[dict[str, Any]], role_key: str, text_key: str) -> lis
     return messages
 
 
-def to_record(row: dict[str, Any], fmt: str, source: str) -> Record:
+def to_record(row: dict[str, Any], fmt: str, source: str,
+              notes: Counter[str] | None = None) -> Record:
+    notes = Counter() if notes is None else notes
     if fmt == "sharegpt":
-        messages = _normalise(row["conversations"], "from", "value")
+        messages = _normalise(row["conversations"], "from", "value", notes)
     elif fmt == "openai":
-        messages = _normalise(row["messages"], "role", "content")
+        messages = _normalise(row["messages"], "role", "content", notes)
+    elif fmt == "trajectory":
+        key = next((k for k in _TURN_LISTS["trajectory"] if k in row), None)
+        if key is None:
+            raise DataFormatError("no turn list (expected one of "
+                                  + ", ".join(_TURN_LISTS["trajectory"]) + ")")
+        messages = _normalise(row[key], None, None, notes)
     elif fmt == "prompt":  # prompt-only sets: the target answers them in generate
         prompt = row["prompt"]
         if not isinstance(prompt, str) or not prompt.strip():
@@ -108,15 +180,22 @@ def to_record(row: dict[str, Any], fmt: str, source: str) -> Record:
         messages = [Message(role="user", content=prompt)]
     else:
         raise DataFormatError(f"unsupported format {fmt!r}")
-    record_id = str(row.get("id") or hash_json([m.model_dump() for m in messages])[:16])
+    record_id = str(row.get("id") or hash_json([_identity(m) for m in messages])[:16])
     return Record(id=f"{source}/{record_id}", source=source, messages=messages)
 
 
 def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(1-based line or index, row) from a JSONL file or a JSON array."""
+    """(1-based line or index, row) from a JSONL file, a JSON array or a Parquet file."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: data file not found")
+    if path.suffix in (".parquet", ".arrow"):
+        import datasets
+
+        builder = "parquet" if path.suffix == ".parquet" else "arrow"
+        yield from _dataset_rows(datasets.load_dataset(builder, data_files=str(path),
+                                                       split="train"))
+        return
     text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
         rows = json.loads(text)
@@ -132,48 +211,92 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
                 raise DataFormatError(f"{path}:{lineno}: not valid JSON: {err}") from None
 
 
+def read_hub_rows(name: str, config: str | None = None, split: str = "train",
+                  revision: str | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(1-based index, row) of a Hugging Face dataset: a hub name or a local dataset directory."""
+    import datasets
+
+    try:
+        dataset = datasets.load_dataset(name, config, split=split, revision=revision)
+    except (FileNotFoundError, ValueError, ConnectionError,
+            datasets.exceptions.DatasetNotFoundError) as err:
+        raise DataFormatError(
+            f"hub dataset {name!r} (config {config!r}, split {split!r}) could not be loaded: "
+            f"{err}. Check the name, the split, that you have access (HF_TOKEN) and, offline "
+            "(HF_HUB_OFFLINE=1), that it is in the local datasets cache") from None
+    yield from _dataset_rows(dataset)
+
+
+def _dataset_rows(dataset) -> Iterator[tuple[int, dict[str, Any]]]:
+    # Arrow gives every row every column, None where a row had none: drop those so format
+    # detection sees the keys the record really has.
+    for index, row in enumerate(dataset, start=1):
+        yield index, {k: v for k, v in row.items() if v is not None}
+
+
 def load_source(
-    name: str, path: str | Path, fmt: str = "auto", limit: int | None = None,
-    max_drop_rate: float = 1.0,
+    name: str, path: str | Path | None = None, fmt: str = "auto", limit: int | None = None,
+    max_drop_rate: float = 1.0, *, hub: str | None = None, hub_config: str | None = None,
+    split: str = "train", revision: str | None = None,
 ) -> tuple[list[Record], SourceStats]:
-    """Read one source. Fails when it keeps nothing or drops more than `max_drop_rate` of
-    what it read, naming the reason and showing a dropped record."""
+    """Read one source (a local file `path`, or a Hugging Face dataset `hub`). Fails when it
+    keeps nothing or drops more than `max_drop_rate` of what it read, naming the reason and
+    showing a dropped record."""
+    if (path is None) == (hub is None):
+        raise ValueError(f"data source {name!r}: give exactly one of path or hub")
+    where = str(path) if path is not None else f"hub:{hub}[{split}]"
+    rows = read_rows(path) if path is not None else read_hub_rows(hub, hub_config, split,
+                                                                  revision)
     stats = SourceStats(source=name)
     dropped: Counter[str] = Counter()
+    notes: Counter[str] = Counter()
     records: list[Record] = []
     first_error: str | None = None
-    for lineno, row in read_rows(path):
+    for lineno, row in rows:
         if limit is not None and stats.read >= limit:
             break
         stats.read += 1
         if not isinstance(row, dict):
-            raise DataFormatError(f"{path}:{lineno}: expected a JSON object, got {row!r:.200}")
+            raise DataFormatError(f"{where}:{lineno}: expected a JSON object, got {row!r:.200}")
         try:
             row_format = detect_format(row) if fmt == "auto" else fmt
         except DataFormatError as err:  # say which of many sources (and which line) it is
-            raise DataFormatError(f"data source {name!r} ({path}:{lineno}): {err}; record: "
-                                  f"{json.dumps(row)[:300]}") from None
+            raise DataFormatError(f"data source {name!r} ({where}:{lineno}): {err}; record: "
+                                  f"{_show(row)}") from None
         try:
-            records.append(to_record(row, row_format, name))
+            records.append(to_record(row, row_format, name, notes))
         except (DataFormatError, KeyError) as err:
             if isinstance(err, KeyError):
                 err = DataFormatError(f"missing field {err}")
             dropped[str(err)] += 1
-            first_error = first_error or f"{path}:{lineno}: {err}; record: {json.dumps(row)[:300]}"
+            first_error = first_error or f"{where}:{lineno}: {err}; record: {_show(row)}"
     stats.kept = len(records)
     stats.dropped = dict(dropped)
+    stats.notes = dict(notes)
     if not records:
         raise DataFormatError(
-            f"data source {name!r} ({path}) kept 0 of {stats.read} records. "
+            f"data source {name!r} ({where}) kept 0 of {stats.read} records. "
             f"First problem: {first_error or 'the file is empty'}"
         )
     drop_rate = 1 - stats.kept / stats.read
     if drop_rate > max_drop_rate:
         reason, count = max(dropped.items(), key=lambda item: item[1])
         raise DataFormatError(
-            f"data source {name!r} ({path}) dropped {stats.read - stats.kept} of {stats.read} "
+            f"data source {name!r} ({where}) dropped {stats.read - stats.kept} of {stats.read} "
             f"records ({100 * drop_rate:.1f}% > data.max_drop_rate={max_drop_rate}); most "
             f"common reason ({count}x): {reason}. First dropped: {first_error}. Fix the data, "
             "or raise data.max_drop_rate if these records are meant to go"
         )
     return records, stats
+
+
+def _identity(message: Message) -> dict[str, Any]:
+    # The fields ids were first derived from, plus the agent fields only where present, so
+    # ids of records without tool turns stay what they were.
+    return {**message.model_dump(include={"role", "content", "reasoning"}),
+            **message.model_dump(include={"tool_calls", "tool_call_id", "name"},
+                                 exclude_none=True)}
+
+
+def _show(row: dict[str, Any]) -> str:
+    return json.dumps(row, ensure_ascii=False, default=str)[:300]

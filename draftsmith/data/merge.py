@@ -6,6 +6,7 @@ import hashlib
 import json
 import logging
 import random
+import unicodedata
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
 from draftsmith.config import MergeConfig
-from draftsmith.data.tokenize import tokenize_record
+from draftsmith.data.formats import Record
+from draftsmith.data.tokenize import check_special_tokens, tokenize_record
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.generate.stage import read_records
 from draftsmith.target import load_tokenizer
@@ -24,6 +26,8 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation")
 VOCAB_FILE = "vocab_map.safetensors"
+COVERAGE_FILE = "vocab_coverage.json"
+CHECKS_FILE = "checks.json"
 
 
 def is_validation(record_id: str, fraction: float) -> bool:
@@ -32,24 +36,85 @@ def is_validation(record_id: str, fraction: float) -> bool:
     return bucket < fraction
 
 
+def _normalised_text(record: Record) -> str:
+    """Case, whitespace and punctuation folded: near-exact copies (a re-scraped page, a trailing
+    space, "Hello!" vs "hello") get one key."""
+    parts = []
+    for m in record.messages:
+        text = "".join(ch for ch in m.content.lower() if not unicodedata.category(ch)
+                       .startswith("P"))
+        parts.append(m.role + ":" + " ".join(text.split()))
+    return "\n".join(parts)
+
+
+def deduplicate(records: list[Record], exact: bool, near: bool
+                ) -> tuple[list[Record], dict[str, dict[str, int]]]:
+    """Keep the first of each group of duplicates; counts per source of what went, and why."""
+    removed: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    seen_exact: set[str] = set()
+    seen_near: set[str] = set()
+    unique = []
+    for r in records:
+        if exact:
+            digest = hash_json([m.model_dump() for m in r.messages])
+            if digest in seen_exact:
+                removed[r.source]["exact_duplicates"] += 1
+                continue
+            seen_exact.add(digest)
+        if near:
+            digest = hashlib.sha256(_normalised_text(r).encode()).hexdigest()
+            if digest in seen_near:
+                removed[r.source]["near_duplicates"] += 1
+                continue
+            seen_near.add(digest)
+        unique.append(r)
+    return unique, removed
+
+
+def _coverage(rows: dict[str, list[dict]], t2d) -> dict[tuple[str, str], tuple[int, int]]:
+    """(source, split) -> (loss-masked tokens inside the draft vocab, loss-masked tokens)."""
+    in_vocab = t2d.tolist()
+    counts: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])
+    for split, split_rows in rows.items():
+        for row in split_rows:
+            c = counts[(row["source"], split)]
+            for token, bit in zip(row["input_ids"], row["loss_mask"], strict=True):
+                if bit:
+                    c[0] += in_vocab[token]
+                    c[1] += 1
+    return {k: (v[0], v[1]) for k, v in counts.items()}
+
+
+def _share(pairs) -> float:
+    pairs = list(pairs)
+    total = sum(t for _, t in pairs)
+    return sum(i for i, _ in pairs) / total if total else 0.0
+
+
 def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
               plan: StagePlan) -> Descriptor:
     records = read_records(generated)
-    if cfg.dedup:
-        seen: set[str] = set()
-        unique = []
-        for r in records:
-            digest = hash_json([m.model_dump() for m in r.messages])
-            if digest not in seen:
-                seen.add(digest)
-                unique.append(r)
-        log.info("merge: %d duplicates removed", len(records) - len(unique))
-        records = unique
+    read_per_source: dict[str, int] = defaultdict(int)
+    for r in records:
+        read_per_source[r.source] += 1
+    records, removed = deduplicate(records, cfg.dedup, cfg.dedup and cfg.near_dedup)
+    log.info("merge: %d exact and %d near-exact duplicates removed",
+             sum(c.get("exact_duplicates", 0) for c in removed.values()),
+             sum(c.get("near_duplicates", 0) for c in removed.values()))
     random.Random(cfg.seed).shuffle(records)
 
     tokenizer = load_tokenizer(target)
+    special = check_special_tokens(tokenizer, target.path)
+    if not special["stops_generation"]:
+        log.warning("merge: the chat template ends assistant turns with %s (id %d) but "
+                    "generation stops on ids %s: answers generated with this tokenizer may "
+                    "never end their turn", special["end_of_turn_token"],
+                    special["end_of_turn_id"], special["generation_stop_ids"])
     rows: dict[str, list[dict]] = {split: [] for split in SPLITS}
     per_source: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for name, count in read_per_source.items():
+        per_source[name]["read"] = count
+        per_source[name].update(removed.get(name, {}))
     for record in records:
         ids, mask = tokenize_record(tokenizer, record)
         source = per_source[record.source]
@@ -65,6 +130,7 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
                                                     for m in record.messages]),
                             "input_ids": ids, "loss_mask": mask})
         source[f"{split}_records"] += 1
+        source["records"] += 1
         source["tokens"] += len(ids)
         source["masked_tokens"] += sum(mask)
     if not rows["train"]:
@@ -76,27 +142,53 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
     # The model's vocab (not the tokenizer's length: configs often round it up) sizes t2d.
     model_vocab = target.figures["vocab_size"]
     d2t, t2d, coverage = build_vocab_map(masked_ids, model_vocab, cfg.draft_vocab_size)
+    covered = _coverage(rows, t2d)
+    validation_coverage = _share(v for (_, split), v in covered.items() if split == "validation")
+    stats = {}
+    for name, c in sorted(per_source.items()):
+        c = dict(c)
+        c["mean_length"] = round(c.get("tokens", 0) / c["records"], 1) if c.get("records") else 0
+        c["draft_vocab_coverage"] = round(_share(v for (s, _), v in covered.items()
+                                                 if s == name), 4)
+        stats[name] = c
+    vocab_report = {
+        "draft_vocab_size": cfg.draft_vocab_size, "target_vocab_size": model_vocab,
+        "train_masked_tokens": sum(t for (_, sp), (_, t) in covered.items() if sp == "train"),
+        "coverage_train": round(coverage, 6),
+        "validation_masked_tokens": sum(t for (_, sp), (_, t) in covered.items()
+                                        if sp == "validation"),
+        "coverage_validation": round(validation_coverage, 6),
+        "coverage_per_source": {name: c["draft_vocab_coverage"] for name, c in stats.items()},
+    }
 
     with stage_output(plan) as out:
         for split in SPLITS:
             pq.write_table(pa.Table.from_pylist(rows[split]), out / f"{split}.parquet")
         save_file({"d2t": d2t, "t2d": t2d}, str(out / VOCAB_FILE))
-        stats = {s: dict(c) for s, c in per_source.items()}
         (out / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
-    for name, c in sorted(per_source.items()):
-        log.info("merge: source %s: %s", name, dict(c))
-    log.info("merge: draft vocab %d of %d ids covers %.1f%% of assistant tokens",
-             cfg.draft_vocab_size, model_vocab, 100 * coverage)
+        (out / COVERAGE_FILE).write_text(json.dumps(vocab_report, indent=2))
+        (out / CHECKS_FILE).write_text(json.dumps({"special_tokens": special}, indent=2))
+    for name, c in stats.items():
+        log.info("merge: source %s: %s", name, c)
+    log.info("merge: draft vocab %d of %d ids covers %.1f%% of train and %.1f%% of validation "
+             "assistant tokens", cfg.draft_vocab_size, model_vocab, 100 * coverage,
+             100 * validation_coverage)
     return finish_stage(
         plan,
         counts={
             "train_records": len(rows["train"]),
             "validation_records": len(rows["validation"]),
             "train_tokens": sum(len(r["input_ids"]) for r in rows["train"]),
+            "validation_tokens": sum(len(r["input_ids"]) for r in rows["validation"]),
             "train_masked_tokens": sum(sum(r["loss_mask"]) for r in rows["train"]),
+            "truncated": sum(c.get("truncated", 0) for c in stats.values()),
+            "exact_duplicates": sum(c.get("exact_duplicates", 0) for c in stats.values()),
+            "near_duplicates": sum(c.get("near_duplicates", 0) for c in stats.values()),
         },
         figures={"draft_vocab_coverage": round(coverage, 4),
-                 "draft_vocab_size": cfg.draft_vocab_size},
+                 "draft_vocab_coverage_validation": round(validation_coverage, 4),
+                 "draft_vocab_size": cfg.draft_vocab_size,
+                 "end_of_turn_token": special["end_of_turn_token"]},
     )
 
 

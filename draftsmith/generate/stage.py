@@ -6,17 +6,33 @@ by the target itself (and with `regenerate: all`, every record's last answer is 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import json
 import logging
+import shutil
+from pathlib import Path
 
-from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, stage_output
-from draftsmith.config import DataConfig, GenerateConfig, TargetConfig
+from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
+from draftsmith.config import DataConfig, DataSource, GenerateConfig, TargetConfig
 from draftsmith.data.formats import Message, Record, SourceStats, load_source
+from draftsmith.generate.openai_client import (
+    ERRORS_FILE,
+    Answer,
+    GenerateError,
+    Journal,
+    OpenAIRegenerator,
+    Request,
+    RunTotals,
+    cost_usd,
+    resolve_api_key,
+)
 from draftsmith.progress import Progress
 
 log = logging.getLogger(__name__)
 
 RECORDS_FILE = "records.jsonl"
+GENERATION_FILE = "generation.json"
 
 
 def _prompt_part(record: Record, mode: str) -> list[Message] | None:
@@ -30,61 +46,204 @@ def _prompt_part(record: Record, mode: str) -> list[Message] | None:
     return None
 
 
+def journal_dir(plan: StagePlan) -> Path:
+    """Beside the stage directory, not in it: a retry clears the stage directory, and the
+    answers of a 55-hour run must survive that."""
+    return plan.dir.parent / f"{plan.key}.journal"
+
+
+def load_data_source(source: DataSource, max_drop_rate: float) -> tuple[list[Record], SourceStats]:
+    return load_source(source.name, source.path, source.format, source.limit, max_drop_rate,
+                       hub=source.hub, hub_config=source.hub_config, split=source.split,
+                       revision=source.revision)
+
+
+def _run_async(coro):
+    """asyncio.run, also from a thread that already runs an event loop (some task runners)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
+def _wire_messages(prompt: list[Message]) -> list[dict]:
+    # Earlier turns' reasoning is not part of what the target is shown again.
+    return [m.model_dump(exclude_none=True, exclude={"reasoning"}) for m in prompt]
+
+
+def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
+                              requests: list[Request], journal: Journal) -> RunTotals:
+    from draftsmith.generate.transformers_backend import TransformersGenerator
+    from draftsmith.target import load_target_model, load_tokenizer
+
+    generator = TransformersGenerator(
+        load_target_model(target.path, target_cfg.device, target_cfg.dtype),
+        load_tokenizer(target),
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
+        top_p=cfg.top_p, seed=cfg.seed,
+    )
+    totals = RunTotals()
+    # Similar lengths per batch keep left-padding waste small.
+    ordered = sorted(requests, key=lambda r: r.prompt_tokens)
+    progress = Progress("generate", total=len(ordered), unit="request")
+    for start in range(0, len(ordered), cfg.batch_size):
+        batch = ordered[start:start + cfg.batch_size]
+        completions = generator.complete(
+            [[{"role": m["role"], "content": m["content"]} for m in r.messages] for r in batch])
+        for request, completion in zip(batch, completions, strict=True):
+            journal.add_answer(Answer(
+                key=request.key, record_id=request.record_id, content=completion.text,
+                reasoning=None, prompt_tokens=request.prompt_tokens,
+                completion_tokens=completion.completion_tokens,
+                finish_reason=completion.finish_reason))
+            totals.answered += 1
+            totals.prompt_tokens += request.prompt_tokens
+            totals.completion_tokens += completion.completion_tokens
+        progress.update(len(batch), tokens=totals.completion_tokens)
+    progress.close()
+    return totals
+
+
 def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
-                 target: Descriptor, plan: StagePlan) -> Descriptor:
+                 target: Descriptor, plan: StagePlan, *, api_key: str | None = None,
+                 backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0) -> Descriptor:
+    """api_key: a Prefect Secret's value, passed by the task layer (never logged or written);
+    without it the key comes from generate.endpoint.api_key_env, if set."""
     records: list[Record] = []
     stats: list[SourceStats] = []
     for source in data.sources:
-        source_records, source_stats = load_source(source.name, source.path, source.format,
-                                                   source.limit, data.max_drop_rate)
-        log.info("source %s: read %d, kept %d, dropped %s", source.name, source_stats.read,
-                 source_stats.kept, source_stats.dropped or "none")
+        source_records, source_stats = load_data_source(source, data.max_drop_rate)
+        log.info("source %s: read %d, kept %d, dropped %s%s", source.name, source_stats.read,
+                 source_stats.kept, source_stats.dropped or "none",
+                 f", notes {source_stats.notes}" if source_stats.notes else "")
         records += source_records
         stats.append(source_stats)
 
     todo = [(i, prompt) for i, r in enumerate(records)
             if (prompt := _prompt_part(r, cfg.regenerate)) is not None]
-    if todo and cfg.backend != "transformers":
-        raise NotImplementedError(
-            f"generate.backend={cfg.backend!r} is not available yet; use 'transformers' "
-            "(in-process) for now"
-        )
-    completion_tokens = stopped = 0
-    with stage_output(plan) as out:
-        if todo:
-            from draftsmith.generate.transformers_backend import TransformersGenerator
-            from draftsmith.target import load_target_model, load_tokenizer
+    journal = Journal(journal_dir(plan))
+    requests: list[Request] = []
+    request_for: dict[int, Request] = {}  # record index -> its request
+    if todo:
+        from draftsmith.target import load_tokenizer
 
-            generator = TransformersGenerator(
-                load_target_model(target.path, target_cfg.device, target_cfg.dtype),
-                load_tokenizer(target),
-                max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-                top_p=cfg.top_p, seed=cfg.seed,
-            )
-            # Similar lengths per batch keep left-padding waste small.
-            todo.sort(key=lambda item: sum(len(m.content) for m in item[1]))
-            progress = Progress("generate", total=len(todo), unit="request")
-            for start in range(0, len(todo), cfg.batch_size):
-                batch = todo[start:start + cfg.batch_size]
-                answers = generator.complete(
-                    [[m.model_dump(include={"role", "content"}) for m in p] for _, p in batch]
-                )
-                for (index, prompt), answer in zip(batch, answers, strict=True):
-                    records[index] = records[index].model_copy(update={"messages": [
-                        *prompt, Message(role="assistant", content=answer.text)]})
-                    completion_tokens += answer.completion_tokens
-                    stopped += answer.finish_reason == "stop"
-                progress.update(len(batch), tokens=completion_tokens)
-            progress.close()
+        tokenizer = load_tokenizer(target)
+        for index, prompt in todo:
+            wire = _wire_messages(prompt)
+            try:
+                prompt_tokens = len(tokenizer.apply_chat_template(
+                    wire, add_generation_prompt=True, tokenize=True, return_dict=False))
+            except Exception as err:  # jinja raises what the template's author chose
+                raise GenerateError(
+                    f"record {records[index].id} ({records[index].source}): the target's chat "
+                    f"template cannot render its prompt: {type(err).__name__}: {err}") from None
+            request_for[index] = Request(
+                key=hash_json([records[index].id, wire])[:24], record_id=records[index].id,
+                messages=wire, prompt_tokens=prompt_tokens)
+        requests = list(request_for.values())
+    done_before = journal.answers()
+    # Records repeated with the same id and prompt share one request (and its answer).
+    missing = list({r.key: r for r in requests if r.key not in done_before}.values())
+    answered_before = len({r.key for r in requests} & done_before.keys())
+    if done_before:
+        log.info("generate: resuming: %d of %d prompts already answered (journal %s), %d to go",
+                 answered_before, len(requests), journal.dir, len(missing))
+    totals = RunTotals()
+    if missing and cfg.backend == "openai":
+        assert cfg.endpoint is not None  # the config refuses openai without an endpoint
+        regenerator = OpenAIRegenerator(
+            cfg.endpoint, journal, api_key=resolve_api_key(cfg.endpoint, api_key),
+            temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+            backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
+        log.info("generate: %d requests to %s (model %s), partitions %s", len(missing),
+                 regenerator.url, cfg.endpoint.model,
+                 [p.model_dump() for p in cfg.endpoint.partitions])
+        totals = _run_async(regenerator.run(missing))
+    elif missing:
+        journal.start_attempt()
+        totals = _answer_with_transformers(cfg, target_cfg, target, missing, journal)
+
+    answers = journal.answers()
+    failures = {f.key: f for f in journal.failures()}
+    unanswered = [r for r in requests if r.key not in answers]
+    if unanswered and len(unanswered) > cfg.max_failure_rate * len(requests):
+        first = failures.get(unanswered[0].key)
+        raise GenerateError(
+            f"generate: {len(unanswered)} of {len(requests)} requests failed after every retry "
+            f"(more than generate.max_failure_rate={cfg.max_failure_rate}); first: "
+            f"{unanswered[0].record_id}: {first.error if first else 'no answer'}. Errors: "
+            f"{journal.errors_path}. The {len(answers)} answers so far are kept in "
+            f"{journal.dir}; running the stage again asks only for the missing ones")
+
+    kept: list[Record] = []
+    answered_keys = set()
+    for index, record in enumerate(records):
+        request = request_for.get(index)
+        if request is None:
+            kept.append(record)
+            continue
+        answer = answers.get(request.key)
+        if answer is None:
+            continue  # failed: in errors.jsonl, never written as data
+        answered_keys.add(request.key)
+        prompt = _prompt_part(record, cfg.regenerate)
+        kept.append(record.model_copy(update={"messages": [
+            *prompt, Message(role="assistant", content=answer.content,
+                             reasoning=answer.reasoning)]}))
+    used = [answers[k] for k in answered_keys]
+    prompt_tokens = sum(a.prompt_tokens for a in used)
+    completion_tokens = sum(a.completion_tokens for a in used)
+    with_reasoning = sum(a.reasoning is not None for a in used)
+    finished = sum(a.finish_reason == "stop" for a in used)
+    cost = cost_usd(cfg.endpoint, prompt_tokens, completion_tokens) if cfg.endpoint else None
+    summary = {
+        "backend": cfg.backend,
+        "requests": len(requests),
+        "answered": len(used),
+        "answered_this_attempt": totals.answered,
+        "answered_before": answered_before,
+        "failed": len(unanswered),
+        "retries_this_attempt": totals.retries,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "mean_completion_tokens": round(completion_tokens / len(used), 1) if used else 0.0,
+        "finished_turns": finished,
+        "with_reasoning": with_reasoning,
+        "seconds_this_attempt": round(totals.seconds, 2),
+        "requests_per_s": round(totals.answered / totals.seconds, 3) if totals.seconds else None,
+        "tokens_per_s": (round(totals.completion_tokens / totals.seconds, 1)
+                         if totals.seconds else None),
+        "cost_usd": round(cost, 6) if cost is not None else None,
+        "per_partition": totals.per_partition,
+    }
+    with stage_output(plan) as out:
         with open(out / RECORDS_FILE, "w") as f:
-            for record in records:
+            for record in kept:
                 f.write(record.model_dump_json(exclude_none=True) + "\n")
         (out / "stats.json").write_text(json.dumps([s.model_dump() for s in stats], indent=2))
-    log.info("generate: %d records, %d answered by the target (%d completion tokens, %d ended "
-             "their turn)", len(records), len(todo), completion_tokens, stopped)
-    return finish_stage(plan, counts={"records": len(records), "generated": len(todo),
-                                      "completion_tokens": completion_tokens,
-                                      "finished_turns": stopped})
+        (out / GENERATION_FILE).write_text(json.dumps(summary, indent=2))
+        if unanswered:
+            shutil.copy(journal.errors_path, out / ERRORS_FILE)
+    log.info("generate: %d records, %d answered by the target (%d this attempt, %d from the "
+             "journal), %d failed, %d prompt + %d completion tokens (mean completion %.1f), %d "
+             "ended their turn, %d carried reasoning%s", len(kept), len(used), totals.answered,
+             answered_before, len(unanswered), prompt_tokens, completion_tokens,
+             summary["mean_completion_tokens"], finished, with_reasoning,
+             f", cost ${cost:.4f}" if cost is not None else "")
+    descriptor = finish_stage(
+        plan,
+        counts={"records": len(kept), "generated": len(used), "failed": len(unanswered),
+                "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                "finished_turns": finished, "with_reasoning": with_reasoning},
+        figures={"backend": cfg.backend, "cost_usd": summary["cost_usd"],
+                 "tokens_per_s": summary["tokens_per_s"],
+                 "requests_per_s": summary["requests_per_s"]},
+    )
+    # Everything the journal held is in the finished directory now.
+    shutil.rmtree(journal.dir, ignore_errors=True)
+    return descriptor
 
 
 def read_records(generated: Descriptor) -> list[Record]:
