@@ -30,7 +30,8 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
     if stage == "extract":
         return {"extract": config.extract.model_dump(), "target_dtype": dtype}
     if stage == "train":
-        return {"train": config.train.model_dump(exclude={"device", "log_every"})}
+        return {"train": config.train.model_dump(
+            exclude={"device", "log_every", "checkpoint_every"})}
     if stage == "fix_keys":
         return {"fix_keys": config.fix_keys.model_dump(),
                 "context_length": config.target.context_length}

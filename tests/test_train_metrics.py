@@ -169,7 +169,7 @@ def test_row_loss_mask_hand_count(random_target_dir):
     drafter, V, H = tiny_drafter(random_target_dir, 512, list(range(512)))  # full vocab
     row = tiny_row(7, V, H, docs=[0, 0, 0, 0, 1, 1, 1], loss_mask=[1, 1, 0, 1, 1, 0, 1])
     head = torch.randn(V, H)
-    loss, counts = row_loss(drafter, row, head, steps=3, step_weight_decay=0.8, device="cpu")
+    loss, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
     # step j, anchor t counts when token t+j+2 exists, is loss-masked and is in t's document:
     # j=0: t=1 (token 3, doc 0), t=4 (token 6, doc 1); t=0 -> token 2 unmasked; t=2,3 -> doc 1
     # j=1: t=0 (token 3); t=1,2,3 -> tokens 4,5,6 are in doc 1
@@ -245,7 +245,7 @@ def test_row_loss_matches_a_position_by_position_reference(random_target_dir):
     target_argmax = (row.final @ head.T).argmax(-1)
     assert torch.equal(target_argmax[2::2], guess[1][0:T - 2:2])
     assert torch.equal(target_argmax[1::4], guess[0][0:T - 1:4])
-    loss, counts = row_loss(drafter, row, head, steps=3, step_weight_decay=0.8, device="cpu")
+    loss, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
     ref_loss, positions, with_loss, correct, prefix = reference_row_loss(drafter, row, head, 3,
                                                                          0.8)
     assert counts.positions.tolist() == positions

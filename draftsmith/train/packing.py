@@ -55,3 +55,22 @@ def concat_row(samples: list[Sample], row_tokens: int) -> PackedRow:
         position_ids=torch.cat([torch.arange(n) for _, n in parts]),  # [T]
         document_ids=torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(parts)]),  # [T]
     )
+
+
+def pad_row(row: PackedRow, length: int) -> PackedRow:
+    """Pad a row to `length` tokens so every row has one shape (compiled kernels are built
+    once). Padding is its own document (id -1) with no loss, so it changes no real token's
+    attention, loss or metric."""
+    n = length - row.num_tokens
+    if n < 0:
+        raise ValueError(f"row of {row.num_tokens} tokens is longer than the pad length {length}")
+    if n == 0:
+        return row
+    return PackedRow(
+        input_ids=torch.cat([row.input_ids, row.input_ids.new_zeros(n)]),  # [L]
+        loss_mask=torch.cat([row.loss_mask, row.loss_mask.new_zeros(n)]),  # [L]
+        aux=torch.cat([row.aux, row.aux.new_zeros(n, row.aux.shape[1])]),  # [L, K*H]
+        final=torch.cat([row.final, row.final.new_zeros(n, row.final.shape[1])]),  # [L, H]
+        position_ids=torch.cat([row.position_ids, row.position_ids.new_zeros(n)]),  # [L]
+        document_ids=torch.cat([row.document_ids, row.document_ids.new_full((n,), -1)]),  # [L]
+    )
