@@ -181,12 +181,21 @@ class Eagle3Drafter(nn.Module):
 
     @property
     def layer_fn(self):
-        return self.__dict__.get("_compiled_layer") or self.midlayer
+        compiled = self.__dict__.get("_compiled_layer")
+        return self.midlayer if compiled is None else compiled
 
     def compile_layer(self, enabled: bool = True) -> None:
         """torch.compile the decoder layer (fuses norms, RoPE, SiLU-mul and flex attention).
         Kept outside the module tree so state_dict names stay SGLang's."""
         if enabled:
+            # One graph per TTT step (the keys grow by T each step), for training and for
+            # no-grad validation: 2 x 16 steps at most, above dynamo's default limit of 8.
+            import torch._dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config,
+                                                                        name)))
             self.__dict__["_compiled_layer"] = torch.compile(self.midlayer, dynamic=False)
         else:
             self.__dict__.pop("_compiled_layer", None)

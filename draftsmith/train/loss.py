@@ -32,17 +32,18 @@ class TargetHead:
 
     @torch.no_grad()
     def targets(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """final [T, H] (after the target's final norm) -> p [T, D] (float32) and the target's
-        argmax as a draft id [T] (int64), -1 where the argmax is outside the draft vocab."""
+        """final [T, H] (after the target's final norm) -> p [T, D] (in the head's dtype: bf16
+        halves the largest tensor of the step; the loss renormalises each row in float32) and
+        the target's argmax as a draft id [T] (int64), -1 where it is outside the draft vocab."""
         final = final.to(self.draft_rows.device, self.draft_rows.dtype)  # [T, H]
         probs, argmax = [], []
         for part in final.split(self.chunk_tokens):
             logits = (part @ self.draft_rows.T).float()  # [c, D]
             best, best_id = logits.max(-1)  # [c]
             if self.other_rows.shape[0]:
-                other_best = (part @ self.other_rows.T).float().amax(-1)  # [c]
+                other_best = (part @ self.other_rows.T).amax(-1).float()  # [c]
                 best_id = torch.where(best >= other_best, best_id, -1)  # [c]
-            probs.append(logits.softmax(-1))  # [c, D]
+            probs.append(logits.softmax(-1).to(self.draft_rows.dtype))  # [c, D]
             argmax.append(best_id)
         return torch.cat(probs), torch.cat(argmax)  # [T, D], [T]
 
@@ -63,6 +64,7 @@ class _LinearSoftCE(torch.autograd.Function):
             logits = (xc @ weight.T).float()  # [c, D]
             lse = logits.logsumexp(-1, keepdim=True)  # [c, 1]
             pc = probs[start:start + chunk].float()  # [c, D]
+            pc = pc / pc.sum(-1, keepdim=True).clamp(min=1e-30)  # exact sum 1 after bf16
             ce_all.append(lse[:, 0] - (pc * logits).sum(-1))  # [c]  (sum p = 1)
             argmax_all.append(logits.argmax(-1))  # [c]
             if grad_x is not None or grad_w is not None:
