@@ -37,8 +37,8 @@ import torch
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.optim import MasterWeightAdamW
-from draftsmith.train.packing import PackedRow
-from draftsmith.train.trainer import row_loss
+from draftsmith.train.packing import PackedRow, RowPrefetcher
+from draftsmith.train.trainer import row_loss_on_device
 
 PEAK_FLOPS = 989.4e12  # H200 SXM, dense bf16
 
@@ -108,7 +108,7 @@ class Setup:
                 p.data = p.data.bfloat16()
         drafter.to(device)
         drafter.compile_layer(compiled)
-        self.drafter, self.compiled = drafter, compiled
+        self.drafter, self.compiled, self.profiled = drafter, compiled, False
         self.target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), torch.bfloat16,
                                       device)
         T = args.tokens
@@ -137,12 +137,20 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
     optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0)
     weights = [0.8**j for j in range(steps)]
 
-    def one_step() -> float:
-        loss, _ = row_loss(drafter, row, setup.target_head, steps, weights, device,
-                           args.attention)
+    prefetcher = RowPrefetcher(torch.device(device))
+    pending = [prefetcher.start(row)]
+
+    def one_step() -> torch.Tensor:
+        # As the trainer does: this row was copied during the previous step, the next one is
+        # copied now; the counts are read (one sync) after the optimiser step.
+        on_device = prefetcher.wait(pending.pop())
+        pending.append(prefetcher.start(row))
+        loss, counts = row_loss_on_device(drafter, on_device, setup.target_head, steps, weights,
+                                          device, args.attention)
         loss.backward()
         optimizer.step(1.0)
-        return loss.item()
+        counts.cpu()
+        return loss.detach()
 
     gc.collect()
     if device == "cuda":
@@ -168,8 +176,22 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
         if device == "cuda" else None,
         "trainable_parameters_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
         "gflops_per_row": {k: round(v / 1e9, 1) for k, v in flops.items()},
-        "warmup_s": round(warmup_s, 1), "loss_first_last": [losses[0], losses[-1]],
+        "warmup_s": round(warmup_s, 1),
+        "loss_first_last": [losses[0].item(), losses[-1].item()],
     }
+    if args.profile and not setup.profiled:
+        setup.profiled = True
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda"
+                                               else [])
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                one_step()
+            synchronize()
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+        args.profile.write_text(f"{steps=} {lm_head=}, 2 steps\n{table}\n")
     for p in drafter.parameters():
         p.grad = None
     return result
@@ -191,6 +213,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
     parser.add_argument("--small", action="store_true", help="tiny shape, to check the script")
+    parser.add_argument("--profile", type=Path,
+                        help="write a torch.profiler table of 2 steps of the first setting")
     parser.add_argument("--out", type=Path, help="append each result as a JSON line here")
     args = parser.parse_args()
 

@@ -48,6 +48,19 @@ class TargetHead:
         return torch.cat(probs), torch.cat(argmax)  # [T, D], [T]
 
 
+def _chunk_ce(logits: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor,
+              grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk: logits [c, D], probs [c, D], weights [c] -> CE [c] (float32), argmax [c]
+    and d(sum w*CE)/d(logits) [c, D] in grad_dtype."""
+    logits = logits.float()  # [c, D]
+    p = probs.float()  # [c, D]
+    p = p / p.sum(-1, keepdim=True).clamp(min=1e-30)  # exact sum 1 after bf16 storage
+    lse = logits.logsumexp(-1, keepdim=True)  # [c, 1]
+    ce = lse[:, 0] - (p * logits).sum(-1)  # [c]  (sum p = 1)
+    grad = (logits - lse).exp_().sub_(p).mul_(weights[:, None])  # [c, D]
+    return ce, logits.argmax(-1), grad.to(grad_dtype)
+
+
 class _LinearSoftCE(torch.autograd.Function):
     """sum_t w_t * CE(p_t, softmax(x_t W^T)) with gradients computed in the forward pass."""
 
@@ -61,19 +74,14 @@ class _LinearSoftCE(torch.autograd.Function):
         ce_all, argmax_all = [], []
         for start in range(0, x.shape[0], chunk):
             xc = x[start:start + chunk]  # [c, H]
-            logits = (xc @ weight.T).float()  # [c, D]
-            lse = logits.logsumexp(-1, keepdim=True)  # [c, 1]
-            pc = probs[start:start + chunk].float()  # [c, D]
-            pc = pc / pc.sum(-1, keepdim=True).clamp(min=1e-30)  # exact sum 1 after bf16
-            ce_all.append(lse[:, 0] - (pc * logits).sum(-1))  # [c]  (sum p = 1)
-            argmax_all.append(logits.argmax(-1))  # [c]
-            if grad_x is not None or grad_w is not None:
-                wc = weights[start:start + chunk, None]  # [c, 1]
-                grad_logits = ((logits - lse).exp_() - pc).mul_(wc).to(x.dtype)  # [c, D]
-                if grad_x is not None:
-                    grad_x[start:start + chunk] = grad_logits @ weight  # [c, H]
-                if grad_w is not None:
-                    grad_w.add_(grad_logits.T @ xc)  # [D, H] accumulated in float32
+            ce, argmax, grad_logits = _chunk_ce(xc @ weight.T, probs[start:start + chunk],
+                                               weights[start:start + chunk], x.dtype)
+            ce_all.append(ce)  # [c]
+            argmax_all.append(argmax)  # [c]
+            if grad_x is not None:
+                grad_x[start:start + chunk] = grad_logits @ weight  # [c, H]
+            if grad_w is not None:
+                grad_w.add_(grad_logits.T @ xc)  # [D, H] accumulated in float32
         ce = torch.cat(ce_all)  # [T]
         loss = (ce * weights).sum()
         ctx.save_for_backward(grad_x, grad_w)

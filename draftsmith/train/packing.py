@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -21,6 +21,35 @@ class PackedRow:
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
+
+    def map(self, fn) -> PackedRow:
+        return PackedRow(*(fn(getattr(self, f.name)) for f in fields(self)))
+
+
+class RowPrefetcher:
+    """Copies the next row to the GPU on a side stream (from pinned memory) while the current
+    row trains, so the host-to-device copy (~270 MB for an 8192-token row of an 8B-shaped
+    target) is not on the critical path. On a CPU it hands rows through."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def start(self, row: PackedRow | None) -> PackedRow | None:
+        if row is None or self.stream is None:
+            return row
+        pinned = row.map(lambda t: t.pin_memory())
+        with torch.cuda.stream(self.stream):
+            return pinned.map(lambda t: t.to(self.device, non_blocking=True))
+
+    def wait(self, row: PackedRow | None) -> PackedRow | None:
+        if row is None or self.stream is None:
+            return row
+        current = torch.cuda.current_stream(self.device)
+        current.wait_stream(self.stream)
+        for f in fields(row):  # the tensors are used on the compute stream from here on
+            getattr(row, f.name).record_stream(current)
+        return row
 
 
 def plan_rows(samples: list[Sample], row_tokens: int) -> list[list[Sample]]:

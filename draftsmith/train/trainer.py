@@ -35,7 +35,7 @@ from draftsmith.train.distributed import Dist
 from draftsmith.train.loss import TargetHead, fused_linear_soft_ce
 from draftsmith.train.metrics import StepCounts
 from draftsmith.train.optim import MasterWeightAdamW, lr_factor
-from draftsmith.train.packing import PackedRow, concat_row, pad_row, plan_rows
+from draftsmith.train.packing import PackedRow, RowPrefetcher, concat_row, pad_row, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +58,17 @@ def row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead | torch.Te
 
     step_weights: per-step loss weights, or a float d meaning d**j. aux_noise_std: Gaussian
     noise on the aux inputs (std relative to each position's RMS), seeded by noise_seed."""
+    loss, counts = row_loss_on_device(drafter, row, head, steps, step_weights, device,
+                                      attention, aux_noise_std, noise_seed, chunk_tokens)
+    return loss, StepCounts.from_tensor(counts)
+
+
+def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead | torch.Tensor,
+                       steps: int, step_weights: float | list[float], device: str,
+                       attention: str = "sdpa", aux_noise_std: float = 0.0, noise_seed: int = 0,
+                       chunk_tokens: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+    """row_loss with the counts left on the device ([5, steps], StepCounts.as_tensor's
+    layout): reading them forces a sync, which the trainer leaves until after the step."""
     if isinstance(step_weights, float | int):
         step_weights = [float(step_weights) ** j for j in range(steps)]
     if isinstance(head, torch.Tensor):
@@ -100,8 +111,7 @@ def row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead | torch.Te
             (ce.double() * with_loss).sum(), n_loss.double(), mask.sum().double(),
             (mask & chain_right).sum().double(), (mask & prefix_right).sum().double(),
         ]))  # [5]
-    counts = StepCounts.from_tensor(torch.stack(rows, dim=1).cpu())  # one sync per row
-    return total, counts
+    return total, torch.stack(rows, dim=1)  # [5, steps]
 
 
 # --------------------------------------------------------------------------- set-up
@@ -267,14 +277,24 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
                 for p in drafter.parameters():
                     p.grad = None
 
-    def train_row(row: PackedRow | None, noise_seed: int) -> tuple[StepCounts, int]:
+    def train_row(row: PackedRow | None, noise_seed: int) -> torch.Tensor:
         if row is None:  # this rank has no row in the epoch's last step
-            return StepCounts(cfg.ttt_steps), 0
-        padded = pad_row(row, pad_to) if pad_to else row
-        loss, counts = row_loss(drafter, padded, target_head, cfg.ttt_steps, weights, device,
-                                runtime.attention, cfg.aux_noise_std, noise_seed)
+            return StepCounts(cfg.ttt_steps).as_tensor()
+        loss, counts = row_loss_on_device(drafter, row, target_head, cfg.ttt_steps, weights,
+                                          device, runtime.attention, cfg.aux_noise_std,
+                                          noise_seed)
         loss.backward()
-        return counts, row.num_tokens
+        return counts
+
+    def cpu_row(epoch: int, step_in_epoch: int) -> tuple[PackedRow | None, int]:
+        """This rank's row of a step (padded where shapes must be static), its real tokens."""
+        index = step_in_epoch * dist.world + dist.rank
+        if step_in_epoch >= steps_per_epoch[epoch] or index >= len(plans[epoch]):
+            return None, 0
+        row = concat_row(plans[epoch][index], cfg.batch_tokens)
+        return (pad_row(row, pad_to) if pad_to else row), row.num_tokens
+
+    prefetcher = RowPrefetcher(device)
 
     history: list[dict] = state["history"]
     metrics_file = open(out / METRICS_FILE, "w", buffering=1) if dist.is_main else None  # noqa: SIM115
@@ -301,12 +321,16 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     try:
         for epoch in range(state["epoch"], cfg.epochs):
             plan = plans[epoch]
+            cpu_next, tokens_next = cpu_row(epoch, state["step_in_epoch"])
+            pending = prefetcher.start(cpu_next)
             while state["step_in_epoch"] < steps_per_epoch[epoch] and state["step"] < total_steps:
                 index = state["step_in_epoch"] * dist.world + dist.rank
-                row = concat_row(plan[index], cfg.batch_tokens) if index < len(plan) else None
+                row, tokens = prefetcher.wait(pending), tokens_next
+                cpu_next, tokens_next = cpu_row(epoch, state["step_in_epoch"] + 1)
+                pending = prefetcher.start(cpu_next)  # copies while this row trains
                 rows_in_step = min(dist.world, len(plan) - state["step_in_epoch"] * dist.world)
                 noise_seed = (cfg.seed * 1_000_003 + epoch) * 10_000_019 + index
-                counts, tokens = guarded(lambda row=row, s=noise_seed: train_row(row, s))
+                counts = guarded(lambda row=row, s=noise_seed: train_row(row, s))
                 if row is not None:
                     trained.append([epoch, index])
                 dist.average_gradients(trainable, rows_in_step)
@@ -315,7 +339,7 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
                 state["step_in_epoch"] += 1
                 state["step"] += 1
                 step = state["step"]
-                window.add(counts)
+                window.add(StepCounts.from_tensor(counts))  # the step's one sync
                 window_tokens += tokens
                 progress.update(1)
                 if step == 1 or step % cfg.log_every == 0 or step == total_steps:
@@ -355,7 +379,10 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
                 and h["epoch"] == state["best_epoch"])
     return {"steps": state["step"], "best_epoch": state["best_epoch"], "best": best,
             "history": history, "rows_trained": dist.gather_objects(trained),
-            "rows_per_epoch": [len(p) for p in plans]}
+            "rows_per_epoch": [len(p) for p in plans],
+            # Equal on every rank when gradients were averaged right.
+            "weight_sums": dist.gather_objects(
+                sum(p.detach().double().sum().item() for p in trainable))}
 
 
 def epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist, device, state,
