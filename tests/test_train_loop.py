@@ -192,3 +192,27 @@ def test_torchrun_failure_kills_the_group_and_names_the_cause(inputs, tmp_path):
                      on_start=started.append)
     with pytest.raises(ProcessLookupError):
         os.killpg(started[0].pid, 0)  # no process of the group is left
+
+
+def test_a_failing_compiled_path_falls_back_with_a_warning(inputs, tmp_path, monkeypatch,
+                                                           caplog):
+    """As on a GPU whose Triton build fails to compile the kernels (the seeds' Blackwell
+    shared-memory error): the run warns, drops to the eager layer and finishes."""
+    from draftsmith.model.eagle3 import Eagle3Drafter
+
+    def compile_that_fails(self, enabled=True):
+        def broken(*args, **kwargs):
+            raise RuntimeError("No valid triton configs. OutOfResources: out of resource: "
+                               "shared memory, Required: 262144, Hardware limit: 232448")
+        if enabled:
+            self.__dict__["_compiled_layer"] = broken
+        else:
+            self.__dict__.pop("_compiled_layer", None)
+
+    monkeypatch.setattr(Eagle3Drafter, "compile_layer", compile_that_fails)
+    monkeypatch.setattr(trainer, "compile_enabled", lambda cfg, device: True)
+    caplog.set_level("WARNING", logger="draftsmith")
+    descriptor = train(inputs, tmp_path, small_cfg(epochs=1))
+    assert "compiled path failed (RuntimeError: No valid triton configs" in caplog.text
+    assert "falling back to eager decoder layer" in caplog.text
+    assert descriptor.figures["tau"] >= 1.0

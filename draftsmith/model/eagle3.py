@@ -18,7 +18,6 @@ that hold allowed pairs are computed and no dense mask exists (compiled on CUDA)
 
 from __future__ import annotations
 
-import logging
 import math
 
 import torch
@@ -32,8 +31,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
-
-log = logging.getLogger(__name__)
 
 
 class Eagle3Config(BaseModel):

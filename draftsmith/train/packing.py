@@ -53,19 +53,33 @@ class RowPrefetcher:
 
 
 def plan_rows(samples: list[Sample], row_tokens: int) -> list[list[Sample]]:
-    """First-fit in the given order: which samples share each row (no tensors are copied)."""
+    """First-fit in the given order: which samples share each row (no tensors are copied).
+
+    Each sample goes to the first row with room for it, found in O(log rows) with a max-tree
+    over the rows' free space (a linear scan is hours for millions of samples)."""
+    size = 1
+    while size < max(1, len(samples)):
+        size *= 2
+    free = [0] * (2 * size)  # free[size + i]: room left in row i; inner nodes: max of children
     rows: list[list[Sample]] = []
-    used: list[int] = []
     for sample in samples:
         n = min(len(sample.input_ids), row_tokens)
-        for i, u in enumerate(used):
-            if u + n <= row_tokens:
-                rows[i].append(sample)
-                used[i] += n
-                break
+        if free[1] >= n:
+            node = 1
+            while node < size:  # leftmost leaf with room
+                node = 2 * node if free[2 * node] >= n else 2 * node + 1
+            row = node - size
         else:
-            rows.append([sample])
-            used.append(n)
+            row = len(rows)
+            rows.append([])
+            node = size + row
+            free[node] = row_tokens
+        rows[row].append(sample)
+        free[node] -= n
+        node //= 2
+        while node:
+            free[node] = max(free[2 * node], free[2 * node + 1])
+            node //= 2
     return rows
 
 

@@ -117,6 +117,11 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
 # --------------------------------------------------------------------------- set-up
 
 
+def compile_enabled(cfg: TrainConfig, device: torch.device) -> bool:
+    """torch.compile pays off on CUDA; on a CPU compiling costs more than it saves here."""
+    return cfg.compile and device.type == "cuda"
+
+
 def resolve_attention(cfg: TrainConfig) -> str:
     if cfg.attention != "auto":
         return cfg.attention
@@ -164,6 +169,8 @@ class Runtime:
     compiled: bool
 
     def fallback(self, drafter: Eagle3Drafter, err: BaseException) -> bool:
+        if isinstance(err, torch.OutOfMemoryError):  # not a compiler problem: report it
+            return False
         if self.compiled:
             rung = "eager decoder layer with compiled flex attention" \
                 if self.attention == "flex" else "eager decoder layer"
@@ -223,7 +230,7 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     drafter.to(device)
     target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), dtype, device)
     del head
-    runtime = Runtime(resolve_attention(cfg), cfg.compile and device.type == "cuda")
+    runtime = Runtime(resolve_attention(cfg), compile_enabled(cfg, device))
     drafter.compile_layer(runtime.compiled)
     pad_to = cfg.batch_tokens if runtime.attention == "flex" else None  # static shapes
 
