@@ -216,3 +216,21 @@ def test_a_failing_compiled_path_falls_back_with_a_warning(inputs, tmp_path, mon
     assert "compiled path failed (RuntimeError: No valid triton configs" in caplog.text
     assert "falling back to eager decoder layer" in caplog.text
     assert descriptor.figures["tau"] >= 1.0
+
+
+def test_cancelling_the_launch_kills_the_torchrun_group(inputs, tmp_path):
+    from draftsmith.train.launch import run_torchrun
+
+    out = tmp_path / "ddp"
+    out.mkdir()
+    started = []
+
+    def cancel(process):  # a cancelled task gets KeyboardInterrupt-like exceptions
+        started.append(process)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_torchrun(small_cfg(nproc_per_node=2), inputs["hidden"], inputs["merged"],
+                     inputs["target"], out, on_start=cancel)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(started[0].pid, 0)

@@ -253,6 +253,11 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     state_path = out / RESUME_DIR / STATE_FILE
     if state_path.is_file():
         saved = torch.load(state_path, map_location="cpu", weights_only=False)
+        saved_world = len(saved["position"]["trained"])
+        if saved_world != dist.world:
+            raise ValueError(f"{state_path} was written by {saved_world} process(es); resume "
+                             f"with train.nproc_per_node={saved_world} (now {dist.world}), or "
+                             "delete it to start over")
         drafter.load_state_dict(saved["model"], strict=False)
         optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
