@@ -234,3 +234,22 @@ def test_cancelling_the_launch_kills_the_torchrun_group(inputs, tmp_path):
                      inputs["target"], out, on_start=cancel)
     with pytest.raises(ProcessLookupError):
         os.killpg(started[0].pid, 0)
+
+
+def test_the_train_key_follows_the_content_of_the_drafter_to_fine_tune(tmp_path):
+    from draftsmith.config import ConfigError, parse_config
+    from draftsmith.plan import key_material
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"one")
+    raw = {"target": {"model": "builtin:tiny"},
+           "data": {"sources": [{"name": "a", "path": str(tmp_path / "a.jsonl")}]},
+           "train": {"init_from": str(drafter)}}
+    before = key_material(parse_config(raw), "train")
+    (drafter / "model.safetensors").write_bytes(b"two")
+    assert key_material(parse_config(raw), "train") != before
+    raw["train"]["init_from"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="train.init_from="):
+        key_material(parse_config(raw), "train")
