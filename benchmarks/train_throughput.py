@@ -1,102 +1,266 @@
 """Drafter training throughput on one GPU with synthetic hidden states (issue 10's benchmark).
 
 Llama-3.1-8B-shaped drafter: hidden 4096, 32 heads, 8 KV heads, intermediate 14336, target
-vocab 128256, draft vocab 32000; one packed row of --tokens tokens (documents of --doc tokens),
-TTT --steps, AdamW, bf16 autocast with fp32 master weights.
+vocab 128256, draft vocab 32000; one packed row of --tokens tokens (documents of --doc tokens)
+per optimiser step; the trainer's own step: row_loss (target head in chunks over the draft
+rows, flex_attention block masks, decoder layer compiled, lm_head fused with the soft CE),
+backward, MasterWeightAdamW (bf16 parameters, float32 masters and AdamW state, fused AdamW),
+gradient clipping.
 
-FLOPs counted: 2 per multiply-add of every matmul the step runs (fc once; q/k/v/o, MLP and
-lm_head per TTT step; attention scores and values over the dense (j+1)*T keys of step j; the
-frozen target head for the targets), times 3 for the trainable parts (forward + backward) and
-1 for the target head (no grad). MFU is against 790 TFLOP/s (bf16 matmul measured on an H200).
+FLOPs counted (model FLOPs, 2 per multiply-add, recomputation not counted):
+  * fc: forward, and its weight gradient (the aux input needs none): 2 x 2*T*3Ht*H.
+  * per TTT step: q/k/v (2H inputs), o, gate/up/down and lm_head, forward 2*T*(...) and
+    backward twice that (input and weight gradients); a frozen lm_head has no weight
+    gradient, so 1x instead of 2x for it.
+  * attention: only allowed (query, key) pairs, 4*head_dim*heads FLOPs each (QK^T and PV),
+    forward + 2x backward. Step j: causal pairs within each document (sum L(L+1)/2) plus
+    j*T diagonal pairs. The blocks flex skips or masks inside are not counted.
+  * the frozen target head that makes the targets: forward only over the full vocab,
+    2*T*H*V (draft rows for the distribution, the other rows for "argmax in draft vocab").
+MFU = counted FLOPs / step time / 989.4 TFLOP/s (H200 dense bf16 peak from the data sheet);
+the achieved bf16 matmul rate of a large GEMM on the same GPU is reported next to it.
 
-    python benchmarks/train_throughput.py --tokens 8192 --steps 3
+    python benchmarks/train_throughput.py --tokens 8192 --ttt 3 7 --lm-head trainable frozen
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import sys
 import time
+from pathlib import Path
 
 import torch
 
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
-from draftsmith.train.packing import PackedRow
-from draftsmith.train.trainer import row_loss
+from draftsmith.train.loss import TargetHead
+from draftsmith.train.optim import MasterWeightAdamW
+from draftsmith.train.packing import PackedRow, RowPrefetcher
+from draftsmith.train.trainer import row_loss_on_device
 
-PEAK_FLOPS = 790e12
+PEAK_FLOPS = 989.4e12  # H200 SXM, dense bf16
 
 
-def flops_per_row(cfg: Eagle3Config, tokens: int, steps: int) -> float:
+def shape(small: bool = False) -> Eagle3Config:
+    if small:  # a smoke-test shape for checking the script on a CPU
+        return Eagle3Config(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=16, max_position_embeddings=4096,
+                            vocab_size=1000, draft_vocab_size=300, target_hidden_size=64,
+                            aux_layer_ids=[1, 2, 3])
+    return Eagle3Config(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                        num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
+                        rope_theta=500000.0, vocab_size=128256, draft_vocab_size=32000,
+                        target_hidden_size=4096, aux_layer_ids=[1, 15, 28])
+
+
+def flops_per_row(cfg: Eagle3Config, doc_lengths: list[int], steps: int,
+                  lm_head_trainable: bool) -> dict[str, float]:
+    T = sum(doc_lengths)
     H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
-    per_token_step = 2 * (2 * H * (q + 2 * kv) + q * H + 3 * H * I + H * cfg.draft_vocab_size)
-    trainable = 2 * tokens * 3 * H * cfg.target_hidden_size  # fc
-    for j in range(steps):
-        trainable += tokens * per_token_step
-        trainable += 2 * 2 * tokens * (j + 1) * tokens * q  # scores and values, dense
-    target_head = 2 * tokens * cfg.target_hidden_size * cfg.vocab_size
-    return 3 * trainable + target_head
+    k_in = len(cfg.aux_layer_ids) * cfg.target_hidden_size
+    fc = 2 * (2 * T * k_in * H)
+    layer = 3 * steps * 2 * T * (2 * H * (q + 2 * kv) + q * H + 3 * H * I)
+    lm_head = (3 if lm_head_trainable else 2) * steps * 2 * T * H * cfg.draft_vocab_size
+    causal_pairs = sum(n * (n + 1) // 2 for n in doc_lengths)
+    pairs = sum(causal_pairs + j * T for j in range(steps))
+    attention = 3 * 4 * pairs * q
+    target_head = 2 * T * cfg.target_hidden_size * cfg.vocab_size
+    parts = {"fc": fc, "decoder_layer": layer, "lm_head": lm_head, "attention": attention,
+             "target_head": target_head}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def matmul_tflops(device: str) -> float:
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(20):
+        a @ b
+    torch.cuda.synchronize()
+    return 20 * 2 * 8192**3 / (time.perf_counter() - started) / 1e12
+
+
+class Setup:
+    """One drafter, target head and row for every setting, so the compiled decoder layer's
+    graphs (one per TTT step) are built once and reused."""
+
+    def __init__(self, args, compiled: bool):
+        device = args.device
+        self.cfg = cfg = shape(args.small)
+        H = cfg.hidden_size
+        g = torch.Generator().manual_seed(0)
+        drafter = Eagle3Drafter(cfg)
+        head = torch.randn(cfg.vocab_size, H, generator=g).bfloat16()  # [V, H]
+        d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
+        t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+        t2d[: cfg.draft_vocab_size] = True
+        drafter.load_target_parts(torch.randn(cfg.vocab_size, H, generator=g) * 0.02, d2t,
+                                  t2d, target_head=head.float())
+        with torch.no_grad():
+            for p in drafter.parameters():
+                p.data = p.data.bfloat16()
+        drafter.to(device)
+        drafter.compile_layer(compiled)
+        self.drafter, self.compiled, self.profiled = drafter, compiled, False
+        self.target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), torch.bfloat16,
+                                      device)
+        T = args.tokens
+        docs = torch.arange(T) // args.doc
+        self.doc_lengths = torch.bincount(docs).tolist()
+        self.row = PackedRow(
+            input_ids=torch.randint(0, cfg.vocab_size, (T,), generator=g),
+            loss_mask=torch.ones(T, dtype=torch.bool),
+            aux=torch.randn(T, 3 * H, generator=g).bfloat16(),
+            final=torch.randn(T, H, generator=g).bfloat16(),
+            position_ids=torch.arange(T) % args.doc,
+            document_ids=docs,
+        )
+
+
+def synchronize() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
+    device = args.device
+    drafter, row, T = setup.drafter, setup.row, args.tokens
+    drafter.lm_head.weight.requires_grad_(lm_head == "trainable")
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0)
+    weights = [0.8**j for j in range(steps)]
+
+    prefetcher = RowPrefetcher(torch.device(device))
+    pending = [prefetcher.start(row)]
+
+    def one_step() -> torch.Tensor:
+        # As the trainer does: this row was copied during the previous step, the next one is
+        # copied now; the counts are read (one sync) after the optimiser step.
+        on_device = prefetcher.wait(pending.pop())
+        pending.append(prefetcher.start(row))
+        loss, counts = row_loss_on_device(drafter, on_device, setup.target_head, steps, weights,
+                                          device, args.attention)
+        loss.backward()
+        optimizer.step(1.0)
+        counts.cpu()
+        return loss.detach()
+
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    started = time.perf_counter()
+    losses = [one_step() for _ in range(args.warmup)]
+    synchronize()
+    warmup_s = time.perf_counter() - started
+    started = time.perf_counter()
+    for _ in range(args.iters):
+        losses.append(one_step())
+    synchronize()
+    seconds = (time.perf_counter() - started) / args.iters
+    flops = flops_per_row(setup.cfg, setup.doc_lengths, steps, lm_head == "trainable")
+    result = {
+        "tokens_per_row": T, "doc_tokens": args.doc, "ttt_steps": steps, "lm_head": lm_head,
+        "compiled_layer": setup.compiled, "seconds_per_step": round(seconds, 4),
+        "tokens_per_s": round(T / seconds), "tflops": round(flops["total"] / seconds / 1e12, 1),
+        "mfu": round(flops["total"] / seconds / PEAK_FLOPS, 3),
+        # Peak over the whole run of this setting, optimiser state included.
+        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        if device == "cuda" else None,
+        "trainable_parameters_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
+        "gflops_per_row": {k: round(v / 1e9, 1) for k, v in flops.items()},
+        "warmup_s": round(warmup_s, 1),
+        "loss_first_last": [losses[0].item(), losses[-1].item()],
+    }
+    if args.profile and not setup.profiled:
+        setup.profiled = True
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda"
+                                               else [])
+        with profile(activities=activities) as prof:
+            for _ in range(2):
+                one_step()
+            synchronize()
+        sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
+        table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
+        args.profile.write_text(f"{steps=} {lm_head=}, 2 steps\n{table}\n")
+    for p in drafter.parameters():
+        p.grad = None
+    return result
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--doc", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--ttt", type=int, nargs="+", default=[3])
+    parser.add_argument("--lm-head", nargs="+", default=["trainable"],
+                        choices=["trainable", "frozen"])
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--no-compile", action="store_true",
+                        help="eager decoder layer (flex attention stays compiled)")
+    parser.add_argument("--check-attention", action="store_true",
+                        help="first compare the SDPA and flex paths (outputs and gradients)")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
+    parser.add_argument("--small", action="store_true", help="tiny shape, to check the script")
+    parser.add_argument("--profile", type=Path,
+                        help="write a torch.profiler table of 2 steps of the first setting")
+    parser.add_argument("--out", type=Path, help="append each result as a JSON line here")
     args = parser.parse_args()
-    device = "cuda"
-    cfg = Eagle3Config(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
-                       num_key_value_heads=8, head_dim=128, max_position_embeddings=131072,
-                       rope_theta=500000.0, vocab_size=128256, draft_vocab_size=32000,
-                       target_hidden_size=4096, aux_layer_ids=[1, 15, 28])
-    drafter = Eagle3Drafter(cfg)
-    g = torch.Generator().manual_seed(0)
-    head = torch.randn(cfg.vocab_size, 4096, generator=g) * 0.02
-    d2t = torch.zeros(cfg.draft_vocab_size, dtype=torch.int64)
-    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
-    t2d[: cfg.draft_vocab_size] = True
-    drafter.load_target_parts(torch.randn(cfg.vocab_size, 4096, generator=g) * 0.02, d2t, t2d,
-                              target_head=head)
-    drafter.to(device)
-    head = head.to(device)
-    T = args.tokens
-    docs = torch.arange(T) // args.doc
-    row = PackedRow(
-        input_ids=torch.randint(0, cfg.vocab_size, (T,), generator=g),
-        loss_mask=torch.ones(T, dtype=torch.bool),
-        aux=torch.randn(T, 3 * 4096, generator=g).bfloat16(),
-        final=torch.randn(T, 4096, generator=g).bfloat16(),
-        position_ids=torch.arange(T) % args.doc,
-        document_ids=docs,
-    )
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=1e-4)
-    torch.cuda.reset_peak_memory_stats()
 
-    def one_step() -> None:
-        loss, _ = row_loss(drafter, row, head, args.steps, 0.8, device, autocast_bf16=True)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+    def emit(obj: dict) -> None:
+        line = json.dumps(obj)
+        print(line, flush=True)
+        if args.out:
+            with open(args.out, "a") as f:
+                f.write(line + "\n")
 
-    for _ in range(2):
-        one_step()
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(args.iters):
-        one_step()
-    torch.cuda.synchronize()
-    seconds = (time.perf_counter() - started) / args.iters
-    flops = flops_per_row(cfg, T, args.steps)
-    print(json.dumps({
-        "tokens_per_row": T, "ttt_steps": args.steps, "seconds_per_step": round(seconds, 4),
-        "tokens_per_s": round(T / seconds), "tflops": round(flops / seconds / 1e12, 1),
-        "mfu": round(flops / seconds / PEAK_FLOPS, 3),
-        "peak_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "trainable_parameters_m": round(sum(p.numel() for p in trainable) / 1e6, 1),
-    }))
+    if args.device == "cuda":
+        emit({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "matmul_bf16_tflops_8192": round(matmul_tflops("cuda"), 1)})
+    if args.check_attention:
+        from draftsmith.model.attention_check import compare_attention_paths
+
+        # Flex alone in float32 (tight), then the training path: bf16, compiled layer.
+        for dtype, compiled in ((torch.float32, False), (torch.bfloat16, True)):
+            try:
+                emit({"attention_check": compare_attention_paths(
+                    "cuda", dtype=dtype, compiled_layer=compiled)})
+            except Exception as err:  # noqa: BLE001 - report and go on to the benchmark
+                emit({"attention_check_error": f"{type(err).__name__}: {err}"[:2000],
+                      "dtype": str(dtype), "compiled_layer": compiled})
+    setup = Setup(args, compiled=not args.no_compile)
+    for steps in args.ttt:
+        for lm_head in args.lm_head:
+            try:
+                emit(bench(args, setup, steps, lm_head))
+            except Exception as err:  # noqa: BLE001 - one failed setting must not hide the rest
+                emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": setup.compiled,
+                      "error": f"{type(err).__name__}: {err}"[:3000]})
+                if setup.compiled:  # what the trainer falls back to
+                    setup.compiled = False
+                    setup.drafter.compile_layer(False)
+                    for p in setup.drafter.parameters():
+                        p.grad = None
+                    try:
+                        emit(bench(args, setup, steps, lm_head))
+                    except Exception as err2:  # noqa: BLE001
+                        emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": False,
+                              "error": f"{type(err2).__name__}: {err2}"[:3000]})
+                gc.collect()
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -241,6 +241,28 @@ class TrainConfig(StrictModel):
     dtype: Literal["float32", "bfloat16"] = "float32"
     seed: int = 0
     log_every: int = Field(10, ge=1)
+    step_weights: list[float] | None = Field(
+        None, description="Loss weight per TTT step (one per step); default step_weight_decay**j.")
+    aux_noise_std: float = Field(0.0, ge=0.0, description="Gaussian noise on the aux inputs, "
+                                 "relative to each position's RMS.")
+    freeze_lm_head: bool = Field(False, description="Keep lm_head at its initial weights.")
+    init_from: str | None = Field(None, description="Fine-tune this drafter (native, SGLang, "
+                                  "SpecForge or speculators layout) instead of starting fresh.")
+    init_family: str = Field("llama", description="Target family init_from's layer ids follow.")
+    attention: Literal["auto", "flex", "sdpa"] = Field(
+        "auto", description="auto: compiled flex_attention block masks on CUDA, SDPA on CPU.")
+    compile: bool = Field(True, description="torch.compile the decoder layer on CUDA.")
+    checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: only "
+                                  "at epoch ends).")
+    nproc_per_node: int = Field(1, ge=1, description="Processes (GPUs) under torchrun.")
+    parallel: Literal["ddp", "fsdp"] = "ddp"
+
+    @model_validator(mode="after")
+    def _step_weights_match_steps(self) -> TrainConfig:
+        if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
+            raise ValueError(f"train.step_weights has {len(self.step_weights)} entries but "
+                             f"ttt_steps is {self.ttt_steps}: give one weight per step")
+        return self
 
 
 class FixKeysConfig(StrictModel):

@@ -44,7 +44,11 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
             "data_parallel", "device_map", "writer_queue", "writer_threads", "sglang"}),
                 "target_dtype": dtype}
     if stage == "train":
-        return {"train": config.train.model_dump(exclude={"device", "log_every"})}
+        material = {"train": config.train.model_dump(
+            exclude={"device", "log_every", "checkpoint_every"})}
+        if config.train.init_from:  # the drafter's content, not just its path
+            material["init_from_files"] = drafter_fingerprint(config.train.init_from)
+        return material
     if stage == "fix_keys":
         return {"fix_keys": config.fix_keys.model_dump(),
                 "context_length": config.target.context_length}
@@ -54,6 +58,15 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
     if stage == "benchmark":
         return {"benchmark": config.benchmark.model_dump(), "target_dtype": dtype}
     raise ValueError(f"unknown stage {stage!r}")
+
+
+def drafter_fingerprint(path: str) -> dict[str, str]:
+    """sha256 of every file of a drafter to fine-tune from (a drafter is small enough)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(f"train.init_from={path}: no such directory (a drafter in the native, "
+                          "SGLang, SpecForge or speculators layout)")
+    return {f.name: sha256_file(f) for f in sorted(directory.iterdir()) if f.is_file()}
 
 
 def data_descriptors(config: PipelineConfig) -> list[Descriptor]:

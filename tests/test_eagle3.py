@@ -294,3 +294,71 @@ def test_forward_ttt_returns_one_logit_tensor_per_step(random_target_dir, steps)
     out[-1].sum().backward()  # gradients flow through the unrolled steps to fc
     assert drafter.fc.weight.grad is not None and drafter.fc.weight.grad.abs().sum() > 0
     assert drafter.embed_tokens.weight.grad is None
+
+
+# --------------------------------------------------------------------------- flex attention
+
+
+def hand_built_ttt_mask(docs: list[int], steps: int) -> list[torch.Tensor]:
+    """Written out pair by pair from REFERENCE.md section 2: a query at anchor q of step j may
+    see step-0 key k when k <= q in the same document, and key k of step i in 1..j only when
+    k == q."""
+    T = len(docs)
+    masks = []
+    for j in range(steps):
+        m = torch.zeros(T, (j + 1) * T, dtype=torch.bool)
+        for q in range(T):
+            for i in range(j + 1):
+                for k in range(T):
+                    m[q, i * T + k] = (k <= q and docs[k] == docs[q]) if i == 0 else k == q
+        masks.append(m)
+    return masks
+
+
+def test_flex_mask_matches_a_hand_built_dense_mask_for_steps_0_to_k():
+    from torch.nn.attention.flex_attention import create_mask
+
+    from draftsmith.model.eagle3 import ttt_block_masks, ttt_mask_mod
+
+    docs = [0, 0, 0, 1, 1, 2, 2, 2, -1, -1]  # three documents and two padding tokens
+    T, steps = len(docs), 4
+    doc_t = torch.tensor([docs])
+    expected = hand_built_ttt_mask(docs, steps)
+    mask_mod = ttt_mask_mod(doc_t, T)
+    for j in range(steps):
+        flex = create_mask(mask_mod, 1, None, T, (j + 1) * T, device="cpu")  # [1, 1, T, (j+1)T]
+        assert torch.equal(flex[0, 0], expected[j]), f"flex step {j}"
+        assert torch.equal(ttt_masks(doc_t, steps)[j][0, 0], expected[j]), f"dense step {j}"
+    blocks = ttt_block_masks(doc_t, steps)
+    assert [b.shape[-1] for b in blocks] == [(j + 1) * T for j in range(steps)]
+    # Padding only sees padding: no real token attends to it, and it attends to no real token.
+    assert not expected[0][:8, 8:].any() and not expected[0][8:, :8].any()
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_path_gives_the_sdpa_outputs_on_a_packed_row():
+    """The CPU half of the equivalence check (flex_attention has no backward on a CPU); the
+    GPU half, with gradients, ran on an H200 (README, "Training speed")."""
+    from draftsmith.model.attention_check import compare_attention_paths
+
+    result = compare_attention_paths("cpu", doc_lengths=[40, 3, 70, 15], steps=3, grads=False)
+    assert result["output_max_abs"] > 1.0  # outputs are not trivially small
+    assert max(result["output_max_diff"]) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_and_sdpa_differ_when_the_mask_is_wrong(monkeypatch):
+    """The comparison above can fail: a mask_mod without the document condition differs."""
+    import draftsmith.model.eagle3 as eagle3
+    from draftsmith.model.attention_check import compare_attention_paths
+
+    def leaky(document_ids, T):
+        def mask_mod(b, h, q_idx, kv_idx):
+            kv_step = kv_idx // T
+            kv_pos = kv_idx - kv_step * T
+            return ((kv_step == 0) & (kv_pos <= q_idx)) | ((kv_step > 0) & (kv_pos == q_idx))
+        return mask_mod
+
+    monkeypatch.setattr(eagle3, "ttt_mask_mod", leaky)
+    result = compare_attention_paths("cpu", doc_lengths=[40, 30], steps=2, grads=False)
+    assert max(result["output_max_diff"]) > 1e-3

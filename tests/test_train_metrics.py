@@ -169,7 +169,7 @@ def test_row_loss_mask_hand_count(random_target_dir):
     drafter, V, H = tiny_drafter(random_target_dir, 512, list(range(512)))  # full vocab
     row = tiny_row(7, V, H, docs=[0, 0, 0, 0, 1, 1, 1], loss_mask=[1, 1, 0, 1, 1, 0, 1])
     head = torch.randn(V, H)
-    loss, counts = row_loss(drafter, row, head, steps=3, step_weight_decay=0.8, device="cpu")
+    loss, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
     # step j, anchor t counts when token t+j+2 exists, is loss-masked and is in t's document:
     # j=0: t=1 (token 3, doc 0), t=4 (token 6, doc 1); t=0 -> token 2 unmasked; t=2,3 -> doc 1
     # j=1: t=0 (token 3); t=1,2,3 -> tokens 4,5,6 are in doc 1
@@ -245,7 +245,7 @@ def test_row_loss_matches_a_position_by_position_reference(random_target_dir):
     target_argmax = (row.final @ head.T).argmax(-1)
     assert torch.equal(target_argmax[2::2], guess[1][0:T - 2:2])
     assert torch.equal(target_argmax[1::4], guess[0][0:T - 1:4])
-    loss, counts = row_loss(drafter, row, head, steps=3, step_weight_decay=0.8, device="cpu")
+    loss, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
     ref_loss, positions, with_loss, correct, prefix = reference_row_loss(drafter, row, head, 3,
                                                                          0.8)
     assert counts.positions.tolist() == positions
@@ -255,3 +255,172 @@ def test_row_loss_matches_a_position_by_position_reference(random_target_dir):
     assert with_loss[0] < positions[0]  # the "argmax in draft vocab" condition did something
     assert correct[0] > 0 and correct[1] > 0  # the accuracy counts are exercised
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+
+
+# --------------------------------------------------------------------------- loss pieces
+
+
+def test_fused_linear_soft_ce_matches_autograd_of_the_plain_formula():
+    from draftsmith.train.loss import fused_linear_soft_ce
+
+    g = torch.Generator().manual_seed(0)
+    T, H, D = 11, 8, 13
+    x = torch.randn(T, H, generator=g, requires_grad=True)
+    w = torch.randn(D, H, generator=g, requires_grad=True)
+    probs = torch.randn(T, D, generator=g).softmax(-1)
+    weights = torch.rand(T, generator=g) * (torch.arange(T) % 3 != 0)  # some positions 0
+
+    plain = (-(probs * F.log_softmax(x @ w.T, -1)).sum(-1) * weights).sum()
+    gx, gw = torch.autograd.grad(plain, (x, w))
+    loss, ce, argmax = fused_linear_soft_ce(x, w, probs, weights, chunk=4)  # uneven chunks
+    torch.testing.assert_close(loss, plain)
+    fx, fw = torch.autograd.grad(2.5 * loss, (x, w))  # the upstream gradient is applied
+    torch.testing.assert_close(fx, 2.5 * gx)
+    torch.testing.assert_close(fw, 2.5 * gw)
+    torch.testing.assert_close(ce, -(probs * F.log_softmax(x @ w.T, -1)).sum(-1).detach())
+    assert torch.equal(argmax, (x @ w.T).argmax(-1))
+
+    frozen = w.detach()  # a frozen lm_head: gradient for x only
+    loss, _, _ = fused_linear_soft_ce(x, frozen, probs, weights, chunk=4)
+    (fx,) = torch.autograd.grad(loss, (x,))
+    torch.testing.assert_close(fx, gx)
+
+
+def test_target_head_in_chunks_matches_the_full_vocab_distribution():
+    from draftsmith.train.loss import TargetHead
+
+    g = torch.Generator().manual_seed(1)
+    V, H, D, T = 50, 6, 12, 23
+    head = torch.randn(V, H, generator=g)
+    draft_ids = torch.randperm(V, generator=g)[:D].sort().values
+    final = torch.randn(T, H, generator=g)
+    outside = [i for i in range(V) if i not in set(draft_ids.tolist())][0]
+    head[draft_ids[3]] = 100 * torch.eye(H)[0]  # orthogonal rows far above the rest
+    head[outside] = 100 * torch.eye(H)[1]
+    final[:5] = head[draft_ids[3]]  # argmax surely in the draft vocab
+    final[5:9] = head[outside]  # argmax surely outside it
+    probs, argmax = TargetHead(head, draft_ids, torch.float32, "cpu", chunk_tokens=5).targets(
+        final)
+    full = final @ head.T  # [T, V]
+    torch.testing.assert_close(probs, full[:, draft_ids].softmax(-1))
+    position = {int(t): i for i, t in enumerate(draft_ids)}
+    want = torch.tensor([position.get(int(a), -1) for a in full.argmax(-1)])
+    assert torch.equal(argmax, want)
+    assert (argmax[:5] == 3).all() and (argmax[5:9] == -1).all()
+
+
+def test_padding_a_row_changes_no_loss_and_no_count(random_target_dir):
+    from draftsmith.train.packing import pad_row
+
+    drafter, V, H = tiny_drafter(random_target_dir, 128, list(range(0, 512, 3)))
+    row = tiny_row(12, V, H, docs=[0] * 5 + [1] * 7, loss_mask=[0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1])
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(3))
+    loss, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
+    padded = pad_row(row, 20)
+    assert padded.num_tokens == 20 and (padded.document_ids[12:] == -1).all()
+    loss_p, counts_p = row_loss(drafter, padded, head, steps=3, step_weights=0.8, device="cpu")
+    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
+    assert torch.equal(counts_p.as_tensor()[1:], counts.as_tensor()[1:])
+    torch.testing.assert_close(counts_p.loss_sum, counts.loss_sum)
+
+
+def test_step_weights_select_steps_and_aux_noise_is_seeded(random_target_dir):
+    drafter, V, H = tiny_drafter(random_target_dir, 512, list(range(512)))
+    row = tiny_row(16, V, H, docs=[0] * 16, loss_mask=[1] * 16)
+    head = torch.randn(V, H, generator=torch.Generator().manual_seed(4))
+    _, counts = row_loss(drafter, row, head, 3, [1.0, 1.0, 1.0], "cpu")
+    per_step = counts.summary()
+    only_1, _ = row_loss(drafter, row, head, 3, [0.0, 1.0, 0.0], "cpu")
+    assert only_1.item() == pytest.approx(per_step["loss_1"], rel=1e-5)
+    mixed, _ = row_loss(drafter, row, head, 3, [0.5, 0.0, 2.0], "cpu")
+    assert mixed.item() == pytest.approx(0.5 * per_step["loss_0"] + 2 * per_step["loss_2"],
+                                         rel=1e-5)
+
+    base, _ = row_loss(drafter, row, head, 3, 0.8, "cpu")
+    a, _ = row_loss(drafter, row, head, 3, 0.8, "cpu", aux_noise_std=0.5, noise_seed=7)
+    b, _ = row_loss(drafter, row, head, 3, 0.8, "cpu", aux_noise_std=0.5, noise_seed=7)
+    c, _ = row_loss(drafter, row, head, 3, 0.8, "cpu", aux_noise_std=0.5, noise_seed=8)
+    assert a.item() == b.item()  # the same row and seed: the same noise (resume relies on it)
+    assert a.item() != c.item() and a.item() != base.item()
+
+
+# --------------------------------------------------------------------------- optimiser
+
+
+def test_master_weights_keep_updates_bf16_would_round_away():
+    from draftsmith.train.optim import MasterWeightAdamW
+
+    def run(master: bool) -> torch.Tensor:
+        p = torch.nn.Parameter(torch.ones(4, dtype=torch.bfloat16))
+        if master:
+            opt = MasterWeightAdamW([p], lr=1e-3, weight_decay=0.0)
+        else:
+            opt = torch.optim.AdamW([p], lr=1e-3, weight_decay=0.0)
+        for _ in range(20):
+            p.grad = torch.full_like(p, -1.0)  # each step moves +1e-3; bf16 spacing at 1 is 2^-7
+            if master:
+                opt.step(grad_clip=10.0)
+            else:
+                opt.step()
+                p.grad = None
+        return p.detach().float()
+
+    assert torch.equal(run(master=False), torch.ones(4))  # plain bf16 AdamW never moves
+    assert torch.allclose(run(master=True), torch.full((4,), 1.02), atol=2 ** -7)
+
+
+def test_master_weight_optimizer_state_round_trips():
+    from draftsmith.train.optim import MasterWeightAdamW
+
+    def make():
+        torch.manual_seed(0)
+        p = torch.nn.Parameter(torch.randn(3, 5).bfloat16())
+        return p, MasterWeightAdamW([p], lr=1e-2, weight_decay=0.1)
+
+    p1, o1 = make()
+    for i in range(3):
+        p1.grad = torch.full_like(p1, float(i + 1))
+        o1.step(1.0)
+    saved = o1.state_dict()
+    p2, o2 = make()
+    o2.load_state_dict(saved)
+    assert torch.equal(p2, p1) and torch.equal(o2.master[0], o1.master[0])
+    for p, o in ((p1, o1), (p2, o2)):
+        p.grad = torch.full_like(p, 0.5)
+        o.step(1.0)
+    assert torch.equal(p1, p2) and torch.equal(o1.master[0], o2.master[0])
+
+
+# --------------------------------------------------------------------------- packing plan
+
+
+def test_plan_rows_is_first_fit_and_packs_a_realistic_mix_above_95_percent():
+    import random
+
+    from draftsmith.train.packing import plan_rows
+    from draftsmith.train.trainer import packing_efficiency
+
+    def first_fit_scan(samples, row_tokens):
+        rows, used = [], []
+        for s in samples:
+            n = min(len(s.input_ids), row_tokens)
+            i = next((i for i, u in enumerate(used) if u + n <= row_tokens), None)
+            if i is None:
+                rows.append([]), used.append(0)
+                i = len(rows) - 1
+            rows[i].append(s)
+            used[i] += n
+        return rows
+
+    rng = random.Random(0)
+    lengths = [rng.choice([rng.randint(20, 400), rng.randint(300, 3000), rng.randint(10, 9000)])
+               for _ in range(600)]
+    samples = [Sample(id=str(i), input_ids=torch.zeros(n, dtype=torch.long),
+                      loss_mask=torch.ones(n, dtype=torch.uint8), aux=torch.zeros(n, 1),
+                      final=torch.zeros(n, 1)) for i, n in enumerate(lengths)]
+    rows = plan_rows(samples, 8192)
+    assert [[s.id for s in r] for r in rows] == [[s.id for s in r]
+                                                 for r in first_fit_scan(samples, 8192)]
+    assert sorted(s.id for r in rows for s in r) == sorted(s.id for s in samples)
+    assert all(sum(min(len(s.input_ids), 8192) for s in r) <= 8192 for r in rows)
+    assert packing_efficiency(rows, 8192) >= 0.95

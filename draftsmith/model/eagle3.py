@@ -10,6 +10,10 @@ Anchor indexing for test-time training (TTT): at step j, anchor t sits at positi
 the embedding of token t+j+1 and predicts token t+j+2; its hidden input is step j-1's `out` at
 the same anchor. It attends causally to the step-0 keys of its document and to its own keys of
 steps 1..j (one diagonal per step), which is exactly what it sees when drafting a chain.
+
+Two attention paths compute that mask: `sdpa` builds it densely ([T, (j+1)T] booleans, fine on a
+CPU and for tests) and `flex` describes it as a flex_attention block mask, so only the blocks
+that hold allowed pairs are computed and no dense mask exists (compiled on CUDA).
 """
 
 from __future__ import annotations
@@ -107,9 +111,13 @@ class Eagle3Attention(nn.Module):
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         keys = k if past_kv is None else torch.cat([past_kv[0], k], dim=2)  # [B, nkv, S+T, d]
         values = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)  # [B, nkv, S+T, d]
-        y = F.scaled_dot_product_attention(
-            q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
-        )  # [B, nh, T, d]
+        if isinstance(mask, BlockMask):
+            y = flex_attention_fn()(q, keys, values, block_mask=mask,
+                                    enable_gqa=self.n_heads != self.n_kv)  # [B, nh, T, d]
+        else:
+            y = F.scaled_dot_product_attention(
+                q, keys, values, attn_mask=mask, enable_gqa=self.n_heads != self.n_kv
+            )  # [B, nh, T, d]
         y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
         return self.o_proj(y), (k, v)
 
@@ -168,6 +176,27 @@ class Eagle3Drafter(nn.Module):
             if target_head is not None:
                 self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
 
+    @property
+    def layer_fn(self):
+        compiled = self.__dict__.get("_compiled_layer")
+        return self.midlayer if compiled is None else compiled
+
+    def compile_layer(self, enabled: bool = True) -> None:
+        """torch.compile the decoder layer (fuses norms, RoPE, SiLU-mul and flex attention).
+        Kept outside the module tree so state_dict names stay SGLang's."""
+        if enabled:
+            # One graph per TTT step (the keys grow by T each step), for training and for
+            # no-grad validation: 2 x 16 steps at most, above dynamo's default limit of 8.
+            import torch._dynamo
+
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config,
+                                                                        name)))
+            self.__dict__["_compiled_layer"] = torch.compile(self.midlayer, dynamic=False)
+        else:
+            self.__dict__.pop("_compiled_layer", None)
+
     def draft_to_target_ids(self) -> torch.Tensor:
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
 
@@ -187,25 +216,34 @@ class Eagle3Drafter(nn.Module):
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
         return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, K*Ht] -> [B, T, H]
 
-    def forward_ttt(self, input_ids, aux, position_ids, document_ids, steps: int):
+    def forward_ttt(self, input_ids, aux, position_ids, document_ids, steps: int,
+                    attention: str = "sdpa"):
         """Unrolled TTT over packed rows. input_ids/position_ids/document_ids [B, T] (position ids
         restart at 0 in each document); aux [B, T, K*Ht]. Returns logits per step, each
         [B, T, D], where step j at anchor t predicts token t+j+2."""
-        B, T = input_ids.shape
-        masks = ttt_masks(document_ids, steps)
+        return [self.lm_head(h) for h in self.forward_ttt_hidden(
+            input_ids, aux, position_ids, document_ids, steps, attention)]
+
+    def forward_ttt_hidden(self, input_ids, aux, position_ids, document_ids, steps: int,
+                           attention: str = "sdpa") -> list[torch.Tensor]:
+        """forward_ttt up to lm_head's input: norm(out) per step, each [B, T, H]. The trainer
+        applies lm_head fused with the loss, so [T, draft_vocab] logits never persist."""
+        masks = ttt_block_masks(document_ids, steps) if attention == "flex" else \
+            ttt_masks(document_ids, steps)
         hidden = self.project_aux(aux)  # [B, T, H]
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
-        all_logits = []
+        normed = []
         for j in range(steps):
             next_tokens = shift_left(input_ids, j + 1)  # [B, T] token t+j+1 at anchor t
             past = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if keys else None
-            hidden, logits, (k, v) = self.step(next_tokens, hidden, position_ids + j, past,
-                                               masks[j])
+            embeds = self.embed_tokens(next_tokens).to(hidden.dtype)  # [B, T, H]
+            cos, sin = self.rope(hidden, position_ids + j)
+            hidden, (k, v) = self.layer_fn(embeds, hidden, cos, sin, past, masks[j])  # [B,T,H]
             keys.append(k)
             values.append(v)
-            all_logits.append(logits)
-        return all_logits
+            normed.append(self.norm(hidden))  # [B, T, H]
+        return normed
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
@@ -234,3 +272,50 @@ def ttt_masks(document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
             blocks.append(diagonal)
         masks.append(torch.cat(blocks, dim=-1)[:, None])  # [B, 1, T, (j+1)T]
     return masks
+
+
+# --------------------------------------------------------------------------- flex attention
+
+try:  # flex_attention exists from torch 2.5; the SDPA path needs nothing of it
+    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+except ImportError:  # pragma: no cover - old torch
+    BlockMask = type("BlockMask", (), {})
+    create_block_mask = flex_attention = None
+
+_FLEX: dict[str, object] = {}
+
+
+def flex_attention_fn():
+    """flex_attention, compiled on CUDA (eager flex is a dense reference implementation, far
+    slower than SDPA). The trainer falls back to the SDPA path, with a warning, when
+    compiling fails (the seeds hit a Triton shared-memory limit on Blackwell)."""
+    if "fn" not in _FLEX:
+        _FLEX["fn"] = flex_attention
+        if torch.cuda.is_available():
+            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    return _FLEX["fn"]
+
+
+def ttt_mask_mod(document_ids: torch.Tensor, T: int):
+    """The TTT mask as a flex mask_mod over keys of steps 0..j laid end to end ([(j+1)T]):
+    step-0 keys causal within the document, a later step's key only at the query's own
+    anchor. Padding tokens carry document id -1 and see only each other."""
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        kv_step = kv_idx // T
+        kv_pos = kv_idx - kv_step * T
+        same_doc = document_ids[b, q_idx] == document_ids[b, kv_pos]
+        causal = (kv_step == 0) & (kv_pos <= q_idx) & same_doc
+        return causal | ((kv_step > 0) & (kv_pos == q_idx))
+
+    return mask_mod
+
+
+def ttt_block_masks(document_ids: torch.Tensor, steps: int) -> list[BlockMask]:
+    """flex_attention block masks, one per TTT step (the same mask as ttt_masks, never dense on
+    CUDA: create_block_mask is compiled there)."""
+    B, T = document_ids.shape
+    mask_mod = ttt_mask_mod(document_ids, T)
+    compiled = document_ids.is_cuda
+    return [create_block_mask(mask_mod, B, None, T, (j + 1) * T, device=document_ids.device,
+                              _compile=compiled) for j in range(steps)]

@@ -31,6 +31,16 @@ class StepCounts:
         for name in ("loss_sum", "loss_positions", "positions", "chain_correct", "prefix_correct"):
             getattr(self, name).add_(getattr(other, name))
 
+    @classmethod
+    def from_tensor(cls, t: torch.Tensor) -> StepCounts:
+        """The inverse of as_tensor: t [5, S] (loss_sum, loss_positions, positions,
+        chain_correct, prefix_correct)."""
+        counts = cls(t.shape[1])
+        t = t.detach().double().cpu()
+        counts.loss_sum, counts.loss_positions, counts.positions = t[0], t[1], t[2]
+        counts.chain_correct, counts.prefix_correct = t[3], t[4]
+        return counts
+
     def as_tensor(self) -> torch.Tensor:
         return torch.stack([self.loss_sum, self.loss_positions, self.positions,
                             self.chain_correct, self.prefix_correct])  # [5, S]

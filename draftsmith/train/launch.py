@@ -1,0 +1,84 @@
+"""The train stage under torchrun: the parent writes a job file, starts torchrun in its own
+process group (output streamed to train.log and the run log), waits, and kills the whole group
+on failure, timeout or cancellation. Rank 0 writes the result the parent reads back."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from draftsmith.artifacts import Descriptor, atomic_write_json
+from draftsmith.config import TrainConfig
+from draftsmith.serve.process import ManagedProcess
+
+log = logging.getLogger(__name__)
+
+JOB_FILE = "torchrun_job.json"
+RESULT_FILE = "torchrun_result.json"
+LOG_FILE = "train.log"
+
+
+class TrainLaunchError(RuntimeError):
+    pass
+
+
+def torchrun_argv(cfg: TrainConfig, job: Path) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            f"--nproc_per_node={cfg.nproc_per_node}", "-m", "draftsmith.train.worker", str(job)]
+
+
+def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
+                 out: Path, poll_s: float = 0.5,
+                 on_start: Callable[[ManagedProcess], None] | None = None) -> dict:
+    """Run the training job under torchrun and return rank 0's result. on_start receives the
+    running process (its group id is its pid), e.g. to register it for cancellation."""
+    if cfg.parallel == "fsdp":
+        raise TrainLaunchError("train.parallel=fsdp is not built yet; use ddp (the drafter, "
+                               "optimiser state included, fits one GPU up to ~8B-shaped targets)")
+    job = out / JOB_FILE
+    result_path = out / RESULT_FILE
+    result_path.unlink(missing_ok=True)
+    atomic_write_json(job, {"train": cfg.model_dump(), "hidden": hidden.model_dump(mode="json"),
+                            "merged": merged.model_dump(mode="json"),
+                            "target": target.model_dump(mode="json"), "out": str(out)})
+    env = {"OMP_NUM_THREADS": "1"} if not cfg.device.startswith("cuda") else {}
+    process = ManagedProcess(torchrun_argv(cfg, job), out / LOG_FILE, env=env, name="torchrun")
+    try:
+        process.start()
+        if on_start:
+            on_start(process)
+        while process.exit_code() is None:
+            time.sleep(poll_s)
+    except BaseException:  # cancellation (KeyboardInterrupt, task cancel) kills the group too
+        process.stop(grace_s=10)
+        raise
+    code = process.exit_code()
+    process.stop(grace_s=10)  # stragglers of the group, and the reader thread
+    if code != 0 or not result_path.is_file():
+        cause = worker_error(out / LOG_FILE)
+        raise TrainLaunchError(f"torchrun exited with code {code}"
+                               + (f"; a worker failed with {cause}" if cause else "")
+                               + f"; the last lines of {out / LOG_FILE}:\n"
+                               + process.recent_output())
+    result = json.loads(result_path.read_text())
+    result_path.unlink()
+    job.unlink()
+    return result
+
+
+def worker_error(log_file: Path) -> str | None:
+    """The first exception a worker raised, from the log (torchrun's own summary, printed
+    last, names only exit codes)."""
+    if not log_file.is_file():
+        return None
+    for line in log_file.read_text(errors="replace").splitlines():
+        line = re.sub(r"^\[rank\d+\]:\s*", "", line.strip())  # torchrun's per-rank prefix
+        match = re.match(r"^([\w.]*(?:Error|Exception)): (.+)", line)
+        if match and "ChildFailedError" not in match.group(1):
+            return f"{match.group(1)}: {match.group(2)}"
+    return None

@@ -1,0 +1,34 @@
+"""One rank of a torchrun training job: `python -m draftsmith.train.worker JOB.json`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from draftsmith.artifacts import Descriptor, atomic_write_json
+from draftsmith.config import TrainConfig
+from draftsmith.train.distributed import Dist
+from draftsmith.train.trainer import train_loop
+
+
+def main(job_path: str) -> None:
+    job = json.loads(Path(job_path).read_text())
+    cfg = TrainConfig.model_validate(job["train"])
+    dist = Dist.from_env("nccl" if cfg.device.startswith("cuda") else "gloo")
+    logging.basicConfig(level=logging.INFO, stream=sys.stdout,
+                        format=f"%(asctime)s rank{dist.rank} %(name)s %(levelname)s %(message)s")
+    try:
+        result = train_loop(cfg, Descriptor.model_validate(job["hidden"]),
+                            Descriptor.model_validate(job["merged"]),
+                            Descriptor.model_validate(job["target"]), Path(job["out"]), dist)
+        if dist.is_main:
+            atomic_write_json(Path(job["out"]) / "torchrun_result.json", result)
+        dist.barrier()
+    finally:
+        dist.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])

@@ -1,0 +1,255 @@
+"""The training loop as a user runs it: resume after a kill, 2-process torchrun (gloo),
+fine-tuning from an existing drafter, frozen lm_head, metrics visible from the first step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from draftsmith.artifacts import plan_stage
+from draftsmith.config import (
+    DataConfig,
+    ExtractConfig,
+    GenerateConfig,
+    MergeConfig,
+    TargetConfig,
+    TrainConfig,
+)
+from draftsmith.train import trainer
+from draftsmith.train.optim import MasterWeightAdamW
+from tests.conftest import REPO
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, random_target, random_target_dir):
+    """generate -> merge -> extract once on the random tiny target."""
+    from draftsmith.data.merge import run_merge
+    from draftsmith.extract.stage import run_extract
+    from draftsmith.generate.stage import run_generate
+
+    root = tmp_path_factory.mktemp("train_inputs")
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    data = DataConfig(sources=[
+        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 16},
+        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 16},
+    ])
+    t = random_target
+    gen = run_generate(GenerateConfig(max_new_tokens=8, batch_size=16), data, target_cfg, t,
+                       plan_stage(root, "generate", {}, [t]))
+    merged = run_merge(MergeConfig(max_length=64, validation_fraction=0.25, draft_vocab_size=128),
+                       gen, t, plan_stage(root, "merge", {}, [gen]))
+    hidden = run_extract(ExtractConfig(shard_tokens=400), target_cfg, merged, t,
+                         plan_stage(root, "extract", {}, [merged]))
+    return {"hidden": hidden, "merged": merged, "target": t}
+
+
+def train(inputs, root, cfg: TrainConfig):
+    plan = plan_stage(root, "train", {"train": cfg.model_dump()}, [inputs["hidden"]])
+    return trainer.run_train(cfg, inputs["hidden"], inputs["merged"], inputs["target"], plan)
+
+
+def small_cfg(**kw) -> TrainConfig:
+    base = dict(ttt_steps=2, lr=3e-3, epochs=2, batch_tokens=128, log_every=1, warmup_ratio=0.2)
+    return TrainConfig(**{**base, **kw})
+
+
+def history(descriptor) -> list[dict]:
+    return [json.loads(line) for line in
+            (descriptor.dir / trainer.METRICS_FILE).read_text().splitlines()]
+
+
+class Killed(BaseException):
+    """Stands in for SIGKILL: nothing after it runs, no handler catches it."""
+
+
+def test_killed_run_resumes_to_the_same_weights_and_metrics(inputs, tmp_path, monkeypatch,
+                                                            caplog):
+    cfg = small_cfg(checkpoint_every=2, aux_noise_std=0.05, dtype="bfloat16")
+    straight = train(inputs, tmp_path / "a", cfg)
+
+    real_step = MasterWeightAdamW.step
+    calls = {"n": 0}
+
+    def dying_step(self, clip):
+        calls["n"] += 1
+        if calls["n"] == 5:  # after the checkpoint at step 4, before step 5 lands
+            raise Killed()
+        return real_step(self, clip)
+
+    monkeypatch.setattr(MasterWeightAdamW, "step", dying_step)
+    with pytest.raises(Killed):
+        train(inputs, tmp_path / "b", cfg)
+    partial = next((tmp_path / "b" / "train").iterdir())
+    assert (partial / trainer.RESUME_DIR / trainer.STATE_FILE).is_file()
+    monkeypatch.setattr(MasterWeightAdamW, "step", real_step)
+    caplog.set_level("INFO", logger="draftsmith")
+    resumed = train(inputs, tmp_path / "b", cfg)
+    assert "resuming from" in caplog.text and "at step 4" in caplog.text
+    assert not (resumed.dir / trainer.RESUME_DIR).exists()  # finished: resume state removed
+
+    a, b = history(straight), history(resumed)
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if isinstance(x[key], str):
+                assert x[key] == y[key]
+            elif key not in ("tokens_per_s", "gpu_memory_gib"):
+                assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-9), (x["step"], key)
+    wa = load_file(str(straight.dir / "drafter.safetensors"))
+    wb = load_file(str(resumed.dir / "drafter.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=0, msg=name)
+    # and the run did train: the loss fell
+    losses = [h["loss_0"] for h in a if h["split"] == "train"]
+    assert losses[-1] < losses[0]
+
+
+def test_metrics_from_the_first_step_and_validation_each_epoch(inputs, tmp_path, caplog):
+    caplog.set_level("INFO", logger="draftsmith")
+    cfg = small_cfg(log_every=1000, step_weights=[1.0, 0.5])
+    descriptor = train(inputs, tmp_path, cfg)
+    rows = history(descriptor)
+    train_rows = [h for h in rows if h["split"] == "train"]
+    assert train_rows[0]["step"] == 1  # visible at once, not after log_every steps
+    for key in ("loss_0", "loss_1", "full_acc_0", "cond_acc_1", "tau", "lr", "tokens_per_s",
+                "gpu_memory_gib"):
+        assert key in train_rows[0]
+    val = [h for h in rows if h["split"] == "validation"]
+    assert [h["epoch"] for h in val] == [0, 1]
+    assert all(0 < h["packing_efficiency"] <= 1 for h in val)
+    assert "train step 1/" in caplog.text
+    for name in ("training.png", "training.svg", "drafter.safetensors", "draftsmith.json"):
+        assert (descriptor.dir / name).is_file()
+    meta = json.loads((descriptor.dir / "draftsmith.json").read_text())
+    best = max(val, key=lambda h: h["tau"])
+    assert meta["provenance"]["epoch"] == best["epoch"]  # best checkpoint by validation tau
+
+
+def test_frozen_lm_head_keeps_the_target_rows_and_fine_tune_starts_from_a_drafter(
+        inputs, tmp_path):
+    from draftsmith.data.merge import read_vocab_map
+    from draftsmith.export.convert import export_drafter, read_drafter
+    from draftsmith.target import load_target_head_and_embedding
+
+    frozen = train(inputs, tmp_path / "frozen", small_cfg(epochs=1, freeze_lm_head=True))
+    _, head = load_target_head_and_embedding(inputs["target"])
+    d2t, _ = read_vocab_map(inputs["merged"])
+    weights = load_file(str(frozen.dir / "drafter.safetensors"))
+    draft_ids = d2t + torch.arange(d2t.numel())
+    torch.testing.assert_close(weights["lm_head.weight"], head[draft_ids].float())
+
+    # Fine-tune from that drafter exported to the SGLang layout: step 1 starts from its weights.
+    ckpt = read_drafter(frozen.dir)
+    sglang_dir = tmp_path / "sglang"
+    export_drafter(ckpt.tensors, ckpt.config, "sglang", "llama", sglang_dir)
+    tuned = train(inputs, tmp_path / "tuned", small_cfg(epochs=1, init_from=str(sglang_dir),
+                                                        lr=1e-9))
+    scratch = history(frozen)
+    first_tuned = [h for h in history(tuned) if h["split"] == "train"][0]
+    val_before = [h for h in scratch if h["split"] == "validation"][-1]
+    # lr ~ 0: the fine-tuned run validates like the drafter it started from
+    val_after = [h for h in history(tuned) if h["split"] == "validation"][-1]
+    assert val_after["tau"] == pytest.approx(val_before["tau"], abs=1e-6)
+    assert first_tuned["loss_0"] < scratch[0]["loss_0"]
+
+    with pytest.raises(ValueError, match="train.init_from="):
+        train(inputs, tmp_path / "bad", small_cfg(epochs=1, init_from=str(tmp_path / "none")))
+
+
+def test_torchrun_two_gloo_processes_share_each_epochs_rows(inputs, tmp_path):
+    from draftsmith.train.launch import LOG_FILE, run_torchrun
+
+    cfg = small_cfg(nproc_per_node=2)
+    out = tmp_path / "ddp"
+    out.mkdir()
+    result = run_torchrun(cfg, inputs["hidden"], inputs["merged"], inputs["target"], out)
+    assert len(result["rows_trained"]) == 2
+    for epoch, n_rows in enumerate(result["rows_per_epoch"]):
+        per_rank = [[i for e, i in ranks if e == epoch] for ranks in result["rows_trained"]]
+        assert all(per_rank), "each rank trained rows"
+        together = sorted(per_rank[0] + per_rank[1])
+        assert together == list(range(n_rows)), "every row once: none skipped, none repeated"
+    sums = result["weight_sums"]
+    assert sums[0] == pytest.approx(sums[1], rel=1e-12)  # gradients averaged across ranks
+    log_text = (out / LOG_FILE).read_text()
+    assert "rank0" in log_text and "rank1" in log_text
+    assert result["steps"] == sum((n + 1) // 2 for n in result["rows_per_epoch"])
+
+
+def test_torchrun_failure_kills_the_group_and_names_the_cause(inputs, tmp_path):
+    from draftsmith.train.launch import TrainLaunchError, run_torchrun
+
+    cfg = small_cfg(nproc_per_node=2, init_from=str(tmp_path / "no-such-drafter"))
+    out = tmp_path / "ddp"
+    out.mkdir()
+    started = []
+    with pytest.raises(TrainLaunchError, match="no-such-drafter"):
+        run_torchrun(cfg, inputs["hidden"], inputs["merged"], inputs["target"], out,
+                     on_start=started.append)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(started[0].pid, 0)  # no process of the group is left
+
+
+def test_a_failing_compiled_path_falls_back_with_a_warning(inputs, tmp_path, monkeypatch,
+                                                           caplog):
+    """As on a GPU whose Triton build fails to compile the kernels (the seeds' Blackwell
+    shared-memory error): the run warns, drops to the eager layer and finishes."""
+    from draftsmith.model.eagle3 import Eagle3Drafter
+
+    def compile_that_fails(self, enabled=True):
+        def broken(*args, **kwargs):
+            raise RuntimeError("No valid triton configs. OutOfResources: out of resource: "
+                               "shared memory, Required: 262144, Hardware limit: 232448")
+        if enabled:
+            self.__dict__["_compiled_layer"] = broken
+        else:
+            self.__dict__.pop("_compiled_layer", None)
+
+    monkeypatch.setattr(Eagle3Drafter, "compile_layer", compile_that_fails)
+    monkeypatch.setattr(trainer, "compile_enabled", lambda cfg, device: True)
+    caplog.set_level("WARNING", logger="draftsmith")
+    descriptor = train(inputs, tmp_path, small_cfg(epochs=1))
+    assert "compiled path failed (RuntimeError: No valid triton configs" in caplog.text
+    assert "falling back to eager decoder layer" in caplog.text
+    assert descriptor.figures["tau"] >= 1.0
+
+
+def test_cancelling_the_launch_kills_the_torchrun_group(inputs, tmp_path):
+    from draftsmith.train.launch import run_torchrun
+
+    out = tmp_path / "ddp"
+    out.mkdir()
+    started = []
+
+    def cancel(process):  # a cancelled task gets KeyboardInterrupt-like exceptions
+        started.append(process)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        run_torchrun(small_cfg(nproc_per_node=2), inputs["hidden"], inputs["merged"],
+                     inputs["target"], out, on_start=cancel)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(started[0].pid, 0)
+
+
+def test_the_train_key_follows_the_content_of_the_drafter_to_fine_tune(tmp_path):
+    from draftsmith.config import ConfigError, parse_config
+    from draftsmith.plan import key_material
+
+    drafter = tmp_path / "drafter"
+    drafter.mkdir()
+    (drafter / "config.json").write_text("{}")
+    (drafter / "model.safetensors").write_bytes(b"one")
+    raw = {"target": {"model": "builtin:tiny"},
+           "data": {"sources": [{"name": "a", "path": str(tmp_path / "a.jsonl")}]},
+           "train": {"init_from": str(drafter)}}
+    before = key_material(parse_config(raw), "train")
+    (drafter / "model.safetensors").write_bytes(b"two")
+    assert key_material(parse_config(raw), "train") != before
+    raw["train"]["init_from"] = str(tmp_path / "missing")
+    with pytest.raises(ConfigError, match="train.init_from="):
+        key_material(parse_config(raw), "train")
