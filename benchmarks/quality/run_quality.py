@@ -279,6 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--ttt-steps", type=int, default=5)
     parser.add_argument("--target-seconds", type=float, help="override the training budget")
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--bench-prompts", type=int, help="override the benchmark's prompts")
+    parser.add_argument("--no-sweep", action="store_true", help="benchmark the chain only")
     parser.add_argument("--bench-tokens", type=int, help=(
         "override the benchmark's max_new_tokens (256, generate's length, measures acceptance "
         "over the same answer positions as the drafter's simulated tau)"))
@@ -289,6 +291,8 @@ def main(argv: list[str] | None = None) -> None:
         size["target_seconds"] = args.target_seconds
     if args.bench_tokens:
         size["bench_tokens"] = args.bench_tokens
+    if args.bench_prompts:
+        size["bench_prompts"] = args.bench_prompts
     args.out.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     built = build_target(args.out / "target", size, args.device, args.workers)
@@ -297,6 +301,8 @@ def main(argv: list[str] | None = None) -> None:
     log.info("%d held-out prompts", n_prompts)
     config = pipeline_config(args.out, args.out / "target", prompts, size, args.device,
                              args.ttt_steps)
+    if args.no_sweep:
+        config.benchmark.sweep = []
     from draftsmith.config import TargetConfig
 
     target = resolve_target(TargetConfig(model=str(args.out / "target")))
