@@ -266,3 +266,14 @@ def test_torchrun_world_of_two_writes_the_same_store(tmp_path, single, merged, r
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count(f"fingerprint {descriptor.fingerprint}") == 2, result.stdout
     assert shard_bytes(plan.dir) == reference
+
+
+def test_each_rank_gets_an_indexed_device():
+    """`target.device: cuda` must reach torch.cuda.set_device with an index (it refuses a bare
+    "cuda"; seen on the H200)."""
+    from draftsmith.extract.stage import _rank_device
+
+    assert _rank_device("cuda", 0, 1) == "cuda:0"
+    assert _rank_device("cuda:3", 0, 1) == "cuda:3"
+    assert [_rank_device("cuda", r, 2) for r in (0, 1)] == ["cuda:0", "cuda:1"]
+    assert _rank_device("cpu", 1, 2) == "cpu"

@@ -61,9 +61,11 @@ def torchrun_world() -> tuple[int, int, int] | None:
 
 
 def _rank_device(device: str, local_rank: int, world: int) -> str:
-    if world > 1 and device.startswith("cuda"):
+    """This rank's device, with an explicit index for CUDA ("cuda" alone means the current
+    GPU, which torch.cuda.set_device does not accept)."""
+    if device.startswith("cuda") and world > 1:
         return f"cuda:{local_rank}"
-    return device
+    return "cuda:0" if device == "cuda" else device
 
 
 def load_model(path: str, device: str, dtype: str, device_map: str | None):
