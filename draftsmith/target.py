@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -76,11 +77,26 @@ def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
     return ids
 
 
-def target_fingerprint(path: Path) -> str:
-    """Hash of the config and tokenizer files and of each weight file's name and size.
+WEIGHT_SAMPLE_BYTES = 1 << 20
 
-    Hashing terabytes of weights on every run is not an option; a changed checkpoint that keeps
-    every file size is not detected.
+
+def sample_weights(f: Path, sample: int = WEIGHT_SAMPLE_BYTES) -> str:
+    """sha256 of a weight file's size, its first and its last `sample` bytes: a retrained
+    checkpoint of the same shapes changes them, and no terabytes are read."""
+    digest = hashlib.sha256(str(f.stat().st_size).encode())
+    with open(f, "rb") as handle:
+        digest.update(handle.read(sample))
+        handle.seek(max(0, f.stat().st_size - sample))
+        digest.update(handle.read(sample))
+    return digest.hexdigest()
+
+
+def target_fingerprint(path: Path) -> str:
+    """Hash of the config and tokenizer files and of a sample of each weight file.
+
+    Hashing terabytes of weights on every run is not an option, so each weight file counts by
+    its size and its first and last MiB (safetensors put the header first and tensors after
+    it; a retrained checkpoint of the same shapes differs there).
     """
     material: dict[str, Any] = {}
     for f in sorted(path.iterdir()):
@@ -89,7 +105,7 @@ def target_fingerprint(path: Path) -> str:
         if f.suffix in (".json", ".jinja", ".txt", ".model", ".py"):
             material[f.name] = sha256_file(f)
         elif f.suffix in (".safetensors", ".bin", ".pt"):
-            material[f.name] = f.stat().st_size
+            material[f.name] = sample_weights(f)
     return hash_json(material)[:16]
 
 

@@ -183,3 +183,22 @@ def test_target_fingerprint_follows_config_and_weights(tmp_path, random_target_d
     with open(weights, "ab") as f:
         f.write(b"\0")  # a different weight file size
     assert target_fingerprint(copy) != changed
+
+
+def test_a_retrained_target_of_the_same_shapes_gets_a_new_fingerprint(tmp_path,
+                                                                      random_target_dir):
+    """Seen on the H200: retraining the quality benchmark's target (same shapes, same file
+    sizes) kept the fingerprint, so the generate stage's key pointed at the old answers."""
+    from safetensors.torch import load_file, save_file
+
+    copy = tmp_path / "copy"
+    shutil.copytree(random_target_dir, copy)
+    before = target_fingerprint(copy)
+    (weights,) = list(copy.glob("*.safetensors"))
+    tensors = load_file(weights)
+    first = sorted(tensors)[0]
+    tensors[first] = tensors[first] + 1.0  # same shape and dtype: same file size
+    size = weights.stat().st_size
+    save_file(tensors, weights, metadata={"format": "pt"})
+    assert weights.stat().st_size == size
+    assert target_fingerprint(copy) != before
