@@ -358,6 +358,9 @@ class DeployConfig(StrictModel):
 
 
 class BenchmarkConfig(StrictModel):
+    prompts_file: str | None = Field(None, description=(
+        "Held-out prompts from a file in any data format (ShareGPT, OpenAI messages, "
+        "trajectories, prompt-only); default: the validation split of the merged data."))
     num_prompts: int = Field(16, ge=1)
     max_new_tokens: int = Field(64, ge=1)
     warmup_prompts: int = Field(1, ge=0)

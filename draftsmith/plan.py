@@ -56,7 +56,12 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
         return {"deploy": config.deploy.model_dump(exclude={"startup_timeout_s", "keep_serving"}),
                 "target_dtype": dtype}
     if stage == "benchmark":
-        return {"benchmark": config.benchmark.model_dump(), "target_dtype": dtype}
+        material = {"benchmark": config.benchmark.model_dump(exclude={"prompts_file"}),
+                    "target_dtype": dtype}
+        if config.benchmark.prompts_file:  # its content, not where it lies
+            material["prompts"] = file_fingerprint("benchmark.prompts_file",
+                                                   config.benchmark.prompts_file)
+        return material
     raise ValueError(f"unknown stage {stage!r}")
 
 
@@ -69,6 +74,14 @@ def drafter_fingerprint(path: str) -> dict[str, str]:
     return {f.name: sha256_file(f) for f in sorted(directory.iterdir()) if f.is_file()}
 
 
+def file_fingerprint(what: str, path: str) -> str:
+    """Content hash of an input file; `what` names the setting in the error."""
+    try:
+        return sha256_file(path)[:16]
+    except FileNotFoundError:
+        raise ConfigError(f"{what}={path}: file not found") from None
+
+
 def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
     """Content fingerprints of the source files: new data means new keys downstream."""
     out = []
@@ -76,11 +89,7 @@ def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
         if source.hub is not None:
             out.append(external_descriptor("data", source.hub, hub_fingerprint(source)))
             continue
-        try:
-            fingerprint = sha256_file(source.path)[:16]
-        except FileNotFoundError:
-            raise ConfigError(f"data.sources[{source.name}].path={source.path}: file not found"
-                              ) from None
+        fingerprint = file_fingerprint(f"data.sources[{source.name}].path", source.path)
         out.append(external_descriptor("data", source.path, fingerprint))
     return out
 

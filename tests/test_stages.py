@@ -262,3 +262,36 @@ def test_sweep_points_are_checked_like_a_deploy():
         BenchmarkConfig(sweep=[{"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 9}])
     with pytest.raises(ValueError, match="chain drafting needs num_draft_tokens"):
         BenchmarkConfig(sweep=[{"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 3}])
+
+
+def test_benchmark_prompts_can_come_from_a_file(chain, random_target, random_target_dir,
+                                                 tmp_path):
+    """benchmark.prompts_file: held-out prompts in any data format, up to num_prompts; the
+    stage key follows the file's content."""
+    from draftsmith.bench.benchmark import held_out_prompts, run_benchmark
+    from draftsmith.config import PipelineConfig
+    from draftsmith.plan import key_material
+    from draftsmith.target import load_tokenizer
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n"
+                               for i in range(5)))
+    cfg = BenchmarkConfig(prompts_file=str(prompts), num_prompts=3, max_new_tokens=6)
+    tokenizer = load_tokenizer(random_target)
+    ids = held_out_prompts(cfg, chain["merge"], tokenizer)
+    assert len(ids) == 3
+    assert tokenizer.decode(ids[1]).count("def f1(x):") == 1
+    bench = run_benchmark(cfg, TargetConfig(model=str(random_target_dir)), chain["deploy"],
+                          chain["merge"], random_target,
+                          plan_stage(tmp_path, "benchmark", {}, [chain["deploy"]]))
+    assert bench.figures["prompts"] == 3 and bench.figures["lossless"] is True
+
+    def key() -> dict:
+        config = PipelineConfig.model_validate({
+            "data": {"sources": [{"name": "a", "path": str(prompts)}]},
+            "benchmark": {"prompts_file": str(prompts)}})
+        return key_material(config, "benchmark")
+
+    before = key()
+    prompts.write_text(json.dumps({"prompt": "def g(y):"}) + "\n")
+    assert key() != before

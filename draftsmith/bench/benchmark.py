@@ -7,6 +7,7 @@ concurrency of the sweep; tokens/s, time to first token, acceptance length from 
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from draftsmith.artifacts import (
 from draftsmith.bench.charts import plot_benchmark
 from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
+from draftsmith.data.formats import load_source
 from draftsmith.data.merge import read_split
 from draftsmith.progress import Progress
 from draftsmith.serve.deploy import drafting_label, load_embedded_engine, prompt_ids
@@ -30,10 +32,18 @@ log = logging.getLogger(__name__)
 
 
 def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> list[list[int]]:
+    """Token ids of each prompt: the conversation up to its last assistant turn, from
+    benchmark.prompts_file or from the validation split (never trained on)."""
+    if cfg.prompts_file:
+        records, _ = load_source("benchmark.prompts_file", cfg.prompts_file,
+                                 limit=cfg.num_prompts)
+        return [prompt_ids(tokenizer, json.dumps([m.model_dump(include={"role", "content"})
+                                                  for m in r.messages])) for r in records]
     rows = read_split(merged, "validation")
     if not rows:
         raise ValueError("benchmark: the validation split is empty; raise "
-                         "merge.validation_fraction so there are held-out prompts")
+                         "merge.validation_fraction so there are held-out prompts, or set "
+                         "benchmark.prompts_file")
     return [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
 
 
