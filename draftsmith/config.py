@@ -369,6 +369,9 @@ class BenchmarkConfig(StrictModel):
     temperature: float = Field(0.0, ge=0.0, description=(
         "0: greedy, and the embedded engine's outputs must equal plain greedy decoding; "
         ">0: sampled (speculative sampling keeps the target's distribution)."))
+    sampled_temperature: float | None = Field(None, gt=0.0, description=(
+        "Also measure the deployed config sampled at this temperature (e.g. 0.7), next to the "
+        "greedy run: acceptance usually drops when sampling."))
     baseline: bool = Field(True, description=(
         "Served endpoints: also measure the target without speculation on the same GPUs "
         "(stops the speculative server first)."))

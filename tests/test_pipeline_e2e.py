@@ -183,7 +183,7 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         # port (and GPUs), for a server per sweep point and then the target alone, and the
         # verdict compares them.
         raw["deploy"]["keep_serving"] = False
-        raw["benchmark"].update(baseline=True, sweep=[
+        raw["benchmark"].update(baseline=True, sampled_temperature=0.7, sweep=[
             {"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 4}])
         final = run_pipeline(raw)
         figures = final["benchmark"]["descriptor"]["figures"]
@@ -194,6 +194,7 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         report = json.loads((bench_dir / "report.json").read_text())
         assert [(r["server"], r["concurrency"]) for r in report["rows"]] == [
             ("chain, 3 steps", 1), ("chain, 3 steps", 2), ("tree 2x2/4", 1), ("tree 2x2/4", 2),
+            ("chain, 3 steps @ T=0.7", 1), ("chain, 3 steps @ T=0.7", 2),
             ("baseline", 1), ("baseline", 2)]
         assert all("acceptance_length" not in r for r in report["rows"]
                    if r["server"] == "baseline")

@@ -295,3 +295,19 @@ def test_benchmark_prompts_can_come_from_a_file(chain, random_target, random_tar
     before = key()
     prompts.write_text(json.dumps({"prompt": "def g(y):"}) + "\n")
     assert key() != before
+
+
+def test_benchmark_also_measures_a_sampled_setting(chain, random_target, random_target_dir,
+                                                   tmp_path):
+    from draftsmith.bench.benchmark import run_benchmark
+
+    cfg = BenchmarkConfig(num_prompts=2, max_new_tokens=8, sampled_temperature=0.8)
+    bench = run_benchmark(cfg, TargetConfig(model=str(random_target_dir)), chain["deploy"],
+                          chain["merge"], random_target,
+                          plan_stage(tmp_path, "benchmark", {}, [chain["deploy"]]))
+    configs = json.loads((bench.dir / "report.json").read_text())["configs"]
+    greedy, sampled = configs
+    assert greedy["lossless"] is True and bench.figures["lossless"] is True
+    assert sampled["config"] == "chain, 2 steps @ T=0.8" and sampled["temperature"] == 0.8
+    assert sampled["lossless"] is None and sampled["identical_outputs"].startswith("n/a")
+    assert sampled["acceptance_length"] >= 1.0

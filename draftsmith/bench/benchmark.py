@@ -123,16 +123,22 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     material = {"engine": "embedded", "drafter_dir": spec["drafter_dir"],
                 "target_dtype": target_cfg.dtype}
     points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
+    # The best config is chosen among runs at the benchmark's own temperature.
+    best = max((c for c in [summary, *points] if c["lossless"] is not False),
+               key=lambda c: c["speedup"], default=summary)
     configs = [summary, *points]
-    best = max((c for c in configs if c["lossless"] is not False), key=lambda c: c["speedup"],
-               default=summary)
+    if cfg.sampled_temperature:
+        sampled_cfg = cfg.model_copy(update={"temperature": cfg.sampled_temperature})
+        configs.append({**measure_embedded(engine, prompts, sampled_cfg, eos,
+                                           f"{deployed} @ T={cfg.sampled_temperature}")[0],
+                        "temperature": cfg.sampled_temperature})
     summary = {"engine": spec["engine"], **summary, "temperature": cfg.temperature,
                # Token identity with one-token greedy decoding is exact only in float32.
                "target_dtype": target_cfg.dtype}
     if points:
         summary["best_config"] = best["config"]
-        summary["lossless"] = (None if summary["lossless"] is None
-                               else all(c["lossless"] for c in configs))
+    if summary["lossless"] is not None:  # greedy: every greedy config must be identical
+        summary["lossless"] = all(c["lossless"] for c in configs if c["lossless"] is not None)
     verdict = (f"speculation is {best['speedup']:.2f}x plain greedy decoding ({best['config']})"
                if best["speedup"] >= 1 else
                f"WARNING: speculation is slower than plain decoding ({best['speedup']:.2f}x "
@@ -219,6 +225,9 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
                               deploy_cfg.num_draft_tokens)
     with stage_output(plan) as out:
         sweep = _concurrency_sweep(url, prompts, cfg, speculative=True)
+        sampled = (_concurrency_sweep(url, prompts, cfg.model_copy(
+            update={"temperature": cfg.sampled_temperature}), speculative=True)
+            if cfg.sampled_temperature else None)
         # Sweep points and the baseline need the deployed server's GPUs (a TP-8 target does
         # not fit twice), so they run only when this run started that server and can stop it.
         owned = servers.running(url) is not None
@@ -258,12 +267,18 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
                     "num_draft_tokens": deploy_cfg.num_draft_tokens,
                     "acceptance_length": sweep[0]["acceptance_length"],
                     "tokens_per_s": sweep[0]["tokens_per_s"], "rows": sweep}, *points]
+        if sampled:
+            configs.append({"config": f"{deployed} @ T={cfg.sampled_temperature}",
+                            "temperature": cfg.sampled_temperature,
+                            "acceptance_length": sampled[0]["acceptance_length"],
+                            "tokens_per_s": sampled[0]["tokens_per_s"], "rows": sampled})
         summary = {"engine": "sglang", "url": url, "config": deployed,
                    "num_steps": deploy_cfg.num_steps, "prompts": len(prompts),
                    "temperature": cfg.temperature,
                    "acceptance_length": sweep[0]["acceptance_length"],
                    "single_stream_tokens_per_s": sweep[0]["tokens_per_s"]}
-        best = max(configs, key=lambda c: c["tokens_per_s"])
+        best = max((c for c in configs if "temperature" not in c),
+                   key=lambda c: c["tokens_per_s"])
         if points:
             summary["best_config"] = best["config"]
         if baseline:
@@ -290,7 +305,7 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
         atomic_write_json(out / "report.json", {"summary": summary, "rows": rows,
                                                 "configs": table_configs, "verdict": verdict})
         text = f"# draftsmith benchmark: {url}\n\n{markdown_table(rows)}"
-        if points:
+        if len(configs) > 1:
             text += f"\n## Drafting configs\n\n{markdown_table(table_configs)}"
         (out / "report.md").write_text(f"{text}\n**{verdict}**\n")
         plot_benchmark([f"{r['server']} c={r['concurrency']}" for r in rows],
