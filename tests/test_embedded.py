@@ -188,6 +188,11 @@ def tree_engine(target_model, exported_drafter, steps: int, topk: int, budget: i
                                           topk=topk, num_draft_tokens=budget)
 
 
+def aux_before_last(engine, prompt: list[int]) -> torch.Tensor:
+    """The target's aux states for every token but the last, as the engine keeps them."""
+    return engine.runner.forward(prompt[:-1], DynamicCache())[1]  # [1, n, K*H]
+
+
 @pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)
 def test_tree_generate_is_lossless(target_model, exported_drafter, prompts, steps, topk, budget):
     engine = tree_engine(target_model, exported_drafter, steps, topk, budget)
@@ -205,8 +210,7 @@ def test_tree_shape_follows_the_settings(target_model, exported_drafter, prompts
     engine = tree_engine(target_model, exported_drafter, 3, 2, 6)
     try:
         prompt = prompts[1]
-        cache = DynamicCache()
-        _, aux = engine.runner.forward(prompt[:-1], cache)
+        aux = aux_before_last(engine, prompt)
         tree, _ = engine._draft_tree(prompt, aux, 0, None)
         assert len(tree) == 5  # num_draft_tokens - 1: the root is the last known token
         assert max(tree.depths) <= 3
@@ -222,8 +226,7 @@ def test_tree_with_topk_one_drafts_the_chain(target_model, exported_drafter, pro
     engine = tree_engine(target_model, exported_drafter, 3, 1, 4)
     try:
         prompt = prompts[0]
-        cache = DynamicCache()
-        _, aux = engine.runner.forward(prompt[:-1], cache)
+        aux = aux_before_last(engine, prompt)
         chain, _, _ = engine._draft(prompt, aux, 0, None, Sampling())
         tree, _ = engine._draft_tree(prompt, aux, 0, None)
         assert tree.tokens == chain and tree.parents == [0, 1, 2] and tree.depths == [1, 2, 3]
@@ -258,8 +261,7 @@ def test_tree_nodes_equal_drafting_their_path_from_scratch(target_model, exporte
     engine = tree_engine(target_model, exported_drafter, 3, topk, 22)  # every candidate
     try:
         prompt = prompts[2]
-        cache = DynamicCache()
-        _, aux = engine.runner.forward(prompt[:-1], cache)
+        aux = aux_before_last(engine, prompt)
         tree, _ = engine._draft_tree(prompt, aux, 0, None)
         to_target = drafter.draft_to_target_ids()
         assert max(tree.depths) == 3
