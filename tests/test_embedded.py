@@ -4,6 +4,7 @@ eos, and drafts equal to what the exported drafter computes from scratch."""
 from __future__ import annotations
 
 import json
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -183,9 +184,15 @@ def exported_drafter(drafter, tmp_path_factory):
     return out
 
 
+@contextmanager
 def tree_engine(target_model, exported_drafter, steps: int, topk: int, budget: int):
-    return EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=steps,
-                                          topk=topk, num_draft_tokens=budget)
+    """An engine on the shared target model; its hooks come off the model afterwards."""
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=steps,
+                                            topk=topk, num_draft_tokens=budget)
+    try:
+        yield engine
+    finally:
+        engine.runner.close()
 
 
 def aux_before_last(engine, prompt: list[int]) -> torch.Tensor:
@@ -195,20 +202,16 @@ def aux_before_last(engine, prompt: list[int]) -> torch.Tensor:
 
 @pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)
 def test_tree_generate_is_lossless(target_model, exported_drafter, prompts, steps, topk, budget):
-    engine = tree_engine(target_model, exported_drafter, steps, topk, budget)
-    try:
+    with tree_engine(target_model, exported_drafter, steps, topk, budget) as engine:
         for prompt in prompts:
             expected = greedy_generate(engine.runner, prompt, 20, None)
             got = engine.generate(prompt, 20, None)
             assert got.tokens == expected.tokens
             check_bookkeeping(got, steps)
-    finally:
-        engine.runner.close()
 
 
 def test_tree_shape_follows_the_settings(target_model, exported_drafter, prompts):
-    engine = tree_engine(target_model, exported_drafter, 3, 2, 6)
-    try:
+    with tree_engine(target_model, exported_drafter, 3, 2, 6) as engine:
         prompt = prompts[1]
         aux = aux_before_last(engine, prompt)
         tree, _ = engine._draft_tree(prompt, aux, 0, None)
@@ -218,20 +221,15 @@ def test_tree_shape_follows_the_settings(target_model, exported_drafter, prompts
             assert parent < i + 1  # parents come first in verify order
             assert depth == (1 if parent == 0 else tree.depths[parent - 1] + 1)
         assert sum(1 for p in tree.parents if p == 0) <= 2  # at most topk children per node
-    finally:
-        engine.runner.close()
 
 
 def test_tree_with_topk_one_drafts_the_chain(target_model, exported_drafter, prompts):
-    engine = tree_engine(target_model, exported_drafter, 3, 1, 4)
-    try:
+    with tree_engine(target_model, exported_drafter, 3, 1, 4) as engine:
         prompt = prompts[0]
         aux = aux_before_last(engine, prompt)
         chain, _, _ = engine._draft(prompt, aux, 0, None, Sampling())
         tree, _ = engine._draft_tree(prompt, aux, 0, None)
         assert tree.tokens == chain and tree.parents == [0, 1, 2] and tree.depths == [1, 2, 3]
-    finally:
-        engine.runner.close()
 
 
 def path_logits(drafter: Eagle3Drafter, model, tokens: list[int], path: list[int]):
@@ -258,8 +256,7 @@ def test_tree_nodes_equal_drafting_their_path_from_scratch(target_model, exporte
     """Every node is among the topk of the drafter's logits after its ancestors alone: the
     tree attention mask lets no node see its cousins."""
     topk = 3
-    engine = tree_engine(target_model, exported_drafter, 3, topk, 22)  # every candidate
-    try:
+    with tree_engine(target_model, exported_drafter, 3, topk, 22) as engine:  # every candidate
         prompt = prompts[2]
         aux = aux_before_last(engine, prompt)
         tree, _ = engine._draft_tree(prompt, aux, 0, None)
@@ -272,8 +269,6 @@ def test_tree_nodes_equal_drafting_their_path_from_scratch(target_model, exporte
                 node = tree.parents[node - 1]
             logits = path_logits(drafter, target_model, prompt, path)
             assert token in to_target[logits.topk(topk).indices].tolist(), (i, path)
-    finally:
-        engine.runner.close()
 
 
 def oracle_tree(engine, reference: list[int], prompt_len: int, true_branch: int):
@@ -305,8 +300,7 @@ def oracle_tree(engine, reference: list[int], prompt_len: int, true_branch: int)
 def test_tree_accepts_the_true_branch(target_model, exported_drafter, prompts, monkeypatch,
                                       true_branch):
     steps, max_new = 3, 21
-    engine = tree_engine(target_model, exported_drafter, steps, 2, 7)
-    try:
+    with tree_engine(target_model, exported_drafter, steps, 2, 7) as engine:
         prompt = prompts[1]
         reference = greedy_generate(engine.runner, prompt, max_new + steps, None).tokens
         monkeypatch.setattr(engine, "_draft_tree",
@@ -315,8 +309,6 @@ def test_tree_accepts_the_true_branch(target_model, exported_drafter, prompts, m
         assert got.tokens == reference[:max_new]
         assert got.round_tokens[:-1] == [steps + 1] * (len(got.round_tokens) - 1)
         check_bookkeeping(got, steps)
-    finally:
-        engine.runner.close()
 
 
 def test_engine_refuses_an_impossible_tree(target_model, exported_drafter):
