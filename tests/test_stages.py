@@ -224,9 +224,9 @@ def test_benchmark_sweep_measures_each_drafting_config_once(chain, random_target
     measured: list[tuple] = []
     real = bench_module.measure_embedded
 
-    def counting(engine, prompts, cfg, eos, label):
+    def counting(engine, prompts, cfg, eos, label, plain):
         measured.append((label, engine.num_steps, engine.topk, engine.num_draft_tokens))
-        return real(engine, prompts, cfg, eos, label)
+        return real(engine, prompts, cfg, eos, label, plain)
 
     monkeypatch.setattr(bench_module, "measure_embedded", counting)
     target_cfg = TargetConfig(model=str(random_target_dir))

@@ -25,7 +25,12 @@ from draftsmith.data.formats import load_source
 from draftsmith.data.merge import read_split
 from draftsmith.progress import Progress
 from draftsmith.serve.deploy import drafting_label, load_embedded_engine, prompt_ids
-from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Sampling, greedy_generate
+from draftsmith.serve.embedded import (
+    EmbeddedSpeculativeEngine,
+    Generation,
+    Sampling,
+    greedy_generate,
+)
 from draftsmith.target import load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -47,22 +52,31 @@ def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> lis
     return [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
 
 
+def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
+                   eos: int | None) -> list[Generation]:
+    """The baseline: every prompt decoded without speculation, at cfg.temperature (measured
+    once per temperature and shared by every drafting config)."""
+    for prompt in prompts[: cfg.warmup_prompts]:
+        greedy_generate(runner, prompt, cfg.max_new_tokens, eos)
+    return [greedy_generate(runner, prompt, cfg.max_new_tokens, eos,
+                            Sampling(cfg.temperature, seed=i)) for i, prompt in enumerate(prompts)]
+
+
 def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
-                     eos: int | None, label: str) -> tuple[dict, list[dict]]:
-    """Speculative vs plain decoding of every prompt with the same target. Greedy: outputs
-    must be identical to plain greedy decoding. Sampled: each token is distributed as the
-    target's own sampling, so outputs differ and only speed is compared."""
+                     eos: int | None, label: str,
+                     plain: list[Generation]) -> tuple[dict, list[dict]]:
+    """Speculative decoding of every prompt against `plain` (plain_decoding at the same
+    temperature). Greedy: outputs must be identical to plain greedy decoding. Sampled: each
+    token is distributed as the target's own sampling, so outputs differ and only speed is
+    compared."""
     for prompt in prompts[: cfg.warmup_prompts]:
         engine.generate(prompt, cfg.max_new_tokens, eos)
-        greedy_generate(engine.runner, prompt, cfg.max_new_tokens, eos)
     sampled = cfg.temperature > 0
     per_prompt = []
     progress = Progress(f"benchmark {label}", total=len(prompts), unit="prompt")
-    for i, prompt in enumerate(prompts):
+    for i, (prompt, greedy) in enumerate(zip(prompts, plain, strict=True)):
         speculative = engine.generate(prompt, cfg.max_new_tokens, eos,
                                       Sampling(cfg.temperature, seed=i))
-        greedy = greedy_generate(engine.runner, prompt, cfg.max_new_tokens, eos,
-                                 Sampling(cfg.temperature, seed=i))
         per_prompt.append({
             "prompt_tokens": len(prompt),
             "completion_tokens": len(speculative.tokens),
@@ -109,14 +123,15 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     prompts = held_out_prompts(cfg, merged, tokenizer)
     eos = tokenizer.eos_token_id
     deployed = drafting_label(spec["num_steps"], spec["eagle_topk"], spec["num_draft_tokens"])
-    summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, deployed)
+    plain = plain_decoding(engine.runner, prompts, cfg, eos)
+    summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, deployed, plain)
 
     def measure_point(point: DraftingPoint, _out: Path) -> dict:
         point_engine = EmbeddedSpeculativeEngine(
             engine.runner.model, engine.drafter, point.num_steps, point.eagle_topk,
             point.num_draft_tokens)
         try:
-            return measure_embedded(point_engine, prompts, cfg, eos, point.label)[0]
+            return measure_embedded(point_engine, prompts, cfg, eos, point.label, plain)[0]
         finally:
             point_engine.runner.close()
 
@@ -129,8 +144,10 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     configs = [summary, *points]
     if cfg.sampled_temperature:
         sampled_cfg = cfg.model_copy(update={"temperature": cfg.sampled_temperature})
+        sampled_plain = plain_decoding(engine.runner, prompts, sampled_cfg, eos)
         configs.append({**measure_embedded(engine, prompts, sampled_cfg, eos,
-                                           f"{deployed} @ T={cfg.sampled_temperature}")[0],
+                                           f"{deployed} @ T={cfg.sampled_temperature}",
+                                           sampled_plain)[0],
                         "temperature": cfg.sampled_temperature})
     summary = {"engine": spec["engine"], **summary, "temperature": cfg.temperature,
                # Token identity with one-token greedy decoding is exact only in float32.
