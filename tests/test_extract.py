@@ -85,22 +85,23 @@ def test_capture_leaves_no_hooks_behind(random_target_model):
     assert [len(layer._forward_hooks) for layer in layers] == before
 
 
-def test_padded_batch_equals_unpadded_single_runs(random_target_model, random_target):
+def test_right_padded_batch_without_mask_equals_unpadded_single_runs(random_target_model,
+                                                                     random_target):
+    """The stage runs right-padded batches with no attention mask (so SDPA keeps its fused
+    causal kernel): every real token's states must still equal a run of its sample alone."""
     model = random_target_model
     g = torch.Generator().manual_seed(2)
     V = random_target.figures["vocab_size"]
     lengths = [12, 5, 8]
     seqs = [torch.randint(0, V, (n,), generator=g) for n in lengths]
     T = max(lengths)
-    input_ids = torch.full((len(seqs), T), 3, dtype=torch.long)  # pad id 3
-    attention_mask = torch.zeros_like(input_ids)
-    for i, s in enumerate(seqs):  # right padding, as the extract stage does
-        input_ids[i, : len(s)] = s
-        attention_mask[i, : len(s)] = 1
-    capture = HiddenStateCapture(model, AUX_IDS)
-    aux, final = capture(input_ids, attention_mask)
+    input_ids = torch.randint(0, V, (len(seqs), T), generator=g)  # random padding tokens
     for i, s in enumerate(seqs):
-        one_aux, one_final = capture(s[None], torch.ones(1, len(s), dtype=torch.long))
+        input_ids[i, : len(s)] = s
+    capture = HiddenStateCapture(model, AUX_IDS)
+    aux, final = capture(input_ids)
+    for i, s in enumerate(seqs):
+        one_aux, one_final = capture(s[None])
         n = len(s)
         torch.testing.assert_close(aux[i, :n], one_aux[0], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(final[i, :n], one_final[0], rtol=1e-4, atol=1e-5)

@@ -31,8 +31,13 @@ class HiddenStateCapture:
         return hook
 
     @torch.inference_mode()
-    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor):
-        """input_ids, attention_mask [B, T] -> aux [B, T, K*H], final [B, T, H]."""
+    def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """input_ids [B, T] -> aux [B, T, K*H], final [B, T, H].
+
+        A right-padded batch needs no attention_mask: under causal attention a real token only
+        sees the tokens before it, all real, so its states equal an unpadded run's, and the
+        padding rows are dropped by the caller. Without a mask SDPA takes its fused causal
+        (flash) kernel instead of a masked kernel that computes every (query, key) pair."""
         handles = [self.decoder.layers[i].register_forward_hook(self._hook(i))
                    for i in self.aux_layer_ids]
         try:

@@ -106,18 +106,14 @@ class ShardComputer:
             input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, T]
             for i, row in enumerate(batch):
                 input_ids[i, : lengths[i]] = torch.tensor(row["input_ids"])
-            # Equal lengths need no mask, which lets SDPA take its fused causal kernel.
-            mask = None
-            if min(lengths) != longest:
-                mask = torch.arange(longest)[None, :] < torch.tensor(lengths)[:, None]  # [B, T]
             # Real tokens in order, as flat indices: gathering with them avoids the host sync
             # that boolean indexing on the device would cost.
             flat = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])  # [N]
             if pinned:
                 input_ids, flat = input_ids.pin_memory(), flat.pin_memory()
             ids_dev = input_ids.to(self.device, non_blocking=True)
-            mask_dev = None if mask is None else mask.long().to(self.device, non_blocking=True)
-            aux, final = self.capture(ids_dev, mask_dev)  # [B, T, K*H], [B, T, H]
+            # Right padding under causal attention: no mask needed (see HiddenStateCapture).
+            aux, final = self.capture(ids_dev)  # [B, T, K*H], [B, T, H]
             states_device = aux.device  # the last GPU when device_map spreads the model
             flat_dev = flat.to(states_device, non_blocking=True)
             aux = aux.reshape(-1, aux.shape[-1]).index_select(0, flat_dev)  # [N, K*H]
