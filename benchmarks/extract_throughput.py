@@ -189,6 +189,8 @@ def main() -> None:
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--out", default="/tmp/extract-bench")
+    p.add_argument("--profile", type=Path,
+                   help="write a torch.profiler table of a compute pass over about 2 batches")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -203,6 +205,14 @@ def main() -> None:
     results = {"args": vars(args)}
     warm = make_rows(args.max_len * 2, args.min_len, args.max_len, args.vocab, seed=99)
     run_pass("warmup", args, config, capture, warm, None)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        rows = make_rows(2 * args.batch_tokens, args.min_len, args.max_len, args.vocab, seed=98)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_pass("profiled", args, config, capture, rows, None)
+        args.profile.write_text(prof.key_averages().table(
+            sort_by="cuda_time_total", row_limit=40, max_name_column_width=70))
     if args.compute_tokens:
         rows = make_rows(args.compute_tokens, args.min_len, args.max_len, args.vocab, seed=1)
         results["compute"] = []

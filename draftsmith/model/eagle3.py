@@ -197,6 +197,10 @@ class Eagle3Drafter(nn.Module):
         else:
             self.__dict__.pop("_compiled_layer", None)
 
+    @property
+    def compiled(self) -> bool:
+        return "_compiled_layer" in self.__dict__
+
     def draft_to_target_ids(self) -> torch.Tensor:
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
 

@@ -61,12 +61,26 @@ def _chunk_ce(logits: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor,
     return ce, logits.argmax(-1), grad.to(grad_dtype)
 
 
+_COMPILED_CHUNK_CE: list = []
+
+
+def _chunk_ce_fn(compiled: bool):
+    """_chunk_ce, or its torch.compile'd form: about ten float32 passes over a [c, D] chunk
+    fused into two (the matmuls around it stay cuBLAS calls)."""
+    if not compiled:
+        return _chunk_ce
+    if not _COMPILED_CHUNK_CE:
+        _COMPILED_CHUNK_CE.append(torch.compile(_chunk_ce))
+    return _COMPILED_CHUNK_CE[0]
+
+
 class _LinearSoftCE(torch.autograd.Function):
     """sum_t w_t * CE(p_t, softmax(x_t W^T)) with gradients computed in the forward pass."""
 
     @staticmethod
-    def forward(ctx, x, weight, probs, weights, chunk):
+    def forward(ctx, x, weight, probs, weights, chunk, compiled):
         # x [T, H]; weight [D, H]; probs [T, D]; weights [T] float32
+        chunk_ce = _chunk_ce_fn(compiled)
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = torch.empty_like(x) if need_x else None  # [T, H]
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
@@ -74,7 +88,7 @@ class _LinearSoftCE(torch.autograd.Function):
         ce_all, argmax_all = [], []
         for start in range(0, x.shape[0], chunk):
             xc = x[start:start + chunk]  # [c, H]
-            ce, argmax, grad_logits = _chunk_ce(xc @ weight.T, probs[start:start + chunk],
+            ce, argmax, grad_logits = chunk_ce(xc @ weight.T, probs[start:start + chunk],
                                                weights[start:start + chunk], x.dtype)
             ce_all.append(ce)  # [c]
             argmax_all.append(argmax)  # [c]
@@ -94,15 +108,16 @@ class _LinearSoftCE(torch.autograd.Function):
         grad_x, grad_w = ctx.saved_tensors
         gx = grad_x * grad_loss.to(grad_x.dtype) if grad_x is not None else None
         gw = (grad_w * grad_loss).to(ctx.weight_dtype) if grad_w is not None else None
-        return gx, gw, None, None, None
+        return gx, gw, None, None, None, None
 
 
 def fused_linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor,
-                         weights: torch.Tensor, chunk: int = 2048
+                         weights: torch.Tensor, chunk: int = 2048, compiled: bool = False
                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Weighted soft cross-entropy of lm_head(x) against probs, chunk by chunk.
 
     x [T, H] (the drafter's norm output), weight [D, H] (lm_head), probs [T, D], weights [T]
     (0 where a position carries no loss). Returns the weighted loss (scalar, differentiable
-    into x and weight), the per-position CE [T] and the drafter's argmax [T] (no grad)."""
-    return _LinearSoftCE.apply(x, weight, probs, weights.float(), chunk)
+    into x and weight), the per-position CE [T] and the drafter's argmax [T] (no grad).
+    compiled: fuse the per-chunk float32 math with torch.compile (CUDA)."""
+    return _LinearSoftCE.apply(x, weight, probs, weights.float(), chunk, compiled)

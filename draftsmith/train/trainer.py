@@ -101,7 +101,8 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
         n_loss = with_loss.sum()
         weights = with_loss.float() * (step_weights[j] / n_loss.clamp(min=1))  # [n]
         loss, ce, guess = fused_linear_soft_ce(x[0, :n], drafter.lm_head.weight,
-                                               probs[j + 1:], weights, chunk_tokens)
+                                               probs[j + 1:], weights, chunk_tokens,
+                                               compiled=drafter.compiled)
         total = total + loss
         right = torch.zeros_like(loss_mask)  # [T]
         right[:n] = guess == target_arg[j + 1:]
