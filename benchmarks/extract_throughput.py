@@ -202,7 +202,7 @@ def main() -> None:
                       "free_disk_gib": round(free_disk_bytes(out) / 2**30, 1)}), flush=True)
     L = config.num_hidden_layers
     capture = HiddenStateCapture(model, [1, L // 2 - 1, L - 4])
-    results = {"args": vars(args)}
+    results = {"args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}}
     warm = make_rows(args.max_len * 2, args.min_len, args.max_len, args.vocab, seed=99)
     run_pass("warmup", args, config, capture, warm, None)
     if args.profile:

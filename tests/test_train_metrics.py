@@ -260,7 +260,9 @@ def test_row_loss_matches_a_position_by_position_reference(random_target_dir):
 # --------------------------------------------------------------------------- loss pieces
 
 
-def test_fused_linear_soft_ce_matches_autograd_of_the_plain_formula():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_fused_linear_soft_ce_matches_autograd_of_the_plain_formula(compiled):
+    """compiled: the per-chunk math through torch.compile, as CUDA training runs it."""
     from draftsmith.train.loss import fused_linear_soft_ce
 
     g = torch.Generator().manual_seed(0)
@@ -272,7 +274,8 @@ def test_fused_linear_soft_ce_matches_autograd_of_the_plain_formula():
 
     plain = (-(probs * F.log_softmax(x @ w.T, -1)).sum(-1) * weights).sum()
     gx, gw = torch.autograd.grad(plain, (x, w))
-    loss, ce, argmax = fused_linear_soft_ce(x, w, probs, weights, chunk=4)  # uneven chunks
+    loss, ce, argmax = fused_linear_soft_ce(x, w, probs, weights, chunk=4,
+                                            compiled=compiled)  # uneven chunks
     torch.testing.assert_close(loss, plain)
     fx, fw = torch.autograd.grad(2.5 * loss, (x, w))  # the upstream gradient is applied
     torch.testing.assert_close(fx, 2.5 * gx)
@@ -281,7 +284,7 @@ def test_fused_linear_soft_ce_matches_autograd_of_the_plain_formula():
     assert torch.equal(argmax, (x @ w.T).argmax(-1))
 
     frozen = w.detach()  # a frozen lm_head: gradient for x only
-    loss, _, _ = fused_linear_soft_ce(x, frozen, probs, weights, chunk=4)
+    loss, _, _ = fused_linear_soft_ce(x, frozen, probs, weights, chunk=4, compiled=compiled)
     (fx,) = torch.autograd.grad(loss, (x,))
     torch.testing.assert_close(fx, gx)
 
