@@ -7,8 +7,10 @@ vocab 128256) with random bf16 weights, built directly on the GPU; samples of --
 
 FLOPs counted (prefill, forward only): 2 per multiply-add of every decoder matmul (q, k, v, o,
 gate, up, down) per real token, plus causal attention 2 * T^2 * q_dim per layer per sample
-(scores and values, half of the dense 4 * T^2 * q_dim). Padding, embeddings and lm_head are not
-counted (the capture never runs the lm_head). MFU is against 790 TFLOP/s (H200 bf16 dense).
+(scores and values, half of the dense 4 * T^2 * q_dim), plus the lm_head over real tokens,
+2 * H * V each (the capture stores the target's argmax token at every position, so training
+never needs full-vocab logits). Padding and embeddings are not counted. MFU is against
+790 TFLOP/s (H200 bf16 dense).
 
 Two passes: `compute` (shards computed, not written) and `write` (shards written with fsync,
 deleted once receipted so the disk does not fill). The disk's own write speed is measured by
@@ -68,7 +70,8 @@ def flops(config, lengths: list[int]) -> float:
     q, kv = config.num_attention_heads * d, config.num_key_value_heads * d
     linear = 2 * (H * (q + 2 * kv) + q * H + 3 * H * I) * config.num_hidden_layers
     attention = sum(2 * n * n * q for n in lengths) * config.num_hidden_layers
-    return linear * sum(lengths) + attention
+    lm_head = 2 * H * config.vocab_size
+    return (linear + lm_head) * sum(lengths) + attention
 
 
 def make_rows(n_tokens: int, lo: int, hi: int, vocab: int, seed: int) -> list[dict]:
@@ -147,8 +150,10 @@ def check_readback(out: Path, capture, device: str) -> dict:
     aux_err = (aux[0].float().cpu() - sample.aux.float()).abs().max().item()
     final_err = (final[0].float().cpu() - sample.final.float()).abs().max().item()
     scale = sample.aux.float().abs().max().item()
+    argmax = capture.target_argmax(final[0]).cpu()  # [T]
     return {"readback_sample": sample_id, "tokens": len(sample.input_ids),
-            "aux_max_abs_diff": aux_err, "final_max_abs_diff": final_err, "aux_scale": scale}
+            "aux_max_abs_diff": aux_err, "final_max_abs_diff": final_err, "aux_scale": scale,
+            "target_argmax_agreement": (argmax == sample.target_argmax).float().mean().item()}
 
 
 def disk_write_speed(directory: Path, gib: float) -> float:

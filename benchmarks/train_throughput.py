@@ -15,8 +15,9 @@ FLOPs counted (model FLOPs, 2 per multiply-add, recomputation not counted):
   * attention: only allowed (query, key) pairs, 4*head_dim*heads FLOPs each (QK^T and PV),
     forward + 2x backward. Step j: causal pairs within each document (sum L(L+1)/2) plus
     j*T diagonal pairs. The blocks flex skips or masks inside are not counted.
-  * the frozen target head that makes the targets: forward only over the full vocab,
-    2*T*H*V (draft rows for the distribution, the other rows for "argmax in draft vocab").
+  * the frozen target head that makes the targets: forward only, over the draft rows
+    (2*T*H*D) when the row carries the target's argmax (extraction stores it), over the full
+    vocab (2*T*H*V) with --computed-argmax (the other rows decide "argmax in draft vocab").
 MFU = counted FLOPs / step time / 989.4 TFLOP/s (H200 dense bf16 peak from the data sheet);
 the achieved bf16 matmul rate of a large GEMM on the same GPU is reported next to it.
 
@@ -56,7 +57,7 @@ def shape(small: bool = False) -> Eagle3Config:
 
 
 def flops_per_row(cfg: Eagle3Config, doc_lengths: list[int], steps: int,
-                  lm_head_trainable: bool) -> dict[str, float]:
+                  lm_head_trainable: bool, stored_argmax: bool = True) -> dict[str, float]:
     T = sum(doc_lengths)
     H, I, d = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim  # noqa: E741
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
@@ -67,7 +68,8 @@ def flops_per_row(cfg: Eagle3Config, doc_lengths: list[int], steps: int,
     causal_pairs = sum(n * (n + 1) // 2 for n in doc_lengths)
     pairs = sum(causal_pairs + j * T for j in range(steps))
     attention = 3 * 4 * pairs * q
-    target_head = 2 * T * cfg.target_hidden_size * cfg.vocab_size
+    head_rows = cfg.draft_vocab_size if stored_argmax else cfg.vocab_size
+    target_head = 2 * T * cfg.target_hidden_size * head_rows
     parts = {"fc": fc, "decoder_layer": layer, "lm_head": lm_head, "attention": attention,
              "target_head": target_head}
     parts["total"] = sum(parts.values())
@@ -121,6 +123,12 @@ class Setup:
             final=torch.randn(T, H, generator=g).bfloat16(),
             position_ids=torch.arange(T) % args.doc,
             document_ids=docs,
+            # The target's greedy tokens, about 1 in 10 outside the draft vocab.
+            target_argmax=None if args.computed_argmax else torch.where(
+                torch.rand(T, generator=g) < 0.9,
+                torch.randint(0, cfg.draft_vocab_size, (T,), generator=g),
+                torch.randint(cfg.draft_vocab_size, cfg.vocab_size, (T,), generator=g),
+            ).to(torch.int32),
         )
 
 
@@ -140,16 +148,18 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
     prefetcher = RowPrefetcher(torch.device(device))
     pending = [prefetcher.start(row)]
 
+    window = torch.zeros(5, steps, dtype=torch.float64, device=device)
+
     def one_step() -> torch.Tensor:
         # As the trainer does: this row was copied during the previous step, the next one is
-        # copied now; the counts are read (one sync) after the optimiser step.
+        # copied now; the counts are summed on the device (the trainer reads them when it logs).
         on_device = prefetcher.wait(pending.pop())
         pending.append(prefetcher.start(row))
         loss, counts = row_loss_on_device(drafter, on_device, setup.target_head, steps, weights,
                                           device, args.attention)
         loss.backward()
         optimizer.step(1.0)
-        counts.cpu()
+        window.add_(counts)
         return loss.detach()
 
     gc.collect()
@@ -165,10 +175,12 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
         losses.append(one_step())
     synchronize()
     seconds = (time.perf_counter() - started) / args.iters
-    flops = flops_per_row(setup.cfg, setup.doc_lengths, steps, lm_head == "trainable")
+    flops = flops_per_row(setup.cfg, setup.doc_lengths, steps, lm_head == "trainable",
+                          stored_argmax=not args.computed_argmax)
     result = {
         "tokens_per_row": T, "doc_tokens": args.doc, "ttt_steps": steps, "lm_head": lm_head,
-        "compiled_layer": setup.compiled, "seconds_per_step": round(seconds, 4),
+        "compiled_layer": setup.compiled, "target_argmax": "computed" if args.computed_argmax
+        else "stored", "seconds_per_step": round(seconds, 4),
         "tokens_per_s": round(T / seconds), "tflops": round(flops["total"] / seconds / 1e12, 1),
         "mfu": round(flops["total"] / seconds / PEAK_FLOPS, 3),
         # Peak over the whole run of this setting, optimiser state included.
@@ -211,6 +223,8 @@ def main() -> None:
     parser.add_argument("--check-attention", action="store_true",
                         help="first compare the SDPA and flex paths (outputs and gradients)")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--computed-argmax", action="store_true", help=(
+        "rows without the stored target argmax: the trainer applies the full-vocab head"))
     parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
     parser.add_argument("--small", action="store_true", help="tiny shape, to check the script")
     parser.add_argument("--profile", type=Path,

@@ -112,7 +112,7 @@ def test_right_padded_batch_without_mask_equals_unpadded_single_runs(random_targ
 HIDDEN, K = 8, 3
 
 
-def make_samples(n: int, seed: int = 0) -> list[Sample]:
+def make_samples(n: int, seed: int = 0, with_argmax: bool = True) -> list[Sample]:
     g = torch.Generator().manual_seed(seed)
     samples = []
     for i in range(n):
@@ -123,6 +123,8 @@ def make_samples(n: int, seed: int = 0) -> list[Sample]:
             loss_mask=torch.randint(0, 2, (T,), generator=g).to(torch.uint8),
             aux=torch.randn(T, K * HIDDEN, generator=g).to(torch.bfloat16),
             final=torch.randn(T, HIDDEN, generator=g).to(torch.bfloat16),
+            target_argmax=torch.randint(0, 512, (T,), generator=g, dtype=torch.int32)
+            if with_argmax else None,
         ))
     return samples
 
@@ -158,7 +160,15 @@ def test_shard_round_trip_many_samples_several_shards(tmp_path):
             assert torch.equal(a.loss_mask, b.loss_mask) and a.loss_mask.dtype == torch.uint8
             assert a.aux.dtype == b.aux.dtype and torch.equal(a.aux, b.aux)
             assert a.final.dtype == b.final.dtype and torch.equal(a.final, b.final)
+            assert a.target_argmax.dtype == torch.int32
+            assert torch.equal(a.target_argmax, b.target_argmax)
     assert list(reader.samples("test")) == []
+
+
+def test_a_store_without_target_argmax_reads_as_before(tmp_path):
+    """SGLang-backend and older stores hold no target argmax: the trainer computes it."""
+    write_store(tmp_path, {"train": make_samples(6, with_argmax=False)})
+    assert all(s.target_argmax is None for s in ShardReader(tmp_path).samples("train"))
 
 
 def test_corrupted_shard_is_detected(tmp_path):

@@ -100,7 +100,7 @@ def reference_states(model, ids: list[int]):
     with torch.no_grad():
         out = model(input_ids=torch.tensor([ids]), output_hidden_states=True)
     aux = torch.cat([out.hidden_states[i + 1][0] for i in AUX_IDS], dim=-1)  # [T, 3H]
-    return aux, out.hidden_states[-1][0]  # [T, H] after the final norm
+    return aux, out.hidden_states[-1][0], out.logits[0]  # [T, H] after the final norm, [T, V]
 
 
 def test_stored_states_are_transformers_hidden_states_of_those_layers(
@@ -115,10 +115,14 @@ def test_stored_states_are_transformers_hidden_states_of_those_layers(
         sample = reader.sample(sample_id)
         assert sample.input_ids.tolist() == rows[sample_id]["input_ids"]
         assert sample.loss_mask.tolist() == rows[sample_id]["loss_mask"]
-        aux, final = reference_states(random_target_model, rows[sample_id]["input_ids"])
+        aux, final, logits = reference_states(random_target_model,
+                                              rows[sample_id]["input_ids"])
         # Batched with padding vs alone: equal up to float32 kernel noise.
         torch.testing.assert_close(sample.aux, aux, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(sample.final, final, rtol=1e-4, atol=1e-5)
+        # The target's own greedy next token at every position, for the trainer's mask.
+        assert sample.target_argmax.dtype == torch.int32
+        assert sample.target_argmax.tolist() == logits.argmax(-1).tolist()
     assert 0 <= descriptor.figures["padding_waste"] < 0.2
 
 

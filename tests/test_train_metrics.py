@@ -222,7 +222,10 @@ def reference_row_loss(drafter, row, head, steps, decay):
     return total, positions, with_loss, chain_correct, prefix_correct
 
 
-def test_row_loss_matches_a_position_by_position_reference(random_target_dir):
+@pytest.mark.parametrize("stored_argmax", [False, True], ids=["computed", "stored"])
+def test_row_loss_matches_a_position_by_position_reference(random_target_dir, stored_argmax):
+    """stored_argmax: the target's argmax comes with the row (extraction stores it) instead of
+    from the full-vocab head; the loss and every count must be the same."""
     T = 24
     docs = [0] * 9 + [1] * 6 + [2] * 9
     loss_mask = [0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 0, 0, 0, 1, 1, 1, 1, 0, 1]
@@ -245,6 +248,8 @@ def test_row_loss_matches_a_position_by_position_reference(random_target_dir):
     target_argmax = (row.final @ head.T).argmax(-1)
     assert torch.equal(target_argmax[2::2], guess[1][0:T - 2:2])
     assert torch.equal(target_argmax[1::4], guess[0][0:T - 1:4])
+    if stored_argmax:
+        row.target_argmax = target_argmax.to(torch.int32)
     loss, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
     ref_loss, positions, with_loss, correct, prefix = reference_row_loss(drafter, row, head, 3,
                                                                          0.8)
@@ -255,6 +260,12 @@ def test_row_loss_matches_a_position_by_position_reference(random_target_dir):
     assert with_loss[0] < positions[0]  # the "argmax in draft vocab" condition did something
     assert correct[0] > 0 and correct[1] > 0  # the accuracy counts are exercised
     assert loss.item() == pytest.approx(ref_loss, rel=1e-5)
+    if stored_argmax:  # the stored argmax is what decides: all outside the draft vocab
+        outside = int((~drafter.t2d).nonzero()[0])
+        row.target_argmax = torch.full((T,), outside, dtype=torch.int32)
+        _, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
+        assert counts.loss_positions.tolist() == [0, 0, 0]
+        assert counts.chain_correct.tolist() == [0, 0, 0]
 
 
 # --------------------------------------------------------------------------- loss pieces

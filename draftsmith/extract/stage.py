@@ -98,7 +98,7 @@ class ShardComputer:
         self.real_tokens += plan.real_tokens
         self.padded_tokens += plan.padded_tokens
         pinned = self.device.type == "cuda"
-        pieces: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
+        pieces: list[tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]] = []
         for positions in plan.batches:
             batch = [rows[spec.ids[p]] for p in positions]
             lengths = [spec.tokens[p] for p in positions]
@@ -118,18 +118,20 @@ class ShardComputer:
             flat_dev = flat.to(states_device, non_blocking=True)
             aux = aux.reshape(-1, aux.shape[-1]).index_select(0, flat_dev)  # [N, K*H]
             final = final.reshape(-1, final.shape[-1]).index_select(0, flat_dev)  # [N, H]
+            argmax = self.capture.target_argmax(final)  # [N] int32
             aux = aux.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, K*H]
             final = final.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, H]
+            argmax = argmax.to("cpu", non_blocking=pinned)  # [N]
             event = None
             if pinned:  # on the stream that issued the copies
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(states_device))
-            pieces.append((event, aux, final))
+            pieces.append((event, aux, final, argmax))
             if on_batch is not None:
                 on_batch(len(batch), sum(lengths))
 
         def tensors() -> dict[str, torch.Tensor | list[torch.Tensor]]:
-            for event, _, _ in pieces:
+            for event, *_ in pieces:
                 if event is not None:
                     event.synchronize()
             ordered = [rows[i] for i in spec.ids]
@@ -141,6 +143,7 @@ class ShardComputer:
                                         for r in ordered]),  # [T]
                 "aux": [p[1] for p in pieces],  # blocks of [N, K*H], streamed in order
                 "final": [p[2] for p in pieces],  # blocks of [N, H]
+                "target_argmax": [p[3] for p in pieces],  # blocks of [N] int32
                 "offsets": torch.cat([torch.zeros(1, dtype=torch.long),
                                       lengths.cumsum(0)]),  # [n+1]
             }

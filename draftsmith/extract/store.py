@@ -2,6 +2,10 @@
 
 A shard concatenates the tokens of its samples:
     input_ids [T] int64, loss_mask [T] uint8, aux [T, K*H], final [T, H], offsets [n+1] int64
+and, from the transformers backend, target_argmax [T] int32: the target's greedy next token at
+each position (its full-vocab argmax), so training never recomputes full-vocab logits for the
+"target argmax in the draft vocab" mask. Stores without it (the SGLang backend, older stores)
+are read as before and the trainer computes the argmax itself.
 `store.json` lists every shard with its sample ids, token counts, size and sha256, plus what
 the tensors mean (target fingerprint, canonical aux layer ids, dtype), and is checked on read.
 
@@ -34,7 +38,7 @@ RECEIPTS = ".receipts"
 STORE_VERSION = 2
 
 _ST_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
-              "I64": torch.int64, "U8": torch.uint8}
+              "I64": torch.int64, "I32": torch.int32, "U8": torch.uint8}
 _DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -45,6 +49,7 @@ class Sample:
     loss_mask: torch.Tensor  # [T] uint8
     aux: torch.Tensor  # [T, K*H]
     final: torch.Tensor  # [T, H], after the target's final norm
+    target_argmax: torch.Tensor | None = None  # [T] int32, the target's full-vocab argmax
 
 
 @dataclass(frozen=True)
@@ -68,13 +73,16 @@ class ShardSpec:
 
 def shard_tensors(samples: list[Sample]) -> dict[str, torch.Tensor]:
     lengths = torch.tensor([len(s.input_ids) for s in samples])  # [n]
-    return {
+    tensors = {
         "input_ids": torch.cat([s.input_ids for s in samples]),  # [T]
         "loss_mask": torch.cat([s.loss_mask for s in samples]),  # [T]
         "aux": torch.cat([s.aux for s in samples]).contiguous(),  # [T, K*H]
         "final": torch.cat([s.final for s in samples]).contiguous(),  # [T, H]
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [n+1]
     }
+    if all(s.target_argmax is not None for s in samples):
+        tensors["target_argmax"] = torch.cat([s.target_argmax for s in samples])  # [T] int32
+    return tensors
 
 
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
@@ -346,10 +354,13 @@ class ShardReader:
         problems = []
         if t["offsets"].tolist() != expected:
             problems.append(f"offsets {t['offsets'].tolist()[:4]}... vs token counts in the index")
-        for name, shape, want in (("input_ids", (total,), torch.int64),
-                                  ("loss_mask", (total,), torch.uint8),
-                                  ("aux", (total, k * hidden), dtype),
-                                  ("final", (total, hidden), dtype)):
+        expected_tensors = [("input_ids", (total,), torch.int64),
+                            ("loss_mask", (total,), torch.uint8),
+                            ("aux", (total, k * hidden), dtype),
+                            ("final", (total, hidden), dtype)]
+        if "target_argmax" in t:
+            expected_tensors.append(("target_argmax", (total,), torch.int32))
+        for name, shape, want in expected_tensors:
             if tuple(t[name].shape) != shape or t[name].dtype != want:
                 problems.append(f"{name} is {t[name].dtype} {tuple(t[name].shape)}, expected "
                                 f"{want} {shape}")
@@ -364,8 +375,9 @@ class ShardReader:
         shard, position = self._where[sample_id]
         t = self._shard(shard).tensors
         a, b = int(t["offsets"][position]), int(t["offsets"][position + 1])
+        argmax = t.get("target_argmax")
         return Sample(sample_id, t["input_ids"][a:b], t["loss_mask"][a:b], t["aux"][a:b],
-                      t["final"][a:b])
+                      t["final"][a:b], None if argmax is None else argmax[a:b])
 
     def samples(self, split: str) -> Iterator[Sample]:
         for shard in self.index["splits"].get(split, []):

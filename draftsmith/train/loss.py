@@ -27,24 +27,44 @@ class TargetHead:
         others = torch.ones(head.shape[0], dtype=torch.bool, device=head.device)  # [V]
         others[draft_ids] = False
         self.draft_rows = head[draft_ids].to(device, dtype)  # [D, H]
-        self.other_rows = head[others].to(device, dtype)  # [V - D, H]
         self.chunk_tokens = chunk_tokens
+        # Target id -> draft id, -1 outside the draft vocab: maps a stored target argmax.
+        self.to_draft = torch.full((head.shape[0],), -1, dtype=torch.int64)  # [V]
+        self.to_draft[draft_ids.cpu()] = torch.arange(draft_ids.numel())
+        self.to_draft = self.to_draft.to(device)
+        # Needed only for rows whose store holds no target argmax: kept on the host until then.
+        self._other_rows_host, self._other_rows = head[others], None  # [V - D, H]
+        self._device, self._dtype = device, dtype
+
+    @property
+    def other_rows(self) -> torch.Tensor:
+        if self._other_rows is None:
+            self._other_rows = self._other_rows_host.to(self._device, self._dtype)
+        return self._other_rows
 
     @torch.no_grad()
-    def targets(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(self, final: torch.Tensor, target_argmax: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """final [T, H] (after the target's final norm) -> p [T, D] (in the head's dtype: bf16
         halves the largest tensor of the step; the loss renormalises each row in float32) and
-        the target's argmax as a draft id [T] (int64), -1 where it is outside the draft vocab."""
+        the target's argmax as a draft id [T] (int64), -1 where it is outside the draft vocab.
+
+        target_argmax [T] (the target's full-vocab argmax, stored by extraction) spares the
+        matmul over the V - D other rows; without it their maximum decides whether the argmax
+        lies in the draft vocab: max(draft logits) >= max(other logits)."""
         final = final.to(self.draft_rows.device, self.draft_rows.dtype)  # [T, H]
         probs, argmax = [], []
         for part in final.split(self.chunk_tokens):
             logits = (part @ self.draft_rows.T).float()  # [c, D]
-            best, best_id = logits.max(-1)  # [c]
-            if self.other_rows.shape[0]:
-                other_best = (part @ self.other_rows.T).amax(-1).float()  # [c]
-                best_id = torch.where(best >= other_best, best_id, -1)  # [c]
+            if target_argmax is None:
+                best, best_id = logits.max(-1)  # [c]
+                if self.other_rows.shape[0]:
+                    other_best = (part @ self.other_rows.T).amax(-1).float()  # [c]
+                    best_id = torch.where(best >= other_best, best_id, -1)  # [c]
+                argmax.append(best_id)
             probs.append(logits.softmax(-1).to(self.draft_rows.dtype))  # [c, D]
-            argmax.append(best_id)
+        if target_argmax is not None:
+            argmax = [self.to_draft[target_argmax.to(self.to_draft.device).long()]]  # [T]
         return torch.cat(probs), torch.cat(argmax)  # [T, D], [T]
 
 

@@ -17,13 +17,18 @@ class PackedRow:
     final: torch.Tensor  # [T, H]
     position_ids: torch.Tensor  # [T] restarts at 0 in each sample
     document_ids: torch.Tensor  # [T] index of the sample within the row
+    target_argmax: torch.Tensor | None = None  # [T] int32 when every sample's store has it
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for f in fields(self) if (t := getattr(self, f.name)) is not None]
+
     def map(self, fn) -> PackedRow:
-        return PackedRow(*(fn(getattr(self, f.name)) for f in fields(self)))
+        return PackedRow(*(None if (t := getattr(self, f.name)) is None else fn(t)
+                           for f in fields(self)))
 
 
 class RowPrefetcher:
@@ -47,8 +52,8 @@ class RowPrefetcher:
             return row
         current = torch.cuda.current_stream(self.device)
         current.wait_stream(self.stream)
-        for f in fields(row):  # the tensors are used on the compute stream from here on
-            getattr(row, f.name).record_stream(current)
+        for tensor in row.tensors():  # used on the compute stream from here on
+            tensor.record_stream(current)
         return row
 
 
@@ -90,6 +95,9 @@ def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
 
 def concat_row(samples: list[Sample], row_tokens: int) -> PackedRow:
     parts = [(s, min(len(s.input_ids), row_tokens)) for s in samples]
+    argmax = None
+    if all(s.target_argmax is not None for s in samples):
+        argmax = torch.cat([s.target_argmax[:n] for s, n in parts])  # [T]
     return PackedRow(
         input_ids=torch.cat([s.input_ids[:n] for s, n in parts]),  # [T]
         loss_mask=torch.cat([s.loss_mask[:n] for s, n in parts]).bool(),  # [T]
@@ -97,6 +105,7 @@ def concat_row(samples: list[Sample], row_tokens: int) -> PackedRow:
         final=torch.cat([s.final[:n] for s, n in parts]),  # [T, H]
         position_ids=torch.cat([torch.arange(n) for _, n in parts]),  # [T]
         document_ids=torch.cat([torch.full((n,), i) for i, (_, n) in enumerate(parts)]),  # [T]
+        target_argmax=argmax,
     )
 
 
@@ -116,4 +125,6 @@ def pad_row(row: PackedRow, length: int) -> PackedRow:
         final=torch.cat([row.final, row.final.new_zeros(n, row.final.shape[1])]),  # [L, H]
         position_ids=torch.cat([row.position_ids, row.position_ids.new_zeros(n)]),  # [L]
         document_ids=torch.cat([row.document_ids, row.document_ids.new_full((n,), -1)]),  # [L]
+        target_argmax=None if row.target_argmax is None else
+        torch.cat([row.target_argmax, row.target_argmax.new_zeros(n)]),  # [L]
     )

@@ -74,7 +74,8 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
     if isinstance(head, torch.Tensor):
         head = TargetHead(head, drafter.draft_to_target_ids(), torch.float32, device)
     dtype = drafter.fc.weight.dtype
-    probs, target_arg = head.targets(row.final.to(device))  # [T, D], [T] draft ids or -1
+    probs, target_arg = head.targets(row.final.to(device), row.target_argmax
+                                     )  # [T, D], [T] draft ids or -1
     aux = row.aux.to(device, dtype)  # [T, K*Ht]
     if aux_noise_std > 0:
         g = torch.Generator(device=device).manual_seed(noise_seed)
@@ -328,7 +329,10 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
              cfg.dtype)
     progress = Progress("train", total=total_steps, unit="step")
     progress.update(state["step"])
-    window, window_tokens, window_started = StepCounts(cfg.ttt_steps), 0, time.monotonic()
+    # The window's counts stay on the device and are read (the only sync of a step) when
+    # logged, so the GPU never idles while the CPU queues the next step.
+    window = torch.zeros(5, cfg.ttt_steps, dtype=torch.float64, device=device)  # [5, S]
+    window_tokens, window_started = 0, time.monotonic()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     try:
@@ -352,11 +356,11 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
                 state["step_in_epoch"] += 1
                 state["step"] += 1
                 step = state["step"]
-                window.add(StepCounts.from_tensor(counts))  # the step's one sync
+                window += counts.to(device)
                 window_tokens += tokens
                 progress.update(1)
                 if step == 1 or step % cfg.log_every == 0 or step == total_steps:
-                    reduced = dist.sum_tensor(torch.cat([window.as_tensor().flatten(),
+                    reduced = dist.sum_tensor(torch.cat([window.cpu().flatten(),
                                                          torch.tensor([float(window_tokens)],
                                                                       dtype=torch.float64)]))
                     summary = StepCounts.from_tensor(reduced[:-1].view(5, -1)).summary()
@@ -373,7 +377,8 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
                              summary["tau"], entry["lr"], entry["tokens_per_s"],
                              f" {entry['gpu_memory_gib']:.1f} GiB" if device.type == "cuda"
                              else "")
-                    window, window_tokens = StepCounts(cfg.ttt_steps), 0
+                    window.zero_()
+                    window_tokens = 0
                     window_started = time.monotonic()
                 if cfg.checkpoint_every and step % cfg.checkpoint_every == 0:
                     save_state()
