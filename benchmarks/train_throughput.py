@@ -35,10 +35,11 @@ from pathlib import Path
 
 import torch
 
+from draftsmith.extract.store import Sample
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.optim import MasterWeightAdamW
-from draftsmith.train.packing import PackedRow, RowPrefetcher
+from draftsmith.train.packing import PackedRow, RowPrefetcher, concat_row
 from draftsmith.train.trainer import row_loss_on_device
 
 PEAK_FLOPS = 989.4e12  # H200 SXM, dense bf16
@@ -114,22 +115,22 @@ class Setup:
         self.target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), torch.bfloat16,
                                       device)
         T = args.tokens
-        docs = torch.arange(T) // args.doc
-        self.doc_lengths = torch.bincount(docs).tolist()
-        self.row = PackedRow(
-            input_ids=torch.randint(0, cfg.vocab_size, (T,), generator=g),
-            loss_mask=torch.ones(T, dtype=torch.bool),
-            aux=torch.randn(T, 3 * H, generator=g).bfloat16(),
-            final=torch.randn(T, H, generator=g).bfloat16(),
-            position_ids=torch.arange(T) % args.doc,
-            document_ids=docs,
+        self.doc_lengths = [min(args.doc, T - start) for start in range(0, T, args.doc)]
+        # Samples as the store serves them; each step builds its row from them, as the
+        # trainer does (on the prefetch thread, into pinned memory).
+        self.samples = [Sample(
+            id=f"doc-{i}",
+            input_ids=torch.randint(0, cfg.vocab_size, (n,), generator=g),
+            loss_mask=torch.ones(n, dtype=torch.uint8),
+            aux=torch.randn(n, 3 * H, generator=g).bfloat16(),
+            final=torch.randn(n, H, generator=g).bfloat16(),
             # The target's greedy tokens, about 1 in 10 outside the draft vocab.
             target_argmax=None if args.computed_argmax else torch.where(
-                torch.rand(T, generator=g) < 0.9,
-                torch.randint(0, cfg.draft_vocab_size, (T,), generator=g),
-                torch.randint(cfg.draft_vocab_size, cfg.vocab_size, (T,), generator=g),
+                torch.rand(n, generator=g) < 0.9,
+                torch.randint(0, cfg.draft_vocab_size, (n,), generator=g),
+                torch.randint(cfg.draft_vocab_size, cfg.vocab_size, (n,), generator=g),
             ).to(torch.int32),
-        )
+        ) for i, n in enumerate(self.doc_lengths)]
 
 
 def synchronize() -> None:
@@ -139,14 +140,18 @@ def synchronize() -> None:
 
 def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
     device = args.device
-    drafter, row, T = setup.drafter, setup.row, args.tokens
+    drafter, T = setup.drafter, args.tokens
     drafter.lm_head.weight.requires_grad_(lm_head == "trainable")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0)
     weights = [0.8**j for j in range(steps)]
 
     prefetcher = RowPrefetcher(torch.device(device))
-    pending = [prefetcher.start(row)]
+
+    def build(pin: bool) -> PackedRow:
+        return concat_row(setup.samples, T, T, pin)
+
+    pending = [prefetcher.start(build)]
 
     window = torch.zeros(5, steps, dtype=torch.float64, device=device)
 
@@ -154,7 +159,7 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
         # As the trainer does: this row was copied during the previous step, the next one is
         # copied now; the counts are summed on the device (the trainer reads them when it logs).
         on_device = prefetcher.wait(pending.pop())
-        pending.append(prefetcher.start(row))
+        pending.append(prefetcher.start(build))
         loss, counts = row_loss_on_device(drafter, on_device, setup.target_head, steps, weights,
                                           device, args.attention)
         loss.backward()
@@ -204,6 +209,8 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
         sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
         args.profile.write_text(f"{steps=} {lm_head=}, 2 steps\n{table}\n")
+    pending.clear()
+    prefetcher.close()
     for p in drafter.parameters():
         p.grad = None
     return result

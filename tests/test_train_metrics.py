@@ -136,6 +136,26 @@ def test_packing_packs_many_samples_per_row():
     assert rows[0].document_ids.max() == 7
 
 
+def test_a_row_built_padded_in_one_copy_equals_the_padded_row():
+    """What the prefetch thread builds (concat and pad in one copy, with the target argmax)
+    equals concatenating and then padding."""
+    from dataclasses import replace
+
+    from draftsmith.train.packing import concat_row, pad_row
+
+    samples = [replace(numbered_sample(i, n), target_argmax=torch.arange(n, dtype=torch.int32))
+               for i, n in enumerate([5, 3, 20])]
+    direct = concat_row(samples, row_tokens=8, pad_to=24)
+    padded = pad_row(concat_row(samples, row_tokens=8), 24)
+    assert direct.num_tokens == 24
+    for name in ("input_ids", "loss_mask", "aux", "final", "position_ids", "document_ids",
+                 "target_argmax"):
+        assert torch.equal(getattr(direct, name), getattr(padded, name)), name
+    assert direct.document_ids[16:].eq(-1).all() and not direct.loss_mask[16:].any()
+    with pytest.raises(ValueError, match="longer than the pad length"):
+        concat_row(samples, row_tokens=8, pad_to=10)
+
+
 # --------------------------------------------------------------------------- row_loss
 
 AUX_IDS = [1, 3, 4]
@@ -300,7 +320,8 @@ def test_fused_linear_soft_ce_matches_autograd_of_the_plain_formula(compiled):
     torch.testing.assert_close(fx, gx)
 
 
-def test_target_head_in_chunks_matches_the_full_vocab_distribution():
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_target_head_in_chunks_matches_the_full_vocab_distribution(compiled):
     from draftsmith.train.loss import TargetHead
 
     g = torch.Generator().manual_seed(1)
@@ -313,14 +334,18 @@ def test_target_head_in_chunks_matches_the_full_vocab_distribution():
     head[outside] = 100 * torch.eye(H)[1]
     final[:5] = head[draft_ids[3]]  # argmax surely in the draft vocab
     final[5:9] = head[outside]  # argmax surely outside it
-    probs, argmax = TargetHead(head, draft_ids, torch.float32, "cpu", chunk_tokens=5).targets(
-        final)
+    target_head = TargetHead(head, draft_ids, torch.float32, "cpu", chunk_tokens=5)
+    probs, argmax = target_head.targets(final, compiled=compiled)
     full = final @ head.T  # [T, V]
     torch.testing.assert_close(probs, full[:, draft_ids].softmax(-1))
     position = {int(t): i for i, t in enumerate(draft_ids)}
     want = torch.tensor([position.get(int(a), -1) for a in full.argmax(-1)])
     assert torch.equal(argmax, want)
     assert (argmax[:5] == 3).all() and (argmax[5:9] == -1).all()
+    # With the argmax stored by extraction: the same distribution and draft ids.
+    stored_probs, stored = target_head.targets(final, full.argmax(-1).int(), compiled=compiled)
+    torch.testing.assert_close(stored_probs, probs)
+    assert torch.equal(stored, want)
 
 
 def test_padding_a_row_changes_no_loss_and_no_count(random_target_dir):

@@ -43,26 +43,28 @@ class TargetHead:
         return self._other_rows
 
     @torch.no_grad()
-    def targets(self, final: torch.Tensor, target_argmax: torch.Tensor | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+    def targets(self, final: torch.Tensor, target_argmax: torch.Tensor | None = None,
+                compiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """final [T, H] (after the target's final norm) -> p [T, D] (in the head's dtype: bf16
         halves the largest tensor of the step; the loss renormalises each row in float32) and
         the target's argmax as a draft id [T] (int64), -1 where it is outside the draft vocab.
 
         target_argmax [T] (the target's full-vocab argmax, stored by extraction) spares the
         matmul over the V - D other rows; without it their maximum decides whether the argmax
-        lies in the draft vocab: max(draft logits) >= max(other logits)."""
+        lies in the draft vocab: max(draft logits) >= max(other logits). compiled: fuse the
+        softmax with torch.compile (CUDA)."""
         final = final.to(self.draft_rows.device, self.draft_rows.dtype)  # [T, H]
+        draft_probs = _maybe_compiled(_draft_probs, compiled)
         probs, argmax = [], []
         for part in final.split(self.chunk_tokens):
-            logits = (part @ self.draft_rows.T).float()  # [c, D]
+            logits = part @ self.draft_rows.T  # [c, D]
             if target_argmax is None:
-                best, best_id = logits.max(-1)  # [c]
+                best, best_id = logits.float().max(-1)  # [c]
                 if self.other_rows.shape[0]:
                     other_best = (part @ self.other_rows.T).amax(-1).float()  # [c]
                     best_id = torch.where(best >= other_best, best_id, -1)  # [c]
                 argmax.append(best_id)
-            probs.append(logits.softmax(-1).to(self.draft_rows.dtype))  # [c, D]
+            probs.append(draft_probs(logits, self.draft_rows.dtype))  # [c, D]
         if target_argmax is not None:
             argmax = [self.to_draft[target_argmax.to(self.to_draft.device).long()]]  # [T]
         return torch.cat(probs), torch.cat(argmax)  # [T, D], [T]
@@ -81,17 +83,21 @@ def _chunk_ce(logits: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor,
     return ce, logits.argmax(-1), grad.to(grad_dtype)
 
 
-_COMPILED_CHUNK_CE: list = []
+_COMPILED: dict = {}
 
 
-def _chunk_ce_fn(compiled: bool):
-    """_chunk_ce, or its torch.compile'd form: about ten float32 passes over a [c, D] chunk
-    fused into two (the matmuls around it stay cuBLAS calls)."""
+def _maybe_compiled(fn, compiled: bool):
+    """fn, or its torch.compile'd form: the float32 passes over a [c, D] chunk (about ten in
+    _chunk_ce) fused into one or two kernels; the matmuls around them stay cuBLAS calls."""
     if not compiled:
-        return _chunk_ce
-    if not _COMPILED_CHUNK_CE:
-        _COMPILED_CHUNK_CE.append(torch.compile(_chunk_ce))
-    return _COMPILED_CHUNK_CE[0]
+        return fn
+    if fn not in _COMPILED:
+        _COMPILED[fn] = torch.compile(fn)
+    return _COMPILED[fn]
+
+
+def _draft_probs(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return logits.float().softmax(-1).to(dtype)  # [c, D]
 
 
 class _LinearSoftCE(torch.autograd.Function):
@@ -100,7 +106,7 @@ class _LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, probs, weights, chunk, compiled):
         # x [T, H]; weight [D, H]; probs [T, D]; weights [T] float32
-        chunk_ce = _chunk_ce_fn(compiled)
+        chunk_ce = _maybe_compiled(_chunk_ce, compiled)
         need_x, need_w = ctx.needs_input_grad[:2]
         grad_x = torch.empty_like(x) if need_x else None  # [T, H]
         grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \

@@ -35,7 +35,7 @@ from draftsmith.train.distributed import Dist
 from draftsmith.train.loss import TargetHead, fused_linear_soft_ce
 from draftsmith.train.metrics import StepCounts
 from draftsmith.train.optim import MasterWeightAdamW, lr_factor
-from draftsmith.train.packing import PackedRow, RowPrefetcher, concat_row, pad_row, plan_rows
+from draftsmith.train.packing import PackedRow, RowPrefetcher, concat_row, plan_rows
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +74,8 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
     if isinstance(head, torch.Tensor):
         head = TargetHead(head, drafter.draft_to_target_ids(), torch.float32, device)
     dtype = drafter.fc.weight.dtype
-    probs, target_arg = head.targets(row.final.to(device), row.target_argmax
-                                     )  # [T, D], [T] draft ids or -1
+    probs, target_arg = head.targets(row.final.to(device), row.target_argmax,
+                                     compiled=drafter.compiled)  # [T, D], [T] draft ids or -1
     aux = row.aux.to(device, dtype)  # [T, K*Ht]
     if aux_noise_std > 0:
         g = torch.Generator(device=device).manual_seed(noise_seed)
@@ -300,13 +300,20 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
         loss.backward()
         return counts
 
-    def cpu_row(epoch: int, step_in_epoch: int) -> tuple[PackedRow | None, int]:
-        """This rank's row of a step (padded where shapes must be static), its real tokens."""
+    def row_samples(epoch: int, step_in_epoch: int) -> list[Sample]:
+        """This rank's samples of a step (none in an epoch's last step when rows run out)."""
         index = step_in_epoch * dist.world + dist.rank
         if step_in_epoch >= steps_per_epoch[epoch] or index >= len(plans[epoch]):
-            return None, 0
-        row = concat_row(plans[epoch][index], cfg.batch_tokens)
-        return (pad_row(row, pad_to) if pad_to else row), row.num_tokens
+            return []
+        return plans[epoch][index]
+
+    def start_row(epoch: int, step_in_epoch: int):
+        """Starts building this rank's row of a step (padded where shapes must be static);
+        returns what prefetcher.wait takes, and the row's real tokens."""
+        samples = row_samples(epoch, step_in_epoch)
+        tokens = sum(min(len(s.input_ids), cfg.batch_tokens) for s in samples)
+        return prefetcher.start(lambda pin: concat_row(samples, cfg.batch_tokens, pad_to, pin)
+                                if samples else None), tokens
 
     prefetcher = RowPrefetcher(device)
 
@@ -338,13 +345,11 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     try:
         for epoch in range(state["epoch"], cfg.epochs):
             plan = plans[epoch]
-            cpu_next, tokens_next = cpu_row(epoch, state["step_in_epoch"])
-            pending = prefetcher.start(cpu_next)
+            pending, tokens_next = start_row(epoch, state["step_in_epoch"])
             while state["step_in_epoch"] < steps_per_epoch[epoch] and state["step"] < total_steps:
                 index = state["step_in_epoch"] * dist.world + dist.rank
                 row, tokens = prefetcher.wait(pending), tokens_next
-                cpu_next, tokens_next = cpu_row(epoch, state["step_in_epoch"] + 1)
-                pending = prefetcher.start(cpu_next)  # copies while this row trains
+                pending, tokens_next = start_row(epoch, state["step_in_epoch"] + 1)
                 rows_in_step = min(dist.world, len(plan) - state["step_in_epoch"] * dist.world)
                 noise_seed = (cfg.seed * 1_000_003 + epoch) * 10_000_019 + index
                 counts = guarded(lambda row=row, s=noise_seed: train_row(row, s))
@@ -390,6 +395,7 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
             state["epoch"], state["step_in_epoch"] = epoch + 1, 0
             save_state()
     finally:
+        prefetcher.close()
         progress.close()
         if metrics_file:
             metrics_file.close()
@@ -434,8 +440,7 @@ def evaluate(drafter, rows: list[list[Sample]], head: TargetHead, cfg: TrainConf
     drafter.eval()
     counts = StepCounts(cfg.ttt_steps)
     for samples in rows:
-        row = concat_row(samples, cfg.batch_tokens)
-        row = pad_row(row, pad_to) if pad_to else row
+        row = concat_row(samples, cfg.batch_tokens, pad_to)
         counts.add(row_loss(drafter, row, head, cfg.ttt_steps, step_weights_of(cfg), device,
                             attention)[1])
     drafter.train()
