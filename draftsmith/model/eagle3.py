@@ -176,13 +176,20 @@ class Eagle3Drafter(nn.Module):
             if target_head is not None:
                 self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
 
+    def layer_and_norm(self, embeds, hidden, cos, sin, past_kv=None, mask=None):
+        """The decoder layer, then the final norm: out [B, T, H] (the next step's hidden),
+        norm(out) [B, T, H] (lm_head's input) and this step's (k, v)."""
+        out, kv = self.midlayer(embeds, hidden, cos, sin, past_kv, mask)  # [B, T, H]
+        return out, self.norm(out), kv
+
     @property
     def layer_fn(self):
         compiled = self.__dict__.get("_compiled_layer")
-        return self.midlayer if compiled is None else compiled
+        return self.layer_and_norm if compiled is None else compiled
 
     def compile_layer(self, enabled: bool = True) -> None:
-        """torch.compile the decoder layer (fuses norms, RoPE, SiLU-mul and flex attention).
+        """torch.compile the decoder layer and the final norm (fuses norms, RoPE, SiLU-mul and
+        flex attention; an eager RMSNorm alone is eight passes over [T, H] forward and back).
         Kept outside the module tree so state_dict names stay SGLang's."""
         if enabled:
             # One graph per TTT step (the keys grow by T each step), for training and for
@@ -193,7 +200,7 @@ class Eagle3Drafter(nn.Module):
                 if hasattr(torch._dynamo.config, name):
                     setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config,
                                                                         name)))
-            self.__dict__["_compiled_layer"] = torch.compile(self.midlayer, dynamic=False)
+            self.__dict__["_compiled_layer"] = torch.compile(self.layer_and_norm, dynamic=False)
         else:
             self.__dict__.pop("_compiled_layer", None)
 
@@ -243,10 +250,11 @@ class Eagle3Drafter(nn.Module):
             past = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if keys else None
             embeds = self.embed_tokens(next_tokens).to(hidden.dtype)  # [B, T, H]
             cos, sin = self.rope(hidden, position_ids + j)
-            hidden, (k, v) = self.layer_fn(embeds, hidden, cos, sin, past, masks[j])  # [B,T,H]
+            hidden, normed_j, (k, v) = self.layer_fn(embeds, hidden, cos, sin, past,
+                                                     masks[j])  # [B, T, H] each
             keys.append(k)
             values.append(v)
-            normed.append(self.norm(hidden))  # [B, T, H]
+            normed.append(normed_j)
         return normed
 
 
