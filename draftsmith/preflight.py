@@ -2,8 +2,9 @@
 
 Which GPUs a stage uses: those in CUDA_VISIBLE_DEVICES when it is set (a GPU work pool's job
 variables set it), all of them when the stage's device is CUDA, none otherwise. Disk room is
-checked against an estimate of what the stage will write; the hidden-state store dominates
-(the seeds' 87.8M tokens took ~4.6 TB).
+checked against an estimate of what the stage will write; extract's store, which dominates
+(the seeds' 87.8M tokens took ~4.6 TB), has its own check with the breakdown of its estimate
+(draftsmith/extract/preflight.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan
-from draftsmith.config import ExtractConfig, GenerateConfig
+from draftsmith.config import GenerateConfig
 from draftsmith.extract.preflight import free_bytes
 from draftsmith.serve.gpus import GpusBusyError, gpu_processes
 
@@ -74,16 +75,6 @@ def generate_bytes(cfg: GenerateConfig, source_paths: list[str]) -> int:
     """Generations: about the input again plus the answers (a token is ~4 bytes of text)."""
     inputs = sum(Path(p).stat().st_size for p in source_paths if Path(p).is_file())
     return 2 * inputs
-
-
-def extract_bytes(cfg: ExtractConfig, merged: Descriptor, target: Descriptor) -> int:
-    """The hidden-state store (draftsmith/extract/preflight.py holds the one estimate)."""
-    from draftsmith.extract.preflight import estimate_store_bytes, merged_tokens
-    from draftsmith.target import default_aux_layer_ids
-
-    aux = cfg.aux_layer_ids or default_aux_layer_ids(target.figures["num_layers"])
-    return estimate_store_bytes(merged_tokens(merged), target.figures["hidden_size"], len(aux),
-                                cfg.dtype)
 
 
 def train_bytes(target: Descriptor, draft_vocab_size: int) -> int:

@@ -39,16 +39,6 @@ TASKS = {
 }
 
 
-def preflight_extract_disk(config: PipelineConfig, out: dict[str, Descriptor],
-                           plan: StagePlan) -> None:
-    """Stop before extraction when the hidden-state store will not fit on its disk."""
-    from draftsmith.extract.preflight import check_extract_disk
-    from draftsmith.extract.stage import aux_layer_ids_for
-
-    check_extract_disk(config.extract, out["merge"], out["target"], plan.dir,
-                       aux_layer_ids_for(config.extract, out["target"]))
-
-
 def stage_args(config: PipelineConfig, out: dict[str, Descriptor]):
     """The arguments of each stage's task after its plan (what it reads: draftsmith/plan.py)."""
     return {
@@ -141,8 +131,6 @@ def pipeline(config: PipelineConfig, stages: list[str] | None = None,
                     pruned.discard(name)
                     out[name] = execute(name, stage_plan(config, name, out))
             plan = stage_plan(config, stage, out)
-            if stage == "extract":  # before any GPU is taken or any shard written
-                preflight_extract_disk(config, out, plan)
         return execute(stage, plan)
 
     try:

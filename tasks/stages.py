@@ -41,8 +41,20 @@ def plan_cache_key(_context, parameters) -> str:
     return f"draftsmith-{plan.stage}-{plan.key}-{hash_json(plan.path)[:8]}"
 
 
+def retry_unless_hopeless(_task, _task_run, state) -> bool:
+    """A full disk or a missing GPU fails the same way on every attempt: fail at once with the
+    preflight's message instead of retrying it twice."""
+    from draftsmith.extract.preflight import DiskSpaceError
+
+    try:
+        error = state.result(raise_on_failure=False)
+    except Exception:  # noqa: BLE001 - no readable result: retry as usual
+        return True
+    return not isinstance(error, DiskSpaceError | preflight.PreflightError)
+
+
 STAGE_TASK = dict(cache_key_fn=plan_cache_key, persist_result=True, retries=2,
-                  retry_delay_seconds=[5, 30])
+                  retry_delay_seconds=[5, 30], retry_condition_fn=retry_unless_hopeless)
 
 
 @contextmanager
@@ -165,11 +177,15 @@ def merge(plan: StagePlan, cfg: MergeConfig, generated: Descriptor,
 @task(name="extract", **STAGE_TASK)
 def extract(plan: StagePlan, cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor,
             target: Descriptor) -> Descriptor:
-    from draftsmith.extract.stage import run_extract
+    from draftsmith.extract.preflight import check_extract_disk
+    from draftsmith.extract.stage import aux_layer_ids_for, run_extract
 
     if done := _already_done(plan):
         return done
-    preflight.check_stage(plan, target_cfg.device, preflight.extract_bytes(cfg, merged, target))
+    # On the machine that writes the store (a GPU worker in distributed mode), before any
+    # GPU is taken or shard written.
+    preflight.check_stage(plan, target_cfg.device)
+    check_extract_disk(cfg, merged, target, plan.dir, aux_layer_ids_for(cfg, target))
     with progress_artifact("extract"):
         return run_extract(cfg, target_cfg, merged, target, plan)
 

@@ -2,7 +2,8 @@
 
 The seeds' store took ~4.6 TB for 87.8M tokens; finding out at 90% is a lost day. The estimate
 is tokens x bytes per token of the shard store (draftsmith/extract/store.py): per token, K aux
-states and the final state of H values each in the store dtype, an int64 id and a uint8 mask.
+states and the final state of H values each in the store dtype, an int64 id, a uint8 mask and
+an int32 target argmax (the SGLang backend stores no argmax: 4 bytes a token of margin there).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ class DiskEstimate:
 
 
 def bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:
-    """aux [K*H] + final [H] in the store dtype, input_ids int64, loss_mask uint8."""
-    return (num_aux_layers + 1) * hidden_size * DTYPE_BYTES[dtype] + 8 + 1
+    """aux [K*H] + final [H] in the store dtype, input_ids int64, loss_mask uint8,
+    target_argmax int32."""
+    return (num_aux_layers + 1) * hidden_size * DTYPE_BYTES[dtype] + 8 + 1 + 4
 
 
 def estimate_store_bytes(tokens: int, hidden_size: int, num_aux_layers: int, dtype: str) -> int:
