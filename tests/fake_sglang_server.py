@@ -17,7 +17,9 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
+
+from json_http import JsonHandler  # tests/ is on sys.path: this file runs as a script
 
 MODE = os.environ.get("FAKE_SGLANG_MODE", "")
 
@@ -107,33 +109,27 @@ def main() -> None:
         "speculative_num_draft_tokens": args.speculative_num_draft_tokens,
     }
 
-    class Handler(BaseHTTPRequestHandler):
-        def _send(self, code: int, body: dict) -> None:
-            data = json.dumps(body).encode()
-            self.send_response(code)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
+    class Handler(JsonHandler):
 
         def do_GET(self):  # noqa: N802
             if self.path == "/health":
-                self._send(200, {})
+                self.send_json(200, {})
             elif self.path == "/server_info":
-                self._send(200, info)
+                self.send_json(200, info)
             else:
-                self._send(404, {"error": "not found"})
+                self.send_json(404, {"error": "not found"})
 
         def do_POST(self):  # noqa: N802
             length = int(self.headers.get("Content-Length", 0))
             request = json.loads(self.rfile.read(length) or b"{}")
             if self.path != "/generate":
-                self._send(404, {"error": "not found"})
+                self.send_json(404, {"error": "not found"})
             elif MODE == "generate_fails":
-                self._send(500, {"error": "CUDA error: an illegal memory access"})
+                self.send_json(500, {"error": "CUDA error: an illegal memory access"})
             elif not request.get("stream"):
                 ids, meta = generate(request)[-1]
-                self._send(200, {"text": " tok" * len(ids), "output_ids": ids, "meta_info": meta})
+                self.send_json(200, {"text": " tok" * len(ids), "output_ids": ids,
+                                     "meta_info": meta})
             else:
                 self.send_response(200)
                 self.send_header("Content-Type", "text/event-stream")
@@ -143,9 +139,6 @@ def main() -> None:
                     self.wfile.write(f"data: {json.dumps(chunk)}\n\n".encode())
                     self.wfile.flush()
                 self.wfile.write(b"data: [DONE]\n\n")
-
-        def log_message(self, *args):
-            pass
 
     server = ThreadingHTTPServer((args.host, args.port), Handler)
     print(f"fake sglang: ready on {args.host}:{args.port}", flush=True)

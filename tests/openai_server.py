@@ -19,10 +19,12 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+
+from tests.json_http import JsonHandler
 
 
 def free_port() -> int:
@@ -122,36 +124,24 @@ class FaultProxy:
     def _handler(self):
         proxy = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args) -> None:  # quiet
-                pass
-
-            def _send(self, status: int, payload: dict, headers: dict[str, str] | None = None):
-                data = json.dumps(payload).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                for k, v in (headers or {}).items():
-                    self.send_header(k, v)
-                self.end_headers()
-                self.wfile.write(data)
+        class Handler(JsonHandler):
 
             def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.read_json()
                 max_tokens = body.get("max_tokens", 0)
                 with proxy.lock:
                     proxy.requests += 1
                     proxy.auth_headers.append(self.headers.get("Authorization"))
                     if proxy.required_key and self.headers.get("Authorization") != \
                             f"Bearer {proxy.required_key}":
-                        return self._send(401, {"error": "bad key"})
+                        return self.send_json(401, {"error": "bad key"})
                     last = str(body["messages"][-1].get("content"))
                     for needle, status in proxy.always_fail.items():
                         if needle in last:
-                            return self._send(status, {"error": "injected, always"})
+                            return self.send_json(status, {"error": "injected, always"})
                     if proxy.fail_next:
                         status, headers = proxy.fail_next.popleft()
-                        return self._send(status, {"error": "injected"}, headers)
+                        return self.send_json(status, {"error": "injected"}, headers)
                     proxy.in_flight[max_tokens] += 1
                     proxy.max_in_flight[max_tokens] = max(proxy.max_in_flight[max_tokens],
                                                           proxy.in_flight[max_tokens])
@@ -164,7 +154,7 @@ class FaultProxy:
                 try:
                     upstream = httpx.post(proxy.upstream + self.path, json=body, timeout=120)
                 except httpx.HTTPError as err:  # the server is gone: what a gateway says
-                    return self._send(502, {"error": f"upstream: {type(err).__name__}"})
+                    return self.send_json(502, {"error": f"upstream: {type(err).__name__}"})
                 finally:
                     with proxy.lock:
                         proxy.in_flight[max_tokens] -= 1
@@ -176,10 +166,10 @@ class FaultProxy:
                     with proxy.lock:
                         proxy.answers[prompt_key(body)] += 1
                         answered = sum(proxy.answers.values())
-                    self._send(200, payload)
+                    self.send_json(200, payload)
                     if proxy.after_answer is not None:
                         proxy.after_answer(answered)
                     return None
-                return self._send(upstream.status_code, payload)
+                return self.send_json(upstream.status_code, payload)
 
         return Handler

@@ -5,13 +5,12 @@ requests in shuffled order, the external-package registration, and the launch co
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 import threading
 import time
 import types
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -36,6 +35,7 @@ from draftsmith.extract.sglang_dump import (
 )
 from draftsmith.extract.stage import run_extract
 from draftsmith.extract.store import ShardReader
+from tests.json_http import JsonHandler
 from tests.test_extract_stage import make_merged
 
 AUX_IDS = [1, 3, 4]
@@ -161,30 +161,20 @@ class StandInServer:
         self.batch_sizes: list[int] = []
         server = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def _reply(self, code: int, body: dict) -> None:
-                data = json.dumps(body).encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+        class Handler(JsonHandler):
 
             def do_GET(self):
-                self._reply(200 if self.path == "/health" else 404, {})
+                self.send_json(200 if self.path == "/health" else 404, {})
 
             def do_POST(self):
-                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                body = self.read_json()
                 assert body["sampling_params"]["max_new_tokens"] == 1
                 done = threading.Event()
                 with server.lock:
                     server.pending.append((body, done))
                 done.wait(60)
                 time.sleep(random.random() * 0.01)
-                self._reply(200, {"meta_info": {"id": body["rid"], "completion_tokens": 1}})
+                self.send_json(200, {"meta_info": {"id": body["rid"], "completion_tokens": 1}})
 
         self.http = ThreadingHTTPServer((host, port), Handler)
         self.url = f"http://{host}:{self.http.server_address[1]}"
