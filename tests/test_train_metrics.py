@@ -200,6 +200,11 @@ def test_row_loss_mask_hand_count(random_target_dir):
     assert torch.isfinite(loss) and loss > 0
     loss.backward()
     assert drafter.fc.weight.grad.abs().sum() > 0
+    # The trainer sums counts across steps on the device: they must hold no autograd graph.
+    from draftsmith.train.trainer import row_loss_on_device
+
+    _, on_device = row_loss_on_device(drafter, row, head, 3, 0.8, "cpu")
+    assert not on_device.requires_grad
 
 
 def reference_row_loss(drafter, row, head, steps, decay):
@@ -313,6 +318,7 @@ def test_fused_linear_soft_ce_matches_autograd_of_the_plain_formula(compiled):
     torch.testing.assert_close(fw, 2.5 * gw)
     torch.testing.assert_close(ce, -(probs * F.log_softmax(x @ w.T, -1)).sum(-1).detach())
     assert torch.equal(argmax, (x @ w.T).argmax(-1))
+    assert not ce.requires_grad and not argmax.requires_grad  # metrics hold no graph
 
     frozen = w.detach()  # a frozen lm_head: gradient for x only
     loss, _, _ = fused_linear_soft_ce(x, frozen, probs, weights, chunk=4, compiled=compiled)

@@ -123,11 +123,12 @@ class _LinearSoftCE(torch.autograd.Function):
             if grad_w is not None:
                 grad_w.add_(grad_logits.T @ xc)  # [D, H] accumulated in float32
         ce = torch.cat(ce_all)  # [T]
+        argmax = torch.cat(argmax_all)  # [T]
         loss = (ce * weights).sum()
         ctx.save_for_backward(grad_x, grad_w)
         ctx.weight_dtype = weight.dtype
-        ctx.mark_non_differentiable(ce)
-        return loss, ce.detach(), torch.cat(argmax_all)
+        ctx.mark_non_differentiable(ce, argmax)  # metrics: never part of a graph
+        return loss, ce, argmax
 
     @staticmethod
     def backward(ctx, grad_loss, _grad_ce, _grad_argmax):
