@@ -11,10 +11,14 @@ function" chat, so its next-token distribution is peaked and real. Then:
 
 and one JSON/markdown report with the target's validation loss, the drafter's per-step accuracy
 and simulated acceptance (tau), measured acceptance length (chain and tree), the lossless check,
-tokens/s with and without speculation and the wall time of each stage.
+tokens/s with and without speculation and the wall time of each stage. After the train stage
+the best drafter is evaluated again over the answer positions the benchmark decodes (tau over
+the first N answer tokens), and greedy chain decoding is replayed over the stored answers
+(acceptance counted per verify round, as the benchmark counts it; replay_check.py shows it
+equals the measured figure prompt by prompt on the CPU demo).
 
 On one H200 (see the README for the exact command and the figures):
-    python benchmarks/quality/run_quality.py --out /tmp/quality --device cuda
+    python benchmarks/quality/run_quality.py --out /tmp/quality --device cuda --bench-tokens 256
 A CPU smoke run of every step, in about two minutes:
     python benchmarks/quality/run_quality.py --out /tmp/quality-smoke --smoke
 """
@@ -22,6 +26,7 @@ A CPU smoke run of every step, in about two minutes:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import logging
@@ -31,6 +36,7 @@ import sysconfig
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -205,8 +211,10 @@ def pipeline_config(root: Path, target_dir: Path, prompts: Path, size: dict, dev
     })
 
 
-def run_stages(config: PipelineConfig, target: Descriptor) -> tuple[dict, dict]:
-    """The pipeline's engine functions in order (what the Prefect flow's tasks call)."""
+def run_stages(config: PipelineConfig, target: Descriptor,
+               after=None) -> tuple[dict, dict]:
+    """The pipeline's engine functions in order (what the Prefect flow's tasks call);
+    after(stage, outputs, seconds), if given, runs after each stage."""
     from draftsmith.bench.benchmark import run_benchmark
     from draftsmith.data.merge import run_merge
     from draftsmith.export.fix_keys import run_fix_keys
@@ -234,46 +242,301 @@ def run_stages(config: PipelineConfig, target: Descriptor) -> tuple[dict, dict]:
         outputs[stage] = call(outputs, stage_plan(config, stage, outputs))
         seconds[stage] = round(time.monotonic() - started, 1)
         log.info("stage %s done in %.1fs", stage, seconds[stage])
+        if after:
+            after(stage, outputs, seconds)
     return outputs, seconds
 
 
-def report(target_figures: dict, outputs: dict, seconds: dict) -> dict:
-    train = outputs["train"].figures
+# --------------------------------------------------------------------------- tau by position
+#
+# The train stage's tau averages over every assistant token of the validation answers (up to
+# generate's max_new_tokens), the benchmark decodes the first bench_tokens of a few of them.
+# Both are measured here over the same answer positions, with the trainer's own functions.
+
+
+def cut_to_window(sample, window: int | None):
+    """The sample with its loss mask kept on its first `window` assistant tokens (all of them
+    for None). These samples have one assistant turn, so that is the first `window` tokens of
+    the answer: the positions a benchmark with max_new_tokens=window decodes."""
+    if window is None:
+        return sample
+    mask = sample.loss_mask.bool()  # [T]
+    keep = mask & (mask.long().cumsum(0) <= window)  # [T]
+    return dataclasses.replace(sample, loss_mask=keep.to(sample.loss_mask.dtype))
+
+
+def decode_walk(mask: torch.Tensor, run: torch.Tensor, limit: int) -> tuple[int, int]:
+    """(verify rounds, tokens they produced) of greedy chain decoding of one stored answer, up
+    to `limit` new tokens, stepping as the embedded engine does: the prompt's forward gives the
+    first answer token; a round at anchor p (the last known token is p+1) keeps the run[p]
+    drafts in a row that the target agrees with, plus the target's own next token, and the next
+    round's anchor is p + run[p] + 1. mask [T]: the answer's tokens; run [T]: 0..steps."""
+    answer = mask.nonzero()[:, 0]  # [A]
+    if answer.numel() == 0 or int(answer[0]) == 0:
+        return 0, 0
+    first, last = int(answer[0]), int(answer[-1])
+    end = min(last, first + limit - 1)  # the last token decoding produces
+    run = run.tolist()
+    p, rounds, tokens = first - 1, 0, 0
+    while p + 1 < end:
+        rounds += 1
+        tokens += min(1 + run[p], end - (p + 1))  # the last round is cut at the limit
+        p += 1 + run[p]
+    return rounds, tokens
+
+
+def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -> dict:
+    """The best drafter (the train stage's native checkpoint) on the validation split of the
+    hidden-state store, on the trainer's path (same packing, dtype, attention and compiled
+    layer as its validation):
+
+    - tau: trainer.evaluate on rows whose loss masks are cut to the first N answer tokens of
+      each sample, and uncut (which must equal the train stage's validation tau);
+    - walk: per anchor, how many drafts in a row the target agrees with (the trainer's own
+      argmax per TTT step, read from its loss function), then the greedy chain decoding of
+      each stored answer replayed over those runs (decode_walk): acceptance as the benchmark
+      counts it (tokens per verify round) rather than averaged over every position."""
+    from draftsmith.export.native import load_native
+    from draftsmith.extract.store import ShardReader
+    from draftsmith.model.eagle3 import shift_left
+    from draftsmith.target import load_target_head_and_embedding
+    from draftsmith.train import trainer
+    from draftsmith.train.loss import TargetHead
+    from draftsmith.train.metrics import StepCounts
+    from draftsmith.train.packing import concat_row, pad_row, plan_rows
+
+    cfg = config.train
+    steps = cfg.ttt_steps
+    device = torch.device(cfg.device)
+    embed, head = load_target_head_and_embedding(outputs["target"])
+    drafter = load_native(outputs["train"].dir, embed)
+    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
+    with torch.no_grad():  # as the trainer does: parameters only, RoPE's buffer stays float32
+        for p in drafter.parameters():
+            p.data = p.data.to(dtype)
+    drafter.to(device)
+    target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), dtype, device)
+    runtime = trainer.Runtime(trainer.resolve_attention(cfg), trainer.compile_enabled(cfg, device))
+    drafter.compile_layer(runtime.compiled)
+    pad_to = cfg.batch_tokens if runtime.attention == "flex" else None
+    store = ShardReader(outputs["extract"].path)
+    rows = plan_rows(list(store.samples("validation")), cfg.batch_tokens)  # the trainer's rows
+
+    def guarded(fn):
+        while True:
+            try:
+                return fn()
+            except Exception as err:  # noqa: BLE001 - the trainer's fallback, same rungs
+                if not runtime.fallback(drafter, err):
+                    raise
+
+    def tau_of(window: int | None) -> dict:
+        cut = [[cut_to_window(s, window) for s in row] for row in rows]
+        counts = guarded(lambda: trainer.evaluate(drafter, cut, target_head, cfg,
+                                                  runtime.attention, pad_to, device))
+        summary = counts.summary()
+        return {"tau": round(summary["tau"], 4),
+                "full_acc": [round(summary[f"full_acc_{j}"], 4) for j in range(steps)],
+                "positions": int(counts.positions[0])}
+
+    started = time.monotonic()
+    result: dict = {"tau": {"all": tau_of(None)}}
+    for window in windows:
+        result["tau"][f"first_{window}"] = tau_of(window)
+    train_tau = outputs["train"].figures["tau"]
+    result["train_stage_tau"] = train_tau
+    result["cross_check_diff"] = round(result["tau"]["all"]["tau"] - train_tau, 4)
+
+    # Per anchor: the drafts in a row that match the target's argmax (the trainer's own
+    # guesses: its loss function returns the drafter's argmax per TTT step).
+    guesses: list[torch.Tensor] = []
+    loss_fn = trainer.fused_linear_soft_ce
+
+    def tap(*args, **kwargs):
+        out = loss_fn(*args, **kwargs)
+        guesses.append(out[2])  # [T - j - 1] draft ids
+        return out
+
+    def runs_of(samples) -> tuple[list, StepCounts, StepCounts]:
+        guesses.clear()
+        row = concat_row(samples, cfg.batch_tokens)
+        row = pad_row(row, pad_to) if pad_to else row
+        _, counts = trainer.row_loss(drafter, row, target_head, steps, trainer.step_weights_of(cfg),
+                                     device, runtime.attention)
+        _, target_arg = target_head.targets(row.final.to(device),
+                                            row.target_argmax)  # [T], as row_loss has it
+        T = row.num_tokens
+        right = torch.zeros(steps, T, dtype=torch.bool, device=device)  # [S, T]
+        for j, guess in enumerate(guesses):
+            right[j, : T - j - 1] = guess == target_arg[j + 1:]
+        chain = right.long().cumprod(0).bool()  # [S, T]: steps 0..j all right
+        # The same counts again from these runs: they must equal row_loss's.
+        check = StepCounts(steps)
+        docs, loss_mask = row.document_ids.to(device), row.loss_mask.to(device)  # [T]
+        for j in range(steps):
+            same = shift_left(docs[None], j + 2, fill=-1)[0] == docs  # [T]
+            mask = shift_left(loss_mask[None], j + 2)[0] & same  # [T]
+            check.positions[j] = mask.sum().item()
+            check.chain_correct[j] = (mask & chain[j]).sum().item()
+        run = chain.sum(0).cpu()  # [T]
+        per_sample, start = [], 0
+        for s in samples:
+            n = min(len(s.input_ids), cfg.batch_tokens)
+            per_sample.append((s.id, s.loss_mask[:n].bool(), run[start:start + n]))
+            start += n
+        return per_sample, counts, check
+
+    def replay() -> None:
+        per_sample = []
+        counts, check = StepCounts(steps), StepCounts(steps)
+        with mock.patch.object(trainer, "fused_linear_soft_ce", tap), torch.no_grad():
+            drafter.eval()
+            for samples in rows:
+                part, c, k = guarded(lambda samples=samples: runs_of(samples))
+                per_sample += part
+                counts.add(c)
+                check.add(k)
+        result["walk_check"] = {
+            "chain_correct_diff": float((counts.chain_correct - check.chain_correct).abs().max()),
+            "positions_diff": float((counts.positions - check.positions).abs().max()),
+            "tau_of_runs": round(check.summary()["tau"], 4)}
+        walks = {}
+        for window in windows:
+            per = {sid: decode_walk(mask, run, window) for sid, mask, run in per_sample}
+            rounds, tokens = sum(r for r, _ in per.values()), sum(t for _, t in per.values())
+            walks[f"first_{window}"] = {"acceptance": round(tokens / max(rounds, 1), 4),
+                                        "rounds": rounds, "tokens": tokens, "per_sample": per}
+        result["walk"] = walks
+        result["samples"] = len(per_sample)
+
+    try:  # the tau figures above are kept if the replay fails
+        replay()
+    except Exception as err:  # noqa: BLE001 - reported in the result and the log
+        log.exception("tau by position: the replay failed")
+        result["walk_error"] = f"{type(err).__name__}: {err}"
+    result["runtime"] = {"attention": runtime.attention, "compiled": runtime.compiled,
+                         "dtype": cfg.dtype}
+    result["seconds"] = round(time.monotonic() - started, 1)
+    log.info("tau by position: %s; walk %s; %.1fs", {k: v["tau"] for k, v in result["tau"].items()},
+             {k: v["acceptance"] for k, v in result.get("walk", {}).items()}, result["seconds"])
+    store.close()
+    return result
+
+
+def walk_vs_benchmark(positions: dict, outputs: dict, bench_tokens: int) -> dict:
+    """The walk on the benchmark's own prompts (the first prompts of the validation split),
+    next to what the benchmark measured on each: rounds and tokens per prompt."""
+    from draftsmith.data.merge import read_split
+
     bench = json.loads((outputs["benchmark"].dir / "report.json").read_text())
-    configs = bench["configs"]
-    return {
+    measured = bench["per_prompt"]
+    ids = [r["id"] for r in read_split(outputs["merge"], "validation")[: len(measured)]]
+    walk = positions["walk"][f"first_{bench_tokens}"]["per_sample"]
+    pairs = [(walk[i], m) for i, m in zip(ids, measured, strict=True) if i in walk]
+    w_rounds, w_tokens = sum(w[0] for w, _ in pairs), sum(w[1] for w, _ in pairs)
+    m_rounds, m_tokens = sum(m["verify_rounds"] for _, m in pairs), \
+        sum(m["round_tokens"] for _, m in pairs)
+    return {"prompts": len(pairs),
+            "walk_acceptance": round(w_tokens / max(w_rounds, 1), 4),
+            "measured_acceptance": round(m_tokens / max(m_rounds, 1), 4),
+            "same_length": sum(w[1] == m["round_tokens"] for w, m in pairs),
+            "per_prompt": [{"walk_rounds": w[0], "walk_tokens": w[1],
+                            "rounds": m["verify_rounds"], "tokens": m["round_tokens"]}
+                           for w, m in pairs]}
+
+
+def report(target_figures: dict, outputs: dict, seconds: dict, positions: dict | None,
+           bench_tokens: int) -> dict:
+    train = outputs["train"].figures
+    result = {
         "target": target_figures,
         "data": {"records": outputs["merge"].counts,
                  "generated_tokens": outputs["generate"].counts},
-        "drafter": {k: train.get(k) for k in ("best_validation", "validation", "steps",
-                                               "tokens_per_s") if k in train} or train,
-        "benchmark": {"configs": configs, "summary": bench["summary"], "verdict": bench["verdict"]},
+        "drafter": train,
         "stage_seconds": seconds,
     }
+    if positions is not None:
+        result["tau_by_position"] = {k: v for k, v in positions.items() if k != "walk"}
+        result["tau_by_position"]["walk"] = {
+            k: {f: v[f] for f in ("acceptance", "rounds", "tokens")}
+            for k, v in positions.get("walk", {}).items()}
+    if "benchmark" in outputs:
+        bench = json.loads((outputs["benchmark"].dir / "report.json").read_text())
+        result["benchmark"] = {"max_new_tokens": bench_tokens, "configs": bench["configs"],
+                               "summary": bench["summary"], "verdict": bench["verdict"]}
+        if positions is not None and "walk" in positions:
+            try:  # the benchmark's figures are reported whatever happens here
+                walk = walk_vs_benchmark(positions, outputs, bench_tokens)
+                result["tau_by_position"]["walk_on_benchmark_prompts"] = {
+                    k: v for k, v in walk.items() if k != "per_prompt"}
+            except Exception:
+                log.exception("the replay on the benchmark's prompts failed")
+    return result
 
 
 def markdown(result: dict) -> str:
     t = result["target"]
+    d = result["drafter"]
+    steps = sum(1 for k in d if k.startswith("full_acc_"))
+    acc = ", ".join(f"{d[f'full_acc_{j}']:.3f}" for j in range(steps))
+    cond = ", ".join(f"{d[f'cond_acc_{j}']:.2f}" for j in range(steps))
     lines = [
         "| quantity | value |", "|---|---|",
-        f"| target | Llama, {t['parameters'] / 1e6:.0f}M parameters, trained {t['train_s']:.0f} s "
-        f"({t['train_tokens'] / 1e6:.1f}M tokens, {t['train_tokens_per_s']:,} tokens/s) |",
-        f"| target validation loss | {t['val_loss_initial']} -> {t['val_loss_final']} |",
-        f"| drafter (train stage figures) | {json.dumps(result['drafter'])} |",
+        f"| target | Llama, {t['parameters'] / 1e6:.1f}M parameters, {t['train_steps']:,} steps "
+        f"in {t['train_s']:.0f} s ({t['train_tokens'] / 1e6:.1f}M tokens, "
+        f"{t['train_tokens_per_s']:,} tokens/s) |",
+        f"| target validation loss (held-out files) | {t['val_loss_initial']} -> "
+        f"{t['val_loss_final']} (training loss {t['train_loss_final']}) |",
+        f"| data | {json.dumps(result['data']['generated_tokens'])}; "
+        f"{json.dumps(result['data']['records'])} |",
+        f"| drafter validation full_acc, steps 0-{steps - 1} | {acc} (cond_acc {cond}) |",
+        f"| drafter simulated tau (train stage, every answer token) | {d['tau']:.3f} |",
     ]
-    for c in result["benchmark"]["configs"]:
-        lines.append(
-            f"| {c['config']} | acceptance {c['acceptance_length']}, "
-            f"{c['speculative_tokens_per_s']} vs {c['greedy_tokens_per_s']} tokens/s "
-            f"({c['speedup']}x), identical to greedy {c['identical_outputs']} |")
+    pos = result.get("tau_by_position")
+    if pos:
+        for key, v in pos["tau"].items():
+            where = "every answer token" if key == "all" else \
+                f"first {key.removeprefix('first_')} answer tokens"
+            lines.append(f"| tau, {where} (best drafter re-evaluated) | {v['tau']:.3f} "
+                         f"({v['positions']:,} positions; full_acc "
+                         f"{', '.join(f'{a:.3f}' for a in v['full_acc'])}) |")
+        lines.append(f"| re-evaluated tau - train stage tau | {pos['cross_check_diff']} |")
+        for key, v in pos["walk"].items():
+            lines.append(f"| chain decoding replayed on the stored answers, first "
+                         f"{key.removeprefix('first_')} tokens (validation) | acceptance "
+                         f"{v['acceptance']:.3f} ({v['tokens']:,} tokens in {v['rounds']:,} "
+                         f"rounds) |")
+        if "walk_on_benchmark_prompts" in pos:
+            w = pos["walk_on_benchmark_prompts"]
+            lines.append(f"| replay on the benchmark's {w['prompts']} prompts vs measured | "
+                         f"{w['walk_acceptance']:.3f} vs {w['measured_acceptance']:.3f} (same "
+                         f"answer length on {w['same_length']}/{w['prompts']}) |")
+    if "benchmark" in result:
+        b = result["benchmark"]
+        for c in b["configs"]:
+            lines.append(
+                f"| measured, {c['config']}, {c['prompts']} prompts x {b['max_new_tokens']} "
+                f"tokens | acceptance {c['acceptance_length']}, "
+                f"{c['speculative_tokens_per_s']} vs {c['greedy_tokens_per_s']} tokens/s "
+                f"({c['speedup']}x), identical to greedy {c['identical_outputs']} |")
     stages = ", ".join(f"{k} {v}" for k, v in result["stage_seconds"].items())
-    lines.append(f"| stage wall time (s) | target build {t['build_s']}, {stages} |")
-    return "\n".join(lines) + f"\n\n{result['benchmark']['verdict']}\n"
+    lines.append(f"| stage wall time (s) | target build {t['build_s']} (training "
+                 f"{t['train_s']}), {stages} |")
+    verdict = result["benchmark"]["verdict"] if "benchmark" in result else "(no benchmark yet)"
+    return "\n".join(lines) + f"\n\n{verdict}\n"
+
+
+def write_reports(out: Path, result: dict) -> None:
+    atomic_write_json(out / "quality.json", result)
+    (out / "quality.md").write_text(markdown(result))
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--report-dir", type=Path, help=(
+        "also write quality.json, quality.md and raw.json here, updated after every stage "
+        "(default: --out)"))
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--smoke", action="store_true", help="tiny sizes: check every step on CPU")
     parser.add_argument("--ttt-steps", type=int, default=5)
@@ -284,6 +547,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bench-tokens", type=int, help=(
         "override the benchmark's max_new_tokens (256, generate's length, measures acceptance "
         "over the same answer positions as the drafter's simulated tau)"))
+    parser.add_argument("--tau-windows", type=int, nargs="*", default=[96], help=(
+        "answer lengths to measure tau over besides the benchmark's max_new_tokens"))
     args = parser.parse_args(argv)
     configure_logging()
     size = dict(SMOKE if args.smoke else GPU)
@@ -293,7 +558,10 @@ def main(argv: list[str] | None = None) -> None:
         size["bench_tokens"] = args.bench_tokens
     if args.bench_prompts:
         size["bench_prompts"] = args.bench_prompts
+    windows = sorted({size["bench_tokens"], *args.tau_windows}, reverse=True)
     args.out.mkdir(parents=True, exist_ok=True)
+    report_dir = args.report_dir or args.out
+    report_dir.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     built = build_target(args.out / "target", size, args.device, args.workers)
     prompts = args.out / "prompts.jsonl"
@@ -306,15 +574,39 @@ def main(argv: list[str] | None = None) -> None:
     from draftsmith.config import TargetConfig
 
     target = resolve_target(TargetConfig(model=str(args.out / "target")))
-    outputs, seconds = run_stages(config, target)
-    # The raw descriptors first: a figure is never lost to a bug in the report below.
-    atomic_write_json(args.out / "raw.json", {"target": built["figures"], "seconds": seconds,
-                                              **{k: v.model_dump() for k, v in outputs.items()}})
-    result = report(built["figures"], outputs, seconds)
-    result["total_s"] = round(time.monotonic() - started, 1)
-    result["device"] = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    atomic_write_json(args.out / "quality.json", result)
-    (args.out / "quality.md").write_text(markdown(result))
+    state: dict = {"positions": None}
+
+    def after(stage: str, outputs: dict, seconds: dict) -> None:
+        if stage == "train":
+            try:  # a figure from the stages is never lost to a bug in this analysis
+                state["positions"] = tau_by_position(config, outputs, windows)
+                seconds["tau_by_position"] = state["positions"]["seconds"]
+            except Exception:
+                log.exception("tau by position failed")
+        # The raw descriptors first, after every stage: what ran is kept if a later one fails.
+        raw = {"target": built["figures"], "seconds": seconds,
+               **{k: v.model_dump() for k, v in outputs.items()}}
+        if state["positions"] is not None:
+            raw["tau_by_position"] = state["positions"]
+        atomic_write_json(report_dir / "raw.json", raw)
+        if stage in ("train", "benchmark"):
+            try:
+                result = report(built["figures"], outputs, seconds, state["positions"],
+                                size["bench_tokens"])
+                result["total_s"] = round(time.monotonic() - started, 1)
+                result["device"] = torch.cuda.get_device_name() \
+                    if args.device.startswith("cuda") else "cpu"
+                write_reports(report_dir, result)
+                if report_dir != args.out:
+                    write_reports(args.out, result)
+                state["result"] = result
+            except Exception:
+                log.exception("report after %s failed", stage)
+
+    run_stages(config, target, after)
+    result = state.get("result")
+    if result is None:
+        raise SystemExit(f"no report could be built; see the log and {report_dir / 'raw.json'}")
     print(markdown(result))
     print(json.dumps(result, indent=1))
 
