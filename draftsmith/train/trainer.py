@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -262,9 +263,10 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     runtime = Runtime(resolve_attention(cfg), compile_enabled(cfg, device))
     drafter.compile_layer(runtime.compiled)
     pad_to = cfg.batch_tokens if runtime.attention == "flex" else None  # static shapes
-    # FSDP: what a rank without a row runs, so that it joins every collective.
-    padding = padding_row(train_samples[0], pad_to or cfg.batch_tokens).map(
-        lambda t: t.to(device)) if sharded and train_samples else None  # [L] and [L, ...]
+    # FSDP: what a rank without a row runs, so that it joins every collective (made when
+    # needed: an 8192-token row of an 8B-shaped target is ~270 MB of zeros).
+    padding = (lambda: padding_row(train_samples[0], pad_to or cfg.batch_tokens, device)) \
+        if sharded and train_samples else None
 
     plans = epoch_plans(train_samples, cfg)
     steps_per_epoch = [math.ceil(len(p) / dist.world) for p in plans]
@@ -361,9 +363,9 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     def train_row(row: PackedRow | None, noise_seed: int) -> torch.Tensor:
         if row is None and padding is None:  # DDP: no row in the epoch's last step; its
             return StepCounts(cfg.ttt_steps).as_tensor()  # gradients are zeros in the sum
-        loss, counts = row_loss_on_device(drafter, padding if row is None else row, target_head,
-                                          cfg.ttt_steps, weights, device, runtime.attention,
-                                          cfg.aux_noise_std, noise_seed)
+        loss, counts = row_loss_on_device(drafter, padding() if row is None else row,
+                                          target_head, cfg.ttt_steps, weights, device,
+                                          runtime.attention, cfg.aux_noise_std, noise_seed)
         loss.backward()  # a padding row (FSDP): zero loss, zero gradients, counts dropped
         return counts if row is not None else StepCounts(cfg.ttt_steps).as_tensor()
 
@@ -524,15 +526,15 @@ def epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist,
 @torch.no_grad()
 def evaluate(drafter, rows: list[list[Sample] | None], head: TargetHead, cfg: TrainConfig,
              attention: str, pad_to: int | None, device,
-             padding: PackedRow | None = None) -> StepCounts:
+             padding: Callable[[], PackedRow] | None = None) -> StepCounts:
     """Counts over `rows`; a None row (FSDP: this rank has fewer rows than another) runs
-    `padding` so the rank joins the collectives, and counts nothing."""
+    `padding()` so the rank joins the collectives, and counts nothing."""
     drafter.eval()
     counts = StepCounts(cfg.ttt_steps)
     for samples in rows:
-        row = padding if samples is None else concat_row(samples, cfg.batch_tokens, pad_to)
-        if row is None:
+        if samples is None and padding is None:
             continue
+        row = padding() if samples is None else concat_row(samples, cfg.batch_tokens, pad_to)
         row_counts = row_loss(drafter, row, head, cfg.ttt_steps, step_weights_of(cfg), device,
                               attention)[1]
         if samples is not None:
