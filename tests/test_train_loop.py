@@ -246,9 +246,10 @@ def test_fsdp_best_drafter_is_whole_and_reads_back_in_sglang_names(fsdp_run, tmp
 
 
 def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypatch):
-    """bf16 compute over float32 shards; every rank SIGKILLs itself before step 5, after the
-    checkpoint of step 4; the rerun reads each rank's shards back and ends where an
-    uninterrupted run ends, bit for bit."""
+    """bf16 compute over float32 shards; every rank SIGKILLs itself before step 8, after the
+    checkpoint at the end of epoch 0 (step 7, written right after validation's forwards); the
+    rerun reads each rank's shards back and ends where an uninterrupted run ends, bit for
+    bit."""
     import sys
 
     from draftsmith.train import launch
@@ -260,13 +261,13 @@ def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypat
         str(REPO), os.environ.get("PYTHONPATH")])))
     monkeypatch.setattr(launch, "torchrun_argv", lambda cfg, job: [
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(REPO / "tests" / "train_worker_killed.py"), "5", str(job)])
+        str(REPO / "tests" / "train_worker_killed.py"), "8", str(job)])
     out = tmp_path / "killed"
     with pytest.raises(launch.TrainLaunchError):
         run_in(inputs, out, cfg)
     resume = out / trainer.RESUME_DIR
     assert sorted(p.name for p in resume.iterdir()) == [
-        "rank0-step4.pt", "rank1-step4.pt", trainer.STATE_FILE]
+        "rank0-step7.pt", "rank1-step7.pt", trainer.STATE_FILE]
     monkeypatch.undo()
     resumed = run_in(inputs, out, cfg)
     assert "resuming from" in (out / launch.LOG_FILE).read_text()
