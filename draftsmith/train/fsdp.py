@@ -59,12 +59,6 @@ def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, device: to
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
 
 
-def is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
 def _is_dtensor(t: Any) -> bool:
     from torch.distributed.tensor import DTensor
 
