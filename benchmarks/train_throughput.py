@@ -21,7 +21,16 @@ FLOPs counted (model FLOPs, 2 per multiply-add, recomputation not counted):
 MFU = counted FLOPs / step time / 989.4 TFLOP/s (H200 dense bf16 peak from the data sheet);
 the achieved bf16 matmul rate of a large GEMM on the same GPU is reported next to it.
 
+`--parallel fsdp` runs the step as `train.parallel: fsdp` does, in a world of one process (a
+process group of one, NCCL on a GPU, gloo on a CPU): the drafter fully_shard'ed as the trainer
+shards it (float32 shards, bf16 all-gathered for compute, float32 gradient reduction), the row
+through `Eagle3Drafter.in_forward`, AdamW on the float32 shards. One process shards nothing;
+this measures what the FSDP machinery costs against the plain step (`--parallel none`).
+
     python benchmarks/train_throughput.py --tokens 8192 --ttt 3 7 --lm-head trainable frozen
+    python benchmarks/train_throughput.py --tokens 8192 --ttt 3 --lm-head frozen --parallel fsdp
+    python benchmarks/train_throughput.py --small --device cpu --attention sdpa --no-compile \
+        --parallel fsdp --iters 2 --warmup 1 --tokens 256 --doc 64   # checks the script
 """
 
 from __future__ import annotations
@@ -90,11 +99,25 @@ def matmul_tflops(device: str) -> float:
     return 20 * 2 * 8192**3 / (time.perf_counter() - started) / 1e12
 
 
+def init_world_of_one(device: str) -> None:
+    """The process group of one that FSDP shards over (no torchrun, no port)."""
+    import torch.distributed as torch_dist
+
+    if torch_dist.is_initialized():
+        return
+    if device.startswith("cuda"):
+        torch.cuda.set_device(torch.device(device).index or 0)
+    torch_dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                  store=torch_dist.HashStore(), rank=0, world_size=1)
+
+
 class Setup:
     """One drafter, target head and row for every setting, so the compiled decoder layer's
-    graphs (one per TTT step) are built once and reused."""
+    graphs (one per TTT step) are built once and reused. With --parallel fsdp the drafter is
+    sharded with lm_head trainable or frozen as given (FSDP fixes which parameters take
+    gradients when it shards), so each lm_head setting gets a Setup of its own."""
 
-    def __init__(self, args, compiled: bool):
+    def __init__(self, args, compiled: bool, lm_head: str | None = None):
         device = args.device
         self.cfg = cfg = shape(args.small)
         H = cfg.hidden_size
@@ -106,10 +129,18 @@ class Setup:
         t2d[: cfg.draft_vocab_size] = True
         drafter.load_target_parts(torch.randn(cfg.vocab_size, H, generator=g) * 0.02, d2t,
                                   t2d, target_head=head.float())
-        with torch.no_grad():
-            for p in drafter.parameters():
-                p.data = p.data.bfloat16()
-        drafter.to(device)
+        self.lm_head = lm_head
+        if args.parallel == "fsdp":
+            from draftsmith.train.fsdp import shard_drafter
+
+            init_world_of_one(device)
+            drafter.lm_head.weight.requires_grad_(lm_head == "trainable")
+            shard_drafter(drafter, torch.bfloat16, torch.device(device), world=1)
+        else:
+            with torch.no_grad():
+                for p in drafter.parameters():
+                    p.data = p.data.bfloat16()
+            drafter.to(device)
         drafter.compile_layer(compiled)
         self.drafter, self.compiled, self.profiled = drafter, compiled, False
         self.target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), torch.bfloat16,
@@ -141,7 +172,10 @@ def synchronize() -> None:
 def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
     device = args.device
     drafter, T = setup.drafter, args.tokens
-    drafter.lm_head.weight.requires_grad_(lm_head == "trainable")
+    if setup.lm_head is None:
+        drafter.lm_head.weight.requires_grad_(lm_head == "trainable")
+    elif setup.lm_head != lm_head:
+        raise ValueError(f"this setup was sharded with lm_head {setup.lm_head}, not {lm_head}")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0)
     weights = [0.8**j for j in range(steps)]
@@ -183,6 +217,7 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
     flops = flops_per_row(setup.cfg, setup.doc_lengths, steps, lm_head == "trainable",
                           stored_argmax=not args.computed_argmax)
     result = {
+        "parallel": args.parallel,
         "tokens_per_row": T, "doc_tokens": args.doc, "ttt_steps": steps, "lm_head": lm_head,
         "compiled_layer": setup.compiled, "target_argmax": "computed" if args.computed_argmax
         else "stored", "seconds_per_step": round(seconds, 4),
@@ -234,6 +269,8 @@ def main() -> None:
         "rows without the stored target argmax: the trainer applies the full-vocab head"))
     parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
     parser.add_argument("--small", action="store_true", help="tiny shape, to check the script")
+    parser.add_argument("--parallel", default="none", choices=["none", "fsdp"], help=(
+        "fsdp: the drafter sharded as train.parallel=fsdp shards it, in a world of one"))
     parser.add_argument("--profile", type=Path,
                         help="write a torch.profiler table of 2 steps of the first setting")
     parser.add_argument("--out", type=Path, help="append each result as a JSON line here")
@@ -260,27 +297,48 @@ def main() -> None:
             except Exception as err:  # noqa: BLE001 - report and go on to the benchmark
                 emit({"attention_check_error": f"{type(err).__name__}: {err}"[:2000],
                       "dtype": str(dtype), "compiled_layer": compiled})
-    setup = Setup(args, compiled=not args.no_compile)
-    for steps in args.ttt:
-        for lm_head in args.lm_head:
-            try:
-                emit(bench(args, setup, steps, lm_head))
-            except Exception as err:  # noqa: BLE001 - one failed setting must not hide the rest
-                emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": setup.compiled,
-                      "error": f"{type(err).__name__}: {err}"[:3000]})
-                if setup.compiled:  # what the trainer falls back to
-                    setup.compiled = False
-                    setup.drafter.compile_layer(False)
-                    for p in setup.drafter.parameters():
-                        p.grad = None
-                    try:
-                        emit(bench(args, setup, steps, lm_head))
-                    except Exception as err2:  # noqa: BLE001
-                        emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": False,
-                              "error": f"{type(err2).__name__}: {err2}"[:3000]})
+    setups: dict[str | None, Setup] = {}
+
+    def setup_for(lm_head: str) -> Setup:
+        key = lm_head if args.parallel == "fsdp" else None
+        if key not in setups:
+            if setups and args.parallel == "fsdp":  # one sharded drafter at a time
+                setups.clear()
                 gc.collect()
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
+            setups[key] = Setup(args, compiled=not args.no_compile, lm_head=key)
+        return setups[key]
+
+    settings = [(steps, lm_head) for steps in args.ttt for lm_head in args.lm_head]
+    if args.parallel == "fsdp":  # one Setup per lm_head setting: each setting's runs together
+        settings = [(steps, lm_head) for lm_head in args.lm_head for steps in args.ttt]
+    for steps, lm_head in settings:
+        setup = setup_for(lm_head)
+        try:
+            emit(bench(args, setup, steps, lm_head))
+        except Exception as err:  # noqa: BLE001 - one failed setting must not hide the rest
+            emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": setup.compiled,
+                  "error": f"{type(err).__name__}: {err}"[:3000]})
+            if args.parallel == "fsdp":  # the failed iteration left FSDP mid-step
+                from draftsmith.train.fsdp import reset_after_failure
+
+                reset_after_failure(setup.drafter)
+            if setup.compiled:  # what the trainer falls back to
+                setup.compiled = False
+                setup.drafter.compile_layer(False)
+                for p in setup.drafter.parameters():
+                    p.grad = None
+                try:
+                    emit(bench(args, setup, steps, lm_head))
+                except Exception as err2:  # noqa: BLE001
+                    emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": False,
+                          "error": f"{type(err2).__name__}: {err2}"[:3000]})
+            gc.collect()
+            if args.device == "cuda":
+                torch.cuda.empty_cache()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
     sys.stdout.flush()
 
 

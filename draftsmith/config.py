@@ -255,13 +255,29 @@ class TrainConfig(StrictModel):
     checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: only "
                                   "at epoch ends).")
     nproc_per_node: int = Field(1, ge=1, description="Processes (GPUs) under torchrun.")
-    parallel: Literal["ddp", "fsdp"] = "ddp"
+    parallel: Literal["ddp", "fsdp"] = Field(
+        "ddp", description="ddp: every process holds the whole drafter, gradients all-reduced; "
+        "fsdp: parameters, gradients and AdamW state sharded over the processes (big drafters).")
 
     @model_validator(mode="after")
     def _step_weights_match_steps(self) -> TrainConfig:
         if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
             raise ValueError(f"train.step_weights has {len(self.step_weights)} entries but "
                              f"ttt_steps is {self.ttt_steps}: give one weight per step")
+        return self
+
+    @model_validator(mode="after")
+    def _parallel_fits_device(self) -> TrainConfig:
+        kind, _, index = self.device.partition(":")
+        if self.parallel == "fsdp" and kind not in ("cuda", "cpu"):
+            raise ValueError(f"train.parallel=fsdp with train.device={self.device}: FSDP shards "
+                             "over NCCL (cuda) or gloo (cpu); set train.device to cuda or cpu, "
+                             "or train.parallel=ddp")
+        if kind == "cuda" and index and self.nproc_per_node > 1:
+            raise ValueError(f"train.device={self.device} names one GPU, but each of the "
+                             f"{self.nproc_per_node} processes (train.nproc_per_node) takes its "
+                             "own (rank r: cuda:r); set train.device=cuda and choose the GPUs "
+                             "with CUDA_VISIBLE_DEVICES")
         return self
 
 

@@ -160,13 +160,35 @@ def test_frozen_lm_head_keeps_the_target_rows_and_fine_tune_starts_from_a_drafte
         train(inputs, tmp_path / "bad", small_cfg(epochs=1, init_from=str(tmp_path / "none")))
 
 
-def test_torchrun_two_gloo_processes_share_each_epochs_rows(inputs, tmp_path):
-    from draftsmith.train.launch import LOG_FILE, run_torchrun
+def torchrun_cfg(**kw) -> TrainConfig:
+    """2 gloo processes; batch_tokens 112 gives odd row counts, so in an epoch's last step
+    one rank has no row."""
+    return small_cfg(nproc_per_node=2, batch_tokens=112, checkpoint_every=2, **kw)
 
-    cfg = small_cfg(nproc_per_node=2)
-    out = tmp_path / "ddp"
-    out.mkdir()
-    result = run_torchrun(cfg, inputs["hidden"], inputs["merged"], inputs["target"], out)
+
+def run_in(inputs, out, cfg: TrainConfig) -> dict:
+    from draftsmith.train.launch import run_torchrun
+
+    out.mkdir(parents=True, exist_ok=True)
+    return run_torchrun(cfg, inputs["hidden"], inputs["merged"], inputs["target"], out)
+
+
+@pytest.fixture(scope="module")
+def ddp_run(inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ddp")
+    return run_in(inputs, out, torchrun_cfg()), out
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(inputs, tmp_path_factory):
+    out = tmp_path_factory.mktemp("fsdp")
+    return run_in(inputs, out, torchrun_cfg(parallel="fsdp")), out
+
+
+def test_torchrun_two_gloo_processes_share_each_epochs_rows(ddp_run):
+    from draftsmith.train.launch import LOG_FILE
+
+    result, out = ddp_run
     assert len(result["rows_trained"]) == 2
     for epoch, n_rows in enumerate(result["rows_per_epoch"]):
         per_rank = [[i for e, i in ranks if e == epoch] for ranks in result["rows_trained"]]
@@ -178,6 +200,111 @@ def test_torchrun_two_gloo_processes_share_each_epochs_rows(inputs, tmp_path):
     log_text = (out / LOG_FILE).read_text()
     assert "rank0" in log_text and "rank1" in log_text
     assert result["steps"] == sum((n + 1) // 2 for n in result["rows_per_epoch"])
+
+
+def weights_of(out) -> dict[str, torch.Tensor]:
+    return load_file(str(out / "drafter.safetensors"))
+
+
+def test_fsdp_trains_what_ddp_trains(ddp_run, fsdp_run):
+    """Same data, same 2 processes: sharded parameters, gradients reduce-scattered and
+    rescaled to the step's rows, padding rows where a rank has none, reach DDP's weights."""
+    (ddp, ddp_out), (fsdp, fsdp_out) = ddp_run, fsdp_run
+    assert any(n % 2 for n in fsdp["rows_per_epoch"]), "a step where one rank has no row"
+    assert fsdp["rows_trained"] == ddp["rows_trained"]  # the same rows, on the same ranks
+    for epoch, n_rows in enumerate(fsdp["rows_per_epoch"]):
+        rows = sorted(i for ranks in fsdp["rows_trained"] for e, i in ranks if e == epoch)
+        assert rows == list(range(n_rows)), "every row once: none skipped, none repeated"
+    assert fsdp["steps"] == ddp["steps"]
+    a, b = ddp["history"], fsdp["history"]
+    assert [(h["split"], h["step"]) for h in a] == [(h["split"], h["step"]) for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "cond_acc_", "tau", "lr")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa, wb = weights_of(ddp_out), weights_of(fsdp_out)
+    assert set(wa) == set(wb)
+    for name in wa:  # float32; only the order of the reductions differs
+        assert wb[name].dtype == wa[name].dtype
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert fsdp["weight_sums"][0] == pytest.approx(ddp["weight_sums"][0], rel=1e-6)
+
+
+def test_fsdp_best_drafter_is_whole_and_reads_back_in_sglang_names(fsdp_run, tmp_path):
+    from draftsmith.export.convert import export_drafter, read_drafter
+    from draftsmith.export.formats import drafter_tensors
+
+    _, out = fsdp_run
+    ckpt = read_drafter(out)  # the reader every later stage uses
+    assert ckpt.layout == "native"
+    specs = drafter_tensors(ckpt.config)
+    assert set(ckpt.tensors) == set(specs)  # midlayer.*, fc, norm, lm_head, d2t, t2d
+    for name, spec in specs.items():  # whole tensors, not one rank's shard
+        assert tuple(ckpt.tensors[name].shape) == spec.shape, name
+    export_drafter(ckpt.tensors, ckpt.config, "sglang", "llama", tmp_path / "sglang")
+    assert read_drafter(tmp_path / "sglang").layout == "sglang"
+
+
+def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypatch):
+    """bf16 compute over float32 shards; every rank SIGKILLs itself before step 8, after the
+    checkpoint at the end of epoch 0 (step 7, written right after validation's forwards); the
+    rerun reads each rank's shards back and ends where an uninterrupted run ends, bit for
+    bit."""
+    import sys
+
+    from draftsmith.train import launch
+
+    cfg = torchrun_cfg(parallel="fsdp", dtype="bfloat16", aux_noise_std=0.05)
+    straight = run_in(inputs, tmp_path / "straight", cfg)
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(REPO), os.environ.get("PYTHONPATH")])))
+    monkeypatch.setattr(launch, "torchrun_argv", lambda cfg, job: [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(REPO / "tests" / "train_worker_killed.py"), "8", str(job)])
+    out = tmp_path / "killed"
+    with pytest.raises(launch.TrainLaunchError):
+        run_in(inputs, out, cfg)
+    resume = out / trainer.RESUME_DIR
+    assert sorted(p.name for p in resume.iterdir()) == [
+        "rank0-step7.pt", "rank1-step7.pt", trainer.STATE_FILE]
+    monkeypatch.undo()
+    resumed = run_in(inputs, out, cfg)
+    assert "resuming from" in (out / launch.LOG_FILE).read_text()
+
+    a, b = straight["history"], resumed["history"]
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+                assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-9), (x["step"], key)
+    wa, wb = weights_of(tmp_path / "straight"), weights_of(out)
+    for name in wa:
+        if wa[name].is_floating_point():  # written in the training dtype, as DDP writes
+            assert wa[name].dtype == torch.bfloat16, name
+        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=0, msg=name)
+    assert resumed["rows_trained"] == straight["rows_trained"]
+
+
+def test_fsdp_misconfiguration_names_the_key_and_the_fix(inputs, tmp_path):
+    from pydantic import ValidationError
+
+    from draftsmith.train.distributed import Dist
+    from draftsmith.train.launch import TrainLaunchError
+
+    with pytest.raises(ValidationError, match=r"train.parallel=fsdp with train.device=mps.*"
+                                              r"set train.device to cuda or cpu"):
+        small_cfg(parallel="fsdp", device="mps")
+    with pytest.raises(ValidationError, match=r"train.device=cuda:1 names one GPU.*"
+                                              r"set train.device=cuda"):
+        small_cfg(parallel="fsdp", device="cuda:1", nproc_per_node=2)
+    with pytest.raises(ValueError, match="train.parallel=fsdp shards the drafter over a process "
+                                         "group"):
+        trainer.train_loop(small_cfg(parallel="fsdp"), inputs["hidden"], inputs["merged"],
+                           inputs["target"], tmp_path, Dist.single())
+    if not torch.cuda.is_available():
+        with pytest.raises(TrainLaunchError, match="train.device=cuda: .* sees no CUDA device"):
+            run_in(inputs, tmp_path / "cuda", small_cfg(parallel="fsdp", device="cuda"))
 
 
 def test_torchrun_failure_kills_the_group_and_names_the_cause(inputs, tmp_path):

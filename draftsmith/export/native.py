@@ -21,10 +21,14 @@ NATIVE_FORMAT = "draftsmith-eagle3"
 NOT_STORED = ("embed_tokens.weight",)
 
 
-def save_native(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict[str, Any]) -> None:
+def save_native(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict[str, Any],
+                tensors: dict[str, torch.Tensor] | None = None) -> None:
+    """The drafter's weights (or `tensors`, e.g. gathered whole from FSDP shards), its config
+    and provenance."""
     out_dir = Path(out_dir)
-    state = {k: v.detach().cpu().contiguous() for k, v in drafter.state_dict().items()
-             if k not in NOT_STORED}
+    if tensors is None:
+        tensors = drafter.state_dict()
+    state = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k not in NOT_STORED}
     with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
         save_file(state, str(tmp))
     atomic_write_json(out_dir / META_FILE, {

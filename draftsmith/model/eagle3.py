@@ -208,6 +208,15 @@ class Eagle3Drafter(nn.Module):
     def compiled(self) -> bool:
         return "_compiled_layer" in self.__dict__
 
+    def in_forward(self, fn, *args, **kwargs):
+        """fn(self, *args, **kwargs), run as a forward pass of this module. Under FSDP2 a
+        parameter is whole only inside a forward of the module that owns it, and the trainer's
+        row (TTT forward, then the loss fused with lm_head, which reads lm_head.weight itself)
+        is more than forward_ttt_hidden: the trainer registers this method as a forward
+        (`register_fsdp_forward_method`), so the whole row runs with whole parameters.
+        Without FSDP it is a plain call."""
+        return fn(self, *args, **kwargs)
+
     def draft_to_target_ids(self) -> torch.Tensor:
         return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
 

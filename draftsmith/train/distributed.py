@@ -1,7 +1,8 @@
 """Data parallelism for the trainer: one process per GPU (or CPU process with gloo) under
-torchrun, gradients averaged with all-reduce after each backward pass (what DDP does, done
-by hand because one optimiser step here is one packed row per rank, and a rank without a row
-in an epoch's last step must still take part with zero gradients)."""
+torchrun. DDP (`train.parallel: ddp`): gradients averaged with all-reduce after each backward
+pass (what DDP does, done by hand because one optimiser step here is one packed row per rank,
+and a rank without a row in an epoch's last step must still take part with zero gradients).
+FSDP (`train.parallel: fsdp`) shards the drafter instead: `draftsmith/train/fsdp.py`."""
 
 from __future__ import annotations
 
@@ -18,20 +19,22 @@ class Dist:
     rank: int = 0
     world: int = 1
     local_rank: int = 0
+    grouped: bool = False  # a process group exists (always under FSDP, even for one process)
 
     @classmethod
     def single(cls) -> Dist:
         return cls()
 
     @classmethod
-    def from_env(cls, backend: str) -> Dist:
-        """Join the group torchrun set up (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...)."""
+    def from_env(cls, backend: str, always: bool = False) -> Dist:
+        """Join the group torchrun set up (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR...); a
+        single process joins none unless `always` (FSDP shards over a group of one, too)."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
-        if world == 1:
+        if world == 1 and not always:
             return cls.single()
         torch_dist.init_process_group(backend=backend)
         return cls(torch_dist.get_rank(), torch_dist.get_world_size(),
-                   int(os.environ.get("LOCAL_RANK", "0")))
+                   int(os.environ.get("LOCAL_RANK", "0")), grouped=True)
 
     @property
     def is_main(self) -> bool:
@@ -40,9 +43,10 @@ class Dist:
     def device(self, configured: str) -> torch.device:
         """cuda -> this rank's GPU (cuda:LOCAL_RANK) when several processes share a host."""
         device = torch.device(configured)
-        if device.type == "cuda" and self.world > 1:
-            device = torch.device("cuda", self.local_rank)
-            torch.cuda.set_device(device)
+        if device.type == "cuda" and self.grouped:
+            if self.world > 1 or device.index is None:
+                device = torch.device("cuda", self.local_rank)
+            torch.cuda.set_device(device)  # NCCL and FSDP's mesh use the current device
         return device
 
     def average_gradients(self, params: list[torch.nn.Parameter], rows_in_step: int) -> None:
@@ -82,5 +86,5 @@ class Dist:
             torch_dist.barrier()
 
     def close(self) -> None:
-        if self.world > 1 and torch_dist.is_initialized():
+        if self.grouped and torch_dist.is_initialized():
             torch_dist.destroy_process_group()

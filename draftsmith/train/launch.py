@@ -1,11 +1,14 @@
 """The train stage under torchrun: the parent writes a job file, starts torchrun in its own
 process group (output streamed to train.log and the run log), waits, and kills the whole group
-on failure, timeout or cancellation. Rank 0 writes the result the parent reads back."""
+on failure, timeout or cancellation. Rank 0 writes the result the parent reads back.
+`train.parallel: ddp` (gradients all-reduced) or `fsdp` (the drafter sharded,
+`draftsmith/train/fsdp.py`; always under torchrun, one process included)."""
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import sys
 import time
@@ -37,9 +40,7 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
                  on_start: Callable[[ManagedProcess], None] | None = None) -> dict:
     """Run the training job under torchrun and return rank 0's result. on_start receives the
     running process (its group id is its pid), e.g. to register it for cancellation."""
-    if cfg.parallel == "fsdp":
-        raise TrainLaunchError("train.parallel=fsdp is not built yet; use ddp (the drafter, "
-                               "optimiser state included, fits one GPU up to ~8B-shaped targets)")
+    check_devices(cfg)
     job = out / JOB_FILE
     result_path = out / RESULT_FILE
     result_path.unlink(missing_ok=True)
@@ -69,6 +70,25 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
     result_path.unlink()
     job.unlink()
     return result
+
+
+def check_devices(cfg: TrainConfig) -> None:
+    """Before starting anything: the GPUs the processes will take exist. (Counting them does
+    not create a CUDA context in this process.)"""
+    if not cfg.device.startswith("cuda"):
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        raise TrainLaunchError(f"train.device={cfg.device}: torch {torch.__version__} sees no "
+                               "CUDA device here; set train.device=cpu (gloo) or run the train "
+                               "stage on the GPU host")
+    visible = torch.cuda.device_count()
+    if cfg.nproc_per_node > visible:
+        raise TrainLaunchError(
+            f"train.nproc_per_node={cfg.nproc_per_node} but {visible} GPU(s) are visible "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one "
+            "process per GPU; lower train.nproc_per_node or make more GPUs visible")
 
 
 def worker_error(log_file: Path) -> str | None:

@@ -166,3 +166,22 @@ def pad_row(row: PackedRow, length: int) -> PackedRow:
         target_argmax=None if row.target_argmax is None else
         torch.cat([row.target_argmax, row.target_argmax.new_zeros(n)]),  # [L]
     )
+
+
+def padding_row(like: Sample, length: int, device: torch.device | str = "cpu") -> PackedRow:
+    """A row of `length` padding tokens with the dtypes and widths of `like`'s tensors, made on
+    `device`: no loss-masked token, so its loss and every gradient are exactly zero. Under
+    FSDP a rank with no row left in a step runs it, because every rank must join every
+    forward's and backward's collectives."""
+    return PackedRow(
+        input_ids=torch.zeros(length, dtype=like.input_ids.dtype, device=device),  # [L]
+        loss_mask=torch.zeros(length, dtype=torch.bool, device=device),  # [L]
+        aux=torch.zeros(length, like.aux.shape[1], dtype=like.aux.dtype,
+                        device=device),  # [L, K*H]
+        final=torch.zeros(length, like.final.shape[1], dtype=like.final.dtype,
+                          device=device),  # [L, H]
+        position_ids=torch.zeros(length, dtype=torch.int64, device=device),  # [L]
+        document_ids=torch.full((length,), -1, device=device),  # [L]
+        target_argmax=None if like.target_argmax is None else
+        torch.zeros(length, dtype=like.target_argmax.dtype, device=device),  # [L]
+    )

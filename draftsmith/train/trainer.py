@@ -21,6 +21,7 @@ import logging
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,7 +36,13 @@ from draftsmith.train.distributed import Dist
 from draftsmith.train.loss import TargetHead, fused_linear_soft_ce
 from draftsmith.train.metrics import StepCounts
 from draftsmith.train.optim import MasterWeightAdamW, lr_factor
-from draftsmith.train.packing import PackedRow, RowPrefetcher, concat_row, plan_rows
+from draftsmith.train.packing import (
+    PackedRow,
+    RowPrefetcher,
+    concat_row,
+    padding_row,
+    plan_rows,
+)
 
 log = logging.getLogger(__name__)
 
@@ -68,12 +75,22 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
                        attention: str = "sdpa", aux_noise_std: float = 0.0, noise_seed: int = 0,
                        chunk_tokens: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
     """row_loss with the counts left on the device ([5, steps], StepCounts.as_tensor's
-    layout): reading them forces a sync, which the trainer leaves until after the step."""
+    layout): reading them forces a sync, which the trainer leaves until after the step.
+
+    The row runs as the drafter's forward (`Eagle3Drafter.in_forward`): under FSDP that is
+    where its parameters, lm_head's included, are whole."""
     if isinstance(step_weights, float | int):
         step_weights = [float(step_weights) ** j for j in range(steps)]
     if isinstance(head, torch.Tensor):
         head = TargetHead(head, drafter.draft_to_target_ids(), torch.float32, device)
-    dtype = drafter.fc.weight.dtype
+    return drafter.in_forward(_row_loss, row, head, steps, step_weights, device, attention,
+                              aux_noise_std, noise_seed, chunk_tokens)
+
+
+def _row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead, steps: int,
+              step_weights: list[float], device: str, attention: str, aux_noise_std: float,
+              noise_seed: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = drafter.fc.weight.dtype  # the compute dtype (FSDP: of the all-gathered weights)
     probs, target_arg = head.targets(row.final.to(device), row.target_argmax,
                                      compiled=drafter.compiled)  # [T, D], [T] draft ids or -1
     aux = row.aux.to(device, dtype)  # [T, K*Ht]
@@ -213,12 +230,18 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     from draftsmith.data.merge import read_vocab_map
     from draftsmith.target import load_target_head_and_embedding
 
+    sharded = cfg.parallel == "fsdp"
+    if sharded and not dist.grouped:
+        raise ValueError("train.parallel=fsdp shards the drafter over a process group: run it "
+                         "through run_train (which starts torchrun), or set train.parallel=ddp")
     torch.manual_seed(cfg.seed)
     device = dist.device(cfg.device)
     store = ShardReader(hidden.path)
     train_samples = list(store.samples("train"))
     val_rows_all = plan_rows(list(store.samples("validation")), cfg.batch_tokens)
-    val_rows = val_rows_all[dist.rank::dist.world]
+    val_rows: list[list[Sample] | None] = list(val_rows_all[dist.rank::dist.world])
+    if sharded:  # every rank runs as many forwards (None: a padding row), or FSDP hangs
+        val_rows += [None] * (math.ceil(len(val_rows_all) / dist.world) - len(val_rows))
     embed, head = load_target_head_and_embedding(target)
     d2t, t2d = read_vocab_map(merged)
     target_config = json.loads((Path(target.path) / "config.json").read_text())
@@ -226,15 +249,24 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     drafter_cfg = Eagle3Config.from_target(target_config, store.aux_layer_ids, d2t.numel())
     drafter = build_drafter(cfg, drafter_cfg, embed, head, d2t, t2d)
     dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    with torch.no_grad():  # parameters only: RoPE's inv_freq buffer stays float32
-        for p in drafter.parameters():
-            p.data = p.data.to(dtype)
-    drafter.to(device)
+    if sharded:  # float32 shards, all-gathered in dtype for compute
+        from draftsmith.train import fsdp
+
+        fsdp.shard_drafter(drafter, dtype, device, dist.world)
+    else:
+        with torch.no_grad():  # parameters only: RoPE's inv_freq buffer stays float32
+            for p in drafter.parameters():
+                p.data = p.data.to(dtype)
+        drafter.to(device)
     target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), dtype, device)
     del head
     runtime = Runtime(resolve_attention(cfg), compile_enabled(cfg, device))
     drafter.compile_layer(runtime.compiled)
     pad_to = cfg.batch_tokens if runtime.attention == "flex" else None  # static shapes
+    # FSDP: what a rank without a row runs, so that it joins every collective (made when
+    # needed: an 8192-token row of an 8B-shaped target is ~270 MB of zeros).
+    padding = (lambda: padding_row(train_samples[0], pad_to or cfg.batch_tokens, device)) \
+        if sharded and train_samples else None
 
     plans = epoch_plans(train_samples, cfg)
     steps_per_epoch = [math.ceil(len(p) / dist.world) for p in plans]
@@ -260,8 +292,22 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
             raise ValueError(f"{state_path} was written by {saved_world} process(es); resume "
                              f"with train.nproc_per_node={saved_world} (now {dist.world}), or "
                              "delete it to start over")
-        drafter.load_state_dict(saved["model"], strict=False)
-        optimizer.load_state_dict(saved["optimizer"])
+        saved_parallel = saved.get("parallel", "ddp")
+        if saved_parallel != cfg.parallel:
+            raise ValueError(f"{state_path} was written with train.parallel={saved_parallel}; "
+                             f"resume with that setting (now {cfg.parallel}), or delete it to "
+                             "start over")
+        if sharded:  # this rank's shards of model and optimiser, from its own file
+            shard_path = state_path.parent / saved["shards"][dist.rank]
+            if not shard_path.is_file():
+                raise ValueError(f"{state_path} names {shard_path}, which is missing; delete "
+                                 f"{state_path.parent} to start over")
+            shard = torch.load(shard_path, map_location="cpu", weights_only=False)
+            fsdp.load_local_state(drafter, shard["model"])
+            fsdp.load_local_optimizer_state(optimizer.optimizer, shard["optimizer"])
+        else:
+            drafter.load_state_dict(saved["model"], strict=False)
+            optimizer.load_state_dict(saved["optimizer"])
         scheduler.load_state_dict(saved["scheduler"])
         restore_rng(saved["rng"][min(dist.rank, len(saved["rng"]) - 1)])
         state = saved["position"]
@@ -273,12 +319,33 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     def save_state() -> None:
         rng = dist.gather_objects(rng_state())
         state["trained"] = dist.gather_objects(trained)
+        if sharded:
+            save_shards(rng)
+            return
         if not dist.is_main:
             return
         model = {k: v.cpu() for k, v in drafter.state_dict().items() if k != "embed_tokens.weight"}
         with atomic_path(state_path) as tmp:
-            torch.save({"model": model, "optimizer": optimizer.state_dict(),
+            torch.save({"parallel": "ddp", "model": model, "optimizer": optimizer.state_dict(),
                         "scheduler": scheduler.state_dict(), "rng": rng, "position": state}, tmp)
+
+    def save_shards(rng: list[dict]) -> None:
+        """FSDP: every rank writes its shards of model and optimiser to a file named by the
+        step; once all are on disk rank 0 writes state.pt naming them (the switch to the new
+        checkpoint, atomic), then deletes the previous step's files."""
+        names = [f"rank{r}-step{state['step']}.pt" for r in range(dist.world)]
+        with atomic_path(state_path.parent / names[dist.rank]) as tmp:
+            torch.save({"model": fsdp.local_state(drafter, skip=("embed_tokens.weight",)),
+                        "optimizer": fsdp.local_optimizer_state(optimizer.optimizer)}, tmp)
+        dist.barrier()
+        if not dist.is_main:
+            return
+        with atomic_path(state_path) as tmp:
+            torch.save({"parallel": "fsdp", "shards": names, "scheduler": scheduler.state_dict(),
+                        "rng": rng, "position": state}, tmp)
+        for old in state_path.parent.glob("rank*-step*.pt"):
+            if old.name not in names:
+                old.unlink(missing_ok=True)
 
     def guarded(fn):
         """Run fn; on the first failure of a compiled path fall back one rung and retry."""
@@ -288,17 +355,19 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
             except Exception as err:  # noqa: BLE001 - any compiler error, reported in full
                 if not runtime.fallback(drafter, err):
                     raise
+                if sharded:
+                    fsdp.reset_after_failure(drafter)
                 for p in drafter.parameters():
                     p.grad = None
 
     def train_row(row: PackedRow | None, noise_seed: int) -> torch.Tensor:
-        if row is None:  # this rank has no row in the epoch's last step
-            return StepCounts(cfg.ttt_steps).as_tensor()
-        loss, counts = row_loss_on_device(drafter, row, target_head, cfg.ttt_steps, weights,
-                                          device, runtime.attention, cfg.aux_noise_std,
-                                          noise_seed)
-        loss.backward()
-        return counts
+        if row is None and padding is None:  # DDP: no row in the epoch's last step; its
+            return StepCounts(cfg.ttt_steps).as_tensor()  # gradients are zeros in the sum
+        loss, counts = row_loss_on_device(drafter, padding() if row is None else row,
+                                          target_head, cfg.ttt_steps, weights, device,
+                                          runtime.attention, cfg.aux_noise_std, noise_seed)
+        loss.backward()  # a padding row (FSDP): zero loss, zero gradients, counts dropped
+        return counts if row is not None else StepCounts(cfg.ttt_steps).as_tensor()
 
     def row_samples(epoch: int, step_in_epoch: int) -> list[Sample]:
         """This rank's samples of a step (none in an epoch's last step when rows run out)."""
@@ -355,7 +424,10 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
                 counts = guarded(lambda row=row, s=noise_seed: train_row(row, s))
                 if row is not None:
                     trained.append([epoch, index])
-                dist.average_gradients(trainable, rows_in_step)
+                if sharded:  # reduce-scattered in backward, averaged over the ranks
+                    fsdp.rescale_gradients(trainable, dist.world, rows_in_step)
+                else:
+                    dist.average_gradients(trainable, rows_in_step)
                 optimizer.step(cfg.grad_clip)
                 scheduler.step()
                 state["step_in_epoch"] += 1
@@ -389,7 +461,8 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
                     save_state()
             # Validate at each epoch end, and where max_steps stops the run mid-epoch.
             epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist,
-                      device, state, record, plans, hidden, merged, target, out, guarded)
+                      device, state, record, plans, hidden, merged, target, out, guarded,
+                      padding)
             if state["step_in_epoch"] < steps_per_epoch[epoch]:
                 break
             state["epoch"], state["step_in_epoch"] = epoch + 1, 0
@@ -404,16 +477,25 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
     return {"steps": state["step"], "best_epoch": state["best_epoch"], "best": best,
             "history": history, "rows_trained": dist.gather_objects(trained),
             "rows_per_epoch": [len(p) for p in plans],
-            # Equal on every rank when gradients were averaged right.
-            "weight_sums": dist.gather_objects(
-                sum(p.detach().double().sum().item() for p in trainable))}
+            # DDP: each rank's copy, equal on every rank when gradients were averaged right;
+            # FSDP: the sum over the whole (sharded) weights, the same figure on every rank.
+            "weight_sums": dist.gather_objects(weight_sum(trainable, dist, sharded))}
+
+
+def weight_sum(params: list[torch.nn.Parameter], dist: Dist, sharded: bool) -> float:
+    if not sharded:
+        return sum(p.detach().double().sum().item() for p in params)
+    from draftsmith.train.fsdp import local
+
+    mine = sum(local(p).detach().double().sum().item() for p in params)
+    return dist.sum_tensor(torch.tensor([mine], dtype=torch.float64)).item()  # [1] summed
 
 
 def epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist, device, state,
-              record, plans, hidden, merged, target, out, guarded) -> None:
+              record, plans, hidden, merged, target, out, guarded, padding) -> None:
     """Validation (every rank its share, counts summed), then the best drafter by tau."""
     counts = guarded(lambda: evaluate(drafter, val_rows, target_head, cfg, runtime.attention,
-                                      pad_to, device))
+                                      pad_to, device, padding))
     val = StepCounts.from_tensor(dist.sum_tensor(counts.as_tensor())).summary()
     efficiency = packing_efficiency(plans[min(epoch, len(plans) - 1)], cfg.batch_tokens)
     record({"split": "validation", "step": state["step"], "epoch": epoch,
@@ -421,12 +503,19 @@ def epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist,
     log.info("validation after epoch %d: tau %.3f, full_acc %s, cond_acc %s; packing %.1f%%",
              epoch, val["tau"], [round(val[f"full_acc_{j}"], 3) for j in range(cfg.ttt_steps)],
              [round(val[f"cond_acc_{j}"], 3) for j in range(cfg.ttt_steps)], 100 * efficiency)
-    if val["tau"] > state["best_tau"]:
+    if val["tau"] > state["best_tau"]:  # the same tau on every rank: they all come in here
         state["best_tau"], state["best_epoch"] = val["tau"], epoch
+        tensors = None
+        if cfg.parallel == "fsdp":  # gathered whole: a collective every rank joins
+            from draftsmith.export.native import NOT_STORED
+            from draftsmith.train.fsdp import full_state
+
+            tensors = full_state(drafter, torch.bfloat16 if cfg.dtype == "bfloat16"
+                                 else torch.float32, skip=NOT_STORED)
         if dist.is_main:
             from draftsmith.export.native import save_native
 
-            save_native(drafter, out, {
+            save_native(drafter, out, tensors=tensors, provenance={
                 "target_fingerprint": target.fingerprint, "target_path": target.path,
                 "hidden_states": hidden.fingerprint, "data": merged.fingerprint,
                 "train_config": cfg.model_dump(), "epoch": epoch, "step": state["step"],
@@ -435,14 +524,21 @@ def epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist,
 
 
 @torch.no_grad()
-def evaluate(drafter, rows: list[list[Sample]], head: TargetHead, cfg: TrainConfig,
-             attention: str, pad_to: int | None, device) -> StepCounts:
+def evaluate(drafter, rows: list[list[Sample] | None], head: TargetHead, cfg: TrainConfig,
+             attention: str, pad_to: int | None, device,
+             padding: Callable[[], PackedRow] | None = None) -> StepCounts:
+    """Counts over `rows`; a None row (FSDP: this rank has fewer rows than another) runs
+    `padding()` so the rank joins the collectives, and counts nothing."""
     drafter.eval()
     counts = StepCounts(cfg.ttt_steps)
     for samples in rows:
-        row = concat_row(samples, cfg.batch_tokens, pad_to)
-        counts.add(row_loss(drafter, row, head, cfg.ttt_steps, step_weights_of(cfg), device,
-                            attention)[1])
+        if samples is None and padding is None:
+            continue
+        row = padding() if samples is None else concat_row(samples, cfg.batch_tokens, pad_to)
+        row_counts = row_loss(drafter, row, head, cfg.ttt_steps, step_weights_of(cfg), device,
+                              attention)[1]
+        if samples is not None:
+            counts.add(row_counts)
     drafter.train()
     return counts
 
@@ -472,8 +568,10 @@ def restore_rng(state: dict) -> None:
 
 def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
               plan: StagePlan) -> Descriptor:
-    """Train in this process, or under torchrun with cfg.nproc_per_node processes. A partial
-    directory from a killed attempt is resumed from its last checkpoint, not started over."""
+    """Train in this process, or under torchrun with cfg.nproc_per_node processes (always
+    under torchrun with train.parallel=fsdp, which shards over a process group even of one). A
+    partial directory from a killed attempt is resumed from its last checkpoint, not started
+    over."""
     if plan.is_complete():
         raise RuntimeError(f"{plan.dir} is already complete; refusing to overwrite it")
     out = plan.dir
@@ -482,7 +580,7 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
 
         shutil.rmtree(out)  # a crashed attempt with nothing to resume from
     out.mkdir(parents=True, exist_ok=True)
-    if cfg.nproc_per_node > 1:
+    if cfg.nproc_per_node > 1 or cfg.parallel == "fsdp":
         from draftsmith.train.launch import run_torchrun
 
         result = run_torchrun(cfg, hidden, merged, target, out)

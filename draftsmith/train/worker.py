@@ -16,7 +16,8 @@ from draftsmith.train.trainer import train_loop
 def main(job_path: str) -> None:
     job = json.loads(Path(job_path).read_text())
     cfg = TrainConfig.model_validate(job["train"])
-    dist = Dist.from_env("nccl" if cfg.device.startswith("cuda") else "gloo")
+    dist = Dist.from_env("nccl" if cfg.device.startswith("cuda") else "gloo",
+                         always=cfg.parallel == "fsdp")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s rank{dist.rank} %(name)s %(levelname)s %(message)s")
     try:
