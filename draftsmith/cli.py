@@ -86,6 +86,8 @@ def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
             accs = ", ".join(f"{figures[k]:.3f}" for k in steps)
             text = (f"validation full_acc per step [{accs}], loss_0 {figures['loss_0']:.3f}, "
                     f"simulated tau {figures['tau']:.2f}")
+            if "acceptance_replayed" in figures:  # what greedy chain decoding would measure
+                text += f", acceptance replayed {figures['acceptance_replayed']:.2f}"
         elif stage == "fix_keys":
             text = f"{figures['format']} drafter validated: {figures['drafter_dir']}"
         elif stage == "deploy":

@@ -207,7 +207,9 @@ def train(plan: StagePlan, cfg: TrainConfig, hidden: Descriptor, merged: Descrip
     create_table_artifact([r for r in rows if r["split"] == "validation"],
                           description="train: validation metrics per epoch")
     create_markdown_artifact(
-        f"# training\n\nbest validation tau **{descriptor.figures['tau']:.3f}**\n\n"
+        f"# training\n\nbest validation tau **{descriptor.figures['tau']:.3f}**, acceptance "
+        f"replayed over the validation answers (greedy chain decoding) "
+        f"**{descriptor.figures.get('acceptance_replayed', float('nan')):.3f}**\n\n"
         f"charts: `{descriptor.dir / 'training.png'}`, `{descriptor.dir / 'training.svg'}`",
         description="train: summary")
     return descriptor

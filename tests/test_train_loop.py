@@ -121,6 +121,9 @@ def test_metrics_from_the_first_step_and_validation_each_epoch(inputs, tmp_path,
     val = [h for h in rows if h["split"] == "validation"]
     assert [h["epoch"] for h in val] == [0, 1]
     assert all(0 < h["packing_efficiency"] <= 1 for h in val)
+    # Acceptance as greedy chain decoding would measure it: 1 + up to ttt_steps per round.
+    assert all(1 <= h["acceptance_replayed"] <= 1 + cfg.ttt_steps for h in val)
+    assert "acceptance replayed" in caplog.text
     assert "train step 1/" in caplog.text
     for name in ("training.png", "training.svg", "drafter.safetensors", "draftsmith.json"):
         assert (descriptor.dir / name).is_file()

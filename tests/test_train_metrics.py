@@ -469,3 +469,34 @@ def test_plan_rows_is_first_fit_and_packs_a_realistic_mix_above_95_percent():
     assert sorted(s.id for r in rows for s in r) == sorted(s.id for s in samples)
     assert all(sum(min(len(s.input_ids), 8192) for s in r) <= 8192 for r in rows)
     assert packing_efficiency(rows, 8192) >= 0.95
+
+
+# --------------------------------------------------------------------------- replayed decoding
+
+
+def test_replayed_chain_decoding_hand_counted():
+    from draftsmith.train.metrics import replay_chain_decoding
+
+    # Document 0: prompt 0-1, answer 2-9. Document 1: prompt 10, answer 11-14. Padding 15.
+    docs = torch.tensor([0] * 10 + [1] * 5 + [-1])
+    mask = torch.tensor([0, 0] + [1] * 8 + [0] + [1] * 4 + [0]).bool()
+    runs = torch.tensor([9, 3, 0, 0, 2, 9, 9, 1, 9, 9, 0, 2, 9, 9, 9, 9])
+    # Doc 0: token 2 comes from the prompt's forward; rounds at anchors 1 (3 drafts + 1: tokens
+    # 3-6), 5 (cut at the answer's end: 7-9 = 3 tokens). Runs before the answer (anchor 0) and
+    # after it never count. Doc 1: token 11 from the prompt; anchor 10 (0 drafts: token 12),
+    # anchor 11 (2 drafts + 1, cut to 13-14 = 2 tokens).
+    assert replay_chain_decoding(runs, mask, docs) == (4, 4 + 3 + 1 + 2)
+
+
+def test_replayed_acceptance_of_a_perfect_drafter_is_steps_plus_one():
+    from draftsmith.train.metrics import replay_chain_decoding
+
+    steps, T = 3, 2 + 4 * 10  # a prompt of 2, an answer of 40: 39 tokens after the first
+    mask = torch.tensor([0, 0] + [1] * 40).bool()
+    rounds, tokens = replay_chain_decoding(torch.full((T,), steps), mask, torch.zeros(T))
+    assert tokens == 39 and rounds == 10  # 9 rounds of 4 and one cut to the 3 left
+    # No draft ever right: one token per round.
+    assert replay_chain_decoding(torch.zeros(T), mask, torch.zeros(T)) == (39, 39)
+    # An answer with no prompt before it (the document starts with it) is not decoded.
+    assert replay_chain_decoding(torch.full((5,), 2), torch.ones(5).bool(), torch.zeros(5)) \
+        == (0, 0)

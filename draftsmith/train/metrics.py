@@ -4,6 +4,12 @@ Per TTT step j over loss-masked positions:
     full_acc_j = positions where steps 0..j were all right / positions
     cond_acc_j = positions where steps 0..j were all right / positions where 0..j-1 were right
     tau        = 1 + sum_j full_acc_j   (simulated acceptance length, greedy chain drafting)
+
+and, on validation, the acceptance length greedy chain decoding would measure, replayed over the
+stored answers (tokens per verify round). Tau averages over every answer position; decoding
+only drafts from where a round starts, which is more often just after a hard token (a run of
+easy tokens is crossed in one round and counted once), so the replay comes out below tau. On
+the quality benchmark it equals the embedded engine's measured acceptance prompt for prompt.
 """
 
 from __future__ import annotations
@@ -16,6 +22,9 @@ import torch
 @dataclass
 class StepCounts:
     steps: int
+    # Greedy chain decoding replayed over the answers (validation only): rounds and tokens.
+    replay_rounds: float = 0.0
+    replay_tokens: float = 0.0
     loss_sum: torch.Tensor = field(init=False)  # [S] summed per-position loss
     loss_positions: torch.Tensor = field(init=False)  # [S] positions that carried a loss
     positions: torch.Tensor = field(init=False)  # [S] loss-masked positions
@@ -30,6 +39,8 @@ class StepCounts:
     def add(self, other: StepCounts) -> None:
         for name in ("loss_sum", "loss_positions", "positions", "chain_correct", "prefix_correct"):
             getattr(self, name).add_(getattr(other, name))
+        self.replay_rounds += other.replay_rounds
+        self.replay_tokens += other.replay_tokens
 
     @classmethod
     def from_tensor(cls, t: torch.Tensor) -> StepCounts:
@@ -55,7 +66,38 @@ class StepCounts:
             out[f"cond_acc_{j}"] = safe(self.chain_correct[j], self.prefix_correct[j])
             tau += out[f"full_acc_{j}"]
         out["tau"] = tau
+        if self.replay_rounds:
+            out["acceptance_replayed"] = self.replay_tokens / self.replay_rounds
         return out
+
+
+def replay_chain_decoding(runs: torch.Tensor, loss_mask: torch.Tensor,
+                          document_ids: torch.Tensor) -> tuple[int, int]:
+    """Greedy chain decoding of every answer of a packed row, replayed: (verify rounds, tokens
+    they produced). runs [T]: at anchor t, how many drafts in a row the target accepts (0 to
+    the TTT steps); loss_mask, document_ids [T]. An answer is a run of loss-masked tokens of one
+    document after at least one prompt token; its first token comes from the prompt's forward.
+    A round at anchor p (the last known token is p + 1) adds the runs[p] accepted drafts and the
+    target's own next token, and the next round's anchor is p + runs[p] + 1."""
+    runs_, mask, docs = runs.long().tolist(), loss_mask.bool().tolist(), document_ids.tolist()
+    rounds = tokens = 0
+    t, T = 0, len(mask)
+    while t < T:
+        if not mask[t]:
+            t += 1
+            continue
+        first = t
+        while t + 1 < T and mask[t + 1] and docs[t + 1] == docs[first]:
+            t += 1
+        last, t = t, t + 1
+        if first == 0 or docs[first - 1] != docs[first]:
+            continue  # no prompt before it: nothing a decoder would have answered
+        p = first - 1
+        while p + 1 < last:
+            rounds += 1
+            tokens += min(1 + runs_[p], last - (p + 1))  # the answer's end cuts the last round
+            p += 1 + runs_[p]
+    return rounds, tokens
 
 
 def count_step(counts: StepCounts, j: int, loss_sum: torch.Tensor, loss_positions: int,

@@ -34,7 +34,7 @@ from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from draftsmith.progress import Progress
 from draftsmith.train.distributed import Dist
 from draftsmith.train.loss import TargetHead, fused_linear_soft_ce
-from draftsmith.train.metrics import StepCounts
+from draftsmith.train.metrics import StepCounts, replay_chain_decoding
 from draftsmith.train.optim import MasterWeightAdamW, lr_factor
 from draftsmith.train.packing import (
     PackedRow,
@@ -73,9 +73,11 @@ def row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead | torch.Te
 def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead | torch.Tensor,
                        steps: int, step_weights: float | list[float], device: str,
                        attention: str = "sdpa", aux_noise_std: float = 0.0, noise_seed: int = 0,
-                       chunk_tokens: int = 2048) -> tuple[torch.Tensor, torch.Tensor]:
+                       chunk_tokens: int = 2048, with_runs: bool = False):
     """row_loss with the counts left on the device ([5, steps], StepCounts.as_tensor's
     layout): reading them forces a sync, which the trainer leaves until after the step.
+    with_runs: also return runs [T], the drafts in a row the target accepts at each anchor
+    (what replay_chain_decoding walks).
 
     The row runs as the drafter's forward (`Eagle3Drafter.in_forward`): under FSDP that is
     where its parameters, lm_head's included, are whole."""
@@ -84,12 +86,12 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
     if isinstance(head, torch.Tensor):
         head = TargetHead(head, drafter.draft_to_target_ids(), torch.float32, device)
     return drafter.in_forward(_row_loss, row, head, steps, step_weights, device, attention,
-                              aux_noise_std, noise_seed, chunk_tokens)
+                              aux_noise_std, noise_seed, chunk_tokens, with_runs)
 
 
 def _row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead, steps: int,
               step_weights: list[float], device: str, attention: str, aux_noise_std: float,
-              noise_seed: int, chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+              noise_seed: int, chunk_tokens: int, with_runs: bool = False):
     dtype = drafter.fc.weight.dtype  # the compute dtype (FSDP: of the all-gathered weights)
     probs, target_arg = head.targets(row.final.to(device), row.target_argmax,
                                      compiled=drafter.compiled)  # [T, D], [T] draft ids or -1
@@ -108,6 +110,7 @@ def _row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead, steps: i
     loss_mask = row.loss_mask.to(device)
     in_vocab = target_arg >= 0  # [T]
     chain_right = torch.ones_like(loss_mask)
+    runs = torch.zeros(T, dtype=torch.long, device=device)  # [T]
     total = torch.zeros((), device=device)
     rows = []
     for j, x in enumerate(normed):
@@ -126,10 +129,13 @@ def _row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead, steps: i
         right[:n] = guess == target_arg[j + 1:]
         prefix_right = chain_right
         chain_right = chain_right & right
+        runs += chain_right  # steps 0..j all right: one more draft accepted in a row
         rows.append(torch.stack([
             (ce.double() * with_loss).sum(), n_loss.double(), mask.sum().double(),
             (mask & chain_right).sum().double(), (mask & prefix_right).sum().double(),
         ]))  # [5]
+    if with_runs:
+        return total, torch.stack(rows, dim=1), runs  # [5, steps], [T]
     return total, torch.stack(rows, dim=1)  # [5, steps]
 
 
@@ -496,12 +502,18 @@ def epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist,
     """Validation (every rank its share, counts summed), then the best drafter by tau."""
     counts = guarded(lambda: evaluate(drafter, val_rows, target_head, cfg, runtime.attention,
                                       pad_to, device, padding))
-    val = StepCounts.from_tensor(dist.sum_tensor(counts.as_tensor())).summary()
+    reduced = dist.sum_tensor(torch.cat([counts.as_tensor().flatten(), torch.tensor(
+        [counts.replay_rounds, counts.replay_tokens], dtype=torch.float64)]))
+    total = StepCounts.from_tensor(reduced[:-2].view(5, -1))
+    total.replay_rounds, total.replay_tokens = float(reduced[-2]), float(reduced[-1])
+    val = total.summary()
     efficiency = packing_efficiency(plans[min(epoch, len(plans) - 1)], cfg.batch_tokens)
     record({"split": "validation", "step": state["step"], "epoch": epoch,
             "packing_efficiency": efficiency, **val})
-    log.info("validation after epoch %d: tau %.3f, full_acc %s, cond_acc %s; packing %.1f%%",
-             epoch, val["tau"], [round(val[f"full_acc_{j}"], 3) for j in range(cfg.ttt_steps)],
+    log.info("validation after epoch %d: tau %.3f, acceptance replayed %.3f, full_acc %s, "
+             "cond_acc %s; packing %.1f%%", epoch, val["tau"],
+             val.get("acceptance_replayed", float("nan")),
+             [round(val[f"full_acc_{j}"], 3) for j in range(cfg.ttt_steps)],
              [round(val[f"cond_acc_{j}"], 3) for j in range(cfg.ttt_steps)], 100 * efficiency)
     if val["tau"] > state["best_tau"]:  # the same tau on every rank: they all come in here
         state["best_tau"], state["best_epoch"] = val["tau"], epoch
@@ -535,10 +547,14 @@ def evaluate(drafter, rows: list[list[Sample] | None], head: TargetHead, cfg: Tr
         if samples is None and padding is None:
             continue
         row = padding() if samples is None else concat_row(samples, cfg.batch_tokens, pad_to)
-        row_counts = row_loss(drafter, row, head, cfg.ttt_steps, step_weights_of(cfg), device,
-                              attention)[1]
+        _, row_counts, runs = row_loss_on_device(drafter, row, head, cfg.ttt_steps,
+                                                 step_weights_of(cfg), device, attention,
+                                                 with_runs=True)
         if samples is not None:
-            counts.add(row_counts)
+            counts.add(StepCounts.from_tensor(row_counts))
+            rounds, tokens = replay_chain_decoding(runs.cpu(), row.loss_mask, row.document_ids)
+            counts.replay_rounds += rounds
+            counts.replay_tokens += tokens
     drafter.train()
     return counts
 
@@ -593,7 +609,8 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
 
     shutil.rmtree(out / RESUME_DIR, ignore_errors=True)  # finished: nothing left to resume
     best = result["best"]
-    log.info("train: best epoch %d, validation tau %.3f", result["best_epoch"], best["tau"])
+    log.info("train: best epoch %d, validation tau %.3f, acceptance replayed %.3f",
+             result["best_epoch"], best["tau"], best.get("acceptance_replayed", float("nan")))
     return finish_stage(
         plan,
         counts={"steps": result["steps"], "epochs": result["best_epoch"] + 1},
