@@ -31,7 +31,6 @@ class TargetConfig(StrictModel):
         description="Local directory with config.json + weights + tokenizer, or 'builtin:tiny' "
         "for the CPU demo target that draftsmith builds and caches locally.",
     )
-    backend: Literal["transformers", "sglang"] = "transformers"
     device: str = "cpu"
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     family: Literal["auto", "llama", "qwen", "deepseek", "gpt-oss"] = Field(
@@ -39,6 +38,16 @@ class TargetConfig(StrictModel):
     )
     tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs when served by SGLang.")
     context_length: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_backend(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "backend" in data:
+            raise ValueError(
+                f"target.backend={data['backend']!r} is not a setting (earlier versions accepted "
+                "it and read it nowhere): each stage chooses its own, with generate.backend, "
+                "extract.backend and deploy.engine; remove target.backend")
+        return data
 
 
 class DataSource(StrictModel):

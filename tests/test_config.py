@@ -91,6 +91,16 @@ def test_unknown_nested_key_is_named_with_dots(tmp_path):
     assert "train.epoch: unknown key" in str(err.value)
 
 
+def test_target_backend_is_refused_with_the_per_stage_settings(tmp_path):
+    """target.backend was accepted and read nowhere: a config that sets it learns where the
+    backend is chosen instead of believing it took effect."""
+    path = write_config(tmp_path, minimal_raw(target={"model": "builtin:tiny",
+                                                      "backend": "sglang"}))
+    with pytest.raises(ConfigError, match=r"target.backend='sglang' is not a setting.*"
+                                          r"extract.backend and deploy.engine"):
+        load_config(path)
+
+
 def test_unknown_key_in_a_source_names_its_index(tmp_path):
     raw = minimal_raw()
     raw["data"]["sources"][0]["limt"] = 3
