@@ -36,7 +36,6 @@ import sysconfig
 import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
-from unittest import mock
 
 import torch
 
@@ -265,26 +264,6 @@ def cut_to_window(sample, window: int | None):
     return dataclasses.replace(sample, loss_mask=keep.to(sample.loss_mask.dtype))
 
 
-def decode_walk(mask: torch.Tensor, run: torch.Tensor, limit: int) -> tuple[int, int]:
-    """(verify rounds, tokens they produced) of greedy chain decoding of one stored answer, up
-    to `limit` new tokens, stepping as the embedded engine does: the prompt's forward gives the
-    first answer token; a round at anchor p (the last known token is p+1) keeps the run[p]
-    drafts in a row that the target agrees with, plus the target's own next token, and the next
-    round's anchor is p + run[p] + 1. mask [T]: the answer's tokens; run [T]: 0..steps."""
-    answer = mask.nonzero()[:, 0]  # [A]
-    if answer.numel() == 0 or int(answer[0]) == 0:
-        return 0, 0
-    first, last = int(answer[0]), int(answer[-1])
-    end = min(last, first + limit - 1)  # the last token decoding produces
-    run = run.tolist()
-    p, rounds, tokens = first - 1, 0, 0
-    while p + 1 < end:
-        rounds += 1
-        tokens += min(1 + run[p], end - (p + 1))  # the last round is cut at the limit
-        p += 1 + run[p]
-    return rounds, tokens
-
-
 def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -> dict:
     """The best drafter (the train stage's native checkpoint) on the validation split of the
     hidden-state store, on the trainer's path (same packing, dtype, attention and compiled
@@ -292,18 +271,18 @@ def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -
 
     - tau: trainer.evaluate on rows whose loss masks are cut to the first N answer tokens of
       each sample, and uncut (which must equal the train stage's validation tau);
-    - walk: per anchor, how many drafts in a row the target agrees with (the trainer's own
-      argmax per TTT step, read from its loss function), then the greedy chain decoding of
-      each stored answer replayed over those runs (decode_walk): acceptance as the benchmark
-      counts it (tokens per verify round) rather than averaged over every position."""
+    - walk: per anchor, how many drafts in a row the target agrees with (the trainer's runs,
+      `row_loss_on_device(with_runs=True)`), then greedy chain decoding of each stored
+      answer's first N tokens replayed over them (`replay_chain_decoding`, what the train
+      stage's validation reports over whole answers): acceptance as the benchmark counts it
+      (tokens per verify round) rather than averaged over every position."""
     from draftsmith.export.native import load_native
     from draftsmith.extract.store import ShardReader
-    from draftsmith.model.eagle3 import shift_left
     from draftsmith.target import load_target_head_and_embedding
     from draftsmith.train import trainer
     from draftsmith.train.loss import TargetHead
-    from draftsmith.train.metrics import StepCounts
-    from draftsmith.train.packing import concat_row, pad_row, plan_rows
+    from draftsmith.train.metrics import replay_chain_decoding
+    from draftsmith.train.packing import concat_row, plan_rows
 
     cfg = config.train
     steps = cfg.ttt_steps
@@ -347,62 +326,34 @@ def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -
     result["train_stage_tau"] = train_tau
     result["cross_check_diff"] = round(result["tau"]["all"]["tau"] - train_tau, 4)
 
-    # Per anchor: the drafts in a row that match the target's argmax (the trainer's own
-    # guesses: its loss function returns the drafter's argmax per TTT step).
-    guesses: list[torch.Tensor] = []
-    loss_fn = trainer.fused_linear_soft_ce
-
-    def tap(*args, **kwargs):
-        out = loss_fn(*args, **kwargs)
-        guesses.append(out[2])  # [T - j - 1] draft ids
-        return out
-
-    def runs_of(samples) -> tuple[list, StepCounts, StepCounts]:
-        guesses.clear()
-        row = concat_row(samples, cfg.batch_tokens)
-        row = pad_row(row, pad_to) if pad_to else row
-        _, counts = trainer.row_loss(drafter, row, target_head, steps, trainer.step_weights_of(cfg),
-                                     device, runtime.attention)
-        _, target_arg = target_head.targets(row.final.to(device),
-                                            row.target_argmax)  # [T], as row_loss has it
-        T = row.num_tokens
-        right = torch.zeros(steps, T, dtype=torch.bool, device=device)  # [S, T]
-        for j, guess in enumerate(guesses):
-            right[j, : T - j - 1] = guess == target_arg[j + 1:]
-        chain = right.long().cumprod(0).bool()  # [S, T]: steps 0..j all right
-        # The same counts again from these runs: they must equal row_loss's.
-        check = StepCounts(steps)
-        docs, loss_mask = row.document_ids.to(device), row.loss_mask.to(device)  # [T]
-        for j in range(steps):
-            same = shift_left(docs[None], j + 2, fill=-1)[0] == docs  # [T]
-            mask = shift_left(loss_mask[None], j + 2)[0] & same  # [T]
-            check.positions[j] = mask.sum().item()
-            check.chain_correct[j] = (mask & chain[j]).sum().item()
-        run = chain.sum(0).cpu()  # [T]
-        per_sample, start = [], 0
+    def runs_of(samples) -> list[tuple]:
+        """(id, loss mask, runs) per sample: runs [n] are the drafts in a row the target
+        accepts at each anchor, from the same pass that counts tau."""
+        row = concat_row(samples, cfg.batch_tokens, pad_to)
+        _, _, runs = trainer.row_loss_on_device(drafter, row, target_head, steps,
+                                                trainer.step_weights_of(cfg), device,
+                                                runtime.attention, with_runs=True)
+        runs, per_sample, start = runs.cpu(), [], 0  # [T]
         for s in samples:
             n = min(len(s.input_ids), cfg.batch_tokens)
-            per_sample.append((s.id, s.loss_mask[:n].bool(), run[start:start + n]))
+            per_sample.append((s, runs[start:start + n]))
             start += n
-        return per_sample, counts, check
+        return per_sample
 
     def replay() -> None:
         per_sample = []
-        counts, check = StepCounts(steps), StepCounts(steps)
-        with mock.patch.object(trainer, "fused_linear_soft_ce", tap), torch.no_grad():
+        with torch.no_grad():
             drafter.eval()
             for samples in rows:
-                part, c, k = guarded(lambda samples=samples: runs_of(samples))
-                per_sample += part
-                counts.add(c)
-                check.add(k)
-        result["walk_check"] = {
-            "chain_correct_diff": float((counts.chain_correct - check.chain_correct).abs().max()),
-            "positions_diff": float((counts.positions - check.positions).abs().max()),
-            "tau_of_runs": round(check.summary()["tau"], 4)}
+                per_sample += guarded(lambda samples=samples: runs_of(samples))
         walks = {}
-        for window in windows:
-            per = {sid: decode_walk(mask, run, window) for sid, mask, run in per_sample}
+        for window in windows:  # greedy chain decoding of each answer's first `window` tokens
+            per = {}
+            for sample, runs in per_sample:
+                cut = cut_to_window(sample, window)
+                n = len(runs)
+                per[sample.id] = replay_chain_decoding(runs, cut.loss_mask[:n],
+                                                       torch.zeros(n, dtype=torch.long))
             rounds, tokens = sum(r for r, _ in per.values()), sum(t for _, t in per.values())
             walks[f"first_{window}"] = {"acceptance": round(tokens / max(rounds, 1), 4),
                                         "rounds": rounds, "tokens": tokens, "per_sample": per}
