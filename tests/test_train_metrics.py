@@ -63,6 +63,12 @@ def test_step_counts_add_up_before_dividing():
     assert total.positions.tolist() == [10, 10, 10]
     assert s == pytest.approx(one)  # ratios of summed counts, not sums of ratios
     assert torch.equal(total.as_tensor(), 2 * hand_counts().as_tensor())
+    # What ranks all-reduce: every count, the replay's included, in one vector and back.
+    total.replay_rounds, total.replay_tokens = 4.0, 11.0
+    back = StepCounts.from_flat(2 * total.flat(), 3)
+    assert torch.equal(back.as_tensor(), 2 * total.as_tensor())
+    assert (back.replay_rounds, back.replay_tokens) == (8.0, 22.0)
+    assert back.summary()["acceptance_replayed"] == pytest.approx(11 / 4)
 
 
 def test_step_counts_without_positions_give_zero_not_nan():

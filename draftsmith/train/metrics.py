@@ -56,6 +56,19 @@ class StepCounts:
         return torch.stack([self.loss_sum, self.loss_positions, self.positions,
                             self.chain_correct, self.prefix_correct])  # [5, S]
 
+    def flat(self) -> torch.Tensor:
+        """Every count in one float64 vector [5*S + 2], the replay's rounds and tokens last:
+        one all-reduce sums them all."""
+        replay = torch.tensor([self.replay_rounds, self.replay_tokens], dtype=torch.float64)
+        return torch.cat([self.as_tensor().flatten(), replay])  # [5*S + 2]
+
+    @classmethod
+    def from_flat(cls, t: torch.Tensor, steps: int) -> StepCounts:
+        """The inverse of flat."""
+        counts = cls.from_tensor(t[:5 * steps].view(5, steps))
+        counts.replay_rounds, counts.replay_tokens = float(t[-2]), float(t[-1])
+        return counts
+
     def summary(self) -> dict[str, float]:
         safe = lambda n, d: (n / d).item() if d > 0 else 0.0  # noqa: E731
         out: dict[str, float] = {}

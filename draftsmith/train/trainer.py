@@ -502,11 +502,7 @@ def epoch_end(cfg, epoch, drafter, val_rows, target_head, runtime, pad_to, dist,
     """Validation (every rank its share, counts summed), then the best drafter by tau."""
     counts = guarded(lambda: evaluate(drafter, val_rows, target_head, cfg, runtime.attention,
                                       pad_to, device, padding))
-    reduced = dist.sum_tensor(torch.cat([counts.as_tensor().flatten(), torch.tensor(
-        [counts.replay_rounds, counts.replay_tokens], dtype=torch.float64)]))
-    total = StepCounts.from_tensor(reduced[:-2].view(5, -1))
-    total.replay_rounds, total.replay_tokens = float(reduced[-2]), float(reduced[-1])
-    val = total.summary()
+    val = StepCounts.from_flat(dist.sum_tensor(counts.flat()), cfg.ttt_steps).summary()
     efficiency = packing_efficiency(plans[min(epoch, len(plans) - 1)], cfg.batch_tokens)
     record({"split": "validation", "step": state["step"], "epoch": epoch,
             "packing_efficiency": efficiency, **val})
