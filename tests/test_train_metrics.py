@@ -142,21 +142,23 @@ def test_packing_packs_many_samples_per_row():
     assert rows[0].document_ids.max() == 7
 
 
-def test_a_row_built_padded_in_one_copy_equals_the_padded_row():
-    """What the prefetch thread builds (concat and pad in one copy, with the target argmax)
-    equals concatenating and then padding."""
+def test_a_row_built_padded_in_one_copy_is_the_row_then_padding():
+    """What the prefetch thread builds (concat and pad in one copy, with the target argmax):
+    the unpadded row, then padding that is its own document (-1) of zeros with no loss."""
     from dataclasses import replace
 
-    from draftsmith.train.packing import concat_row, pad_row
+    from draftsmith.train.packing import concat_row
 
     samples = [replace(numbered_sample(i, n), target_argmax=torch.arange(n, dtype=torch.int32))
                for i, n in enumerate([5, 3, 20])]
     direct = concat_row(samples, row_tokens=8, pad_to=24)
-    padded = pad_row(concat_row(samples, row_tokens=8), 24)
-    assert direct.num_tokens == 24
+    unpadded = concat_row(samples, row_tokens=8)
+    assert direct.num_tokens == 24 and unpadded.num_tokens == 16
     for name in ("input_ids", "loss_mask", "aux", "final", "position_ids", "document_ids",
                  "target_argmax"):
-        assert torch.equal(getattr(direct, name), getattr(padded, name)), name
+        assert torch.equal(getattr(direct, name)[:16], getattr(unpadded, name)), name
+        if name != "document_ids":
+            assert not getattr(direct, name)[16:].any(), name
     assert direct.document_ids[16:].eq(-1).all() and not direct.loss_mask[16:].any()
     with pytest.raises(ValueError, match="longer than the pad length"):
         concat_row(samples, row_tokens=8, pad_to=10)
@@ -361,13 +363,15 @@ def test_target_head_in_chunks_matches_the_full_vocab_distribution(compiled):
 
 
 def test_padding_a_row_changes_no_loss_and_no_count(random_target_dir):
-    from draftsmith.train.packing import pad_row
+    from draftsmith.train.packing import concat_row
 
     drafter, V, H = tiny_drafter(random_target_dir, 128, list(range(0, 512, 3)))
     row = tiny_row(12, V, H, docs=[0] * 5 + [1] * 7, loss_mask=[0, 1, 1, 1, 1, 0, 1, 1, 1, 1, 1, 1])
+    samples = [Sample(str(d), row.input_ids[a:b], row.loss_mask[a:b].to(torch.uint8),
+                      row.aux[a:b], row.final[a:b]) for d, (a, b) in enumerate([(0, 5), (5, 12)])]
     head = torch.randn(V, H, generator=torch.Generator().manual_seed(3))
     loss, counts = row_loss(drafter, row, head, steps=3, step_weights=0.8, device="cpu")
-    padded = pad_row(row, 20)
+    padded = concat_row(samples, 12, pad_to=20)  # the same row, padded as the trainer pads
     assert padded.num_tokens == 20 and (padded.document_ids[12:] == -1).all()
     loss_p, counts_p = row_loss(drafter, padded, head, steps=3, step_weights=0.8, device="cpu")
     torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)

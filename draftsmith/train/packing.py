@@ -117,8 +117,10 @@ def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
 
 def concat_row(samples: list[Sample], row_tokens: int, pad_to: int | None = None,
                pin: bool = False) -> PackedRow:
-    """The samples of one row laid end to end (each cut to row_tokens), in one copy: padded
-    to pad_to tokens if given (padding as in pad_row), in pinned memory if pin."""
+    """The samples of one row laid end to end (each cut to row_tokens), in one copy, in
+    pinned memory if pin. pad_to: pad to that many tokens so every row has one shape
+    (compiled kernels are built once); padding is its own document (id -1) of zeros with no
+    loss, so it changes no real token's attention, loss or metric."""
     parts = [(s, min(len(s.input_ids), row_tokens)) for s in samples]
     real = sum(n for _, n in parts)
     length = real if pad_to is None else pad_to
@@ -144,27 +146,6 @@ def concat_row(samples: list[Sample], row_tokens: int, pad_to: int | None = None
         document_ids=laid_out([torch.full((n,), i) for i, (_, n) in enumerate(parts)],
                               fill=-1),  # [L]
         target_argmax=argmax,
-    )
-
-
-def pad_row(row: PackedRow, length: int) -> PackedRow:
-    """Pad a row to `length` tokens so every row has one shape (compiled kernels are built
-    once). Padding is its own document (id -1) with no loss, so it changes no real token's
-    attention, loss or metric."""
-    n = length - row.num_tokens
-    if n < 0:
-        raise ValueError(f"row of {row.num_tokens} tokens is longer than the pad length {length}")
-    if n == 0:
-        return row
-    return PackedRow(
-        input_ids=torch.cat([row.input_ids, row.input_ids.new_zeros(n)]),  # [L]
-        loss_mask=torch.cat([row.loss_mask, row.loss_mask.new_zeros(n)]),  # [L]
-        aux=torch.cat([row.aux, row.aux.new_zeros(n, row.aux.shape[1])]),  # [L, K*H]
-        final=torch.cat([row.final, row.final.new_zeros(n, row.final.shape[1])]),  # [L, H]
-        position_ids=torch.cat([row.position_ids, row.position_ids.new_zeros(n)]),  # [L]
-        document_ids=torch.cat([row.document_ids, row.document_ids.new_full((n,), -1)]),  # [L]
-        target_argmax=None if row.target_argmax is None else
-        torch.cat([row.target_argmax, row.target_argmax.new_zeros(n)]),  # [L]
     )
 
 
