@@ -33,13 +33,14 @@ class TargetHead:
         self.to_draft[draft_ids.cpu()] = torch.arange(draft_ids.numel())
         self.to_draft = self.to_draft.to(device)
         # Needed only for rows whose store holds no target argmax: kept on the host until then.
-        self._other_rows_host, self._other_rows = head[others], None  # [V - D, H]
-        self._device, self._dtype = device, dtype
+        # (In the compute dtype: 0.8 GB for an 8B-shaped target in bf16, 1.6 GB in float32.)
+        self._other_rows_host, self._other_rows = head[others].to(dtype), None  # [V - D, H]
+        self._device = device
 
     @property
     def other_rows(self) -> torch.Tensor:
         if self._other_rows is None:
-            self._other_rows = self._other_rows_host.to(self._device, self._dtype)
+            self._other_rows = self._other_rows_host.to(self._device)
         return self._other_rows
 
     @torch.no_grad()
