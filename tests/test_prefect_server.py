@@ -136,16 +136,27 @@ class Server:
                            + self.log("worker-cpu")[-2000:] + self.log("worker-gpu")[-2000:])
 
 
-def stage_states(server: Server, pipeline_run: dict) -> dict[str, tuple[str, dict]]:
-    """Each stage's task state, with the flow run it ran in (the pipeline's or a child's)."""
-    children = server.flow_runs(parent_flow_run_id={"any_": [pipeline_run["id"]]})
-    out = {}
-    for run in [pipeline_run, *children]:
-        for task_run in server.task_runs(run["id"]):
-            stage = task_run["name"].rsplit("-", 1)[0].replace("-", "_")
-            if stage in STAGES:  # not resolve-target, nor the task that links a child run
+def stage_states(server: Server, pipeline_run: dict,
+                 timeout_s: float = 30) -> dict[str, tuple[str, dict]]:
+    """Each stage's task state, with the flow run it ran in (the pipeline's or a child's).
+    Task run states reach the server as events, which it may record a moment after the flow
+    run's final state: a task run without a state yet is read again."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        children = server.flow_runs(parent_flow_run_id={"any_": [pipeline_run["id"]]})
+        out, pending = {}, False
+        for run in [pipeline_run, *children]:
+            for task_run in server.task_runs(run["id"]):
+                stage = task_run["name"].rsplit("-", 1)[0].replace("-", "_")
+                if stage not in STAGES:  # resolve-target, or the task that links a child run
+                    continue
+                if task_run["state"] is None:
+                    pending = True
+                    continue
                 out[stage] = (task_run["state"]["name"], run, task_run)
-    return out
+        if not pending or time.monotonic() > deadline:
+            return out
+        time.sleep(0.5)
 
 
 @pytest.fixture(scope="module")
