@@ -108,6 +108,40 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(inputs, tmp_path, mo
     assert losses[-1] < losses[0]
 
 
+def test_the_first_metrics_line_after_a_resume_averages_the_uninterrupted_window(
+        inputs, tmp_path, monkeypatch):
+    """log_every 3, checkpoints every 2 steps, killed before step 5: the resumed run's line at
+    step 6 must average steps 4-6, as the uninterrupted run's does, although step 4 ran in the
+    killed process (its counts come back from the checkpoint)."""
+    cfg = small_cfg(checkpoint_every=2, log_every=3, epochs=1)
+    straight = train(inputs, tmp_path / "a", cfg)
+
+    real_step = MasterWeightAdamW.step
+    calls = {"n": 0}
+
+    def dying_step(self, clip):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise Killed()
+        return real_step(self, clip)
+
+    monkeypatch.setattr(MasterWeightAdamW, "step", dying_step)
+    with pytest.raises(Killed):
+        train(inputs, tmp_path / "b", cfg)
+    monkeypatch.setattr(MasterWeightAdamW, "step", real_step)
+    resumed = train(inputs, tmp_path / "b", cfg)
+
+    a = [h for h in history(straight) if h["split"] == "train"]
+    b = [h for h in history(resumed) if h["split"] == "train"]
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    assert [h["step"] for h in a][:3] == [1, 3, 6]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+                assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), (x["step"], key)
+        assert y["tokens_per_s"] > 0
+
+
 def test_metrics_from_the_first_step_and_validation_each_epoch(inputs, tmp_path, caplog):
     caplog.set_level("INFO", logger="draftsmith")
     cfg = small_cfg(log_every=1000, step_weights=[1.0, 0.5])
@@ -292,7 +326,7 @@ def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypat
 def test_fsdp_misconfiguration_names_the_key_and_the_fix(inputs, tmp_path):
     from pydantic import ValidationError
 
-    from draftsmith.train.distributed import Dist
+    from draftsmith.distributed import Dist
     from draftsmith.train.launch import TrainLaunchError
 
     with pytest.raises(ValidationError, match=r"train.parallel=fsdp with train.device=mps.*"

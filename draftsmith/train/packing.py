@@ -110,11 +110,6 @@ def plan_rows(samples: list[Sample], row_tokens: int) -> list[list[Sample]]:
     return rows
 
 
-def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
-    """First-fit in the given order; a sample longer than a row is cut to the row size."""
-    return [concat_row(row, row_tokens) for row in plan_rows(samples, row_tokens)]
-
-
 def concat_row(samples: list[Sample], row_tokens: int, pad_to: int | None = None,
                pin: bool = False) -> PackedRow:
     """The samples of one row laid end to end (each cut to row_tokens), in one copy, in

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, atomic_write_json
 from draftsmith.config import TrainConfig
-from draftsmith.train.distributed import Dist
+from draftsmith.distributed import Dist
 from draftsmith.train.trainer import train_loop
 
 
