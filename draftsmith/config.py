@@ -261,6 +261,10 @@ class TrainConfig(StrictModel):
     attention: Literal["auto", "flex", "sdpa"] = Field(
         "auto", description="auto: compiled flex_attention block masks on CUDA, SDPA on CPU.")
     compile: bool = Field(True, description="torch.compile the decoder layer on CUDA.")
+    compile_cache: str | None = Field(  # operational
+        None, description="Directory of the inductor/Triton compile cache (default: "
+        "<run_root>/compile_cache), so a resumed, retried or repeated run does not compile "
+        "again.")
     checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: only "
                                   "at epoch ends).")
     nproc_per_node: int = Field(1, ge=1, description="Processes (GPUs) under torchrun.")

@@ -45,7 +45,7 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
                 "target_dtype": dtype}
     if stage == "train":
         material = {"train": config.train.model_dump(
-            exclude={"device", "log_every", "checkpoint_every"})}
+            exclude={"device", "log_every", "checkpoint_every", "compile_cache"})}
         if config.train.init_from:  # the drafter's content, not just its path
             material["init_from_files"] = drafter_fingerprint(config.train.init_from)
         return material
