@@ -417,3 +417,20 @@ def test_the_train_key_follows_the_content_of_the_drafter_to_fine_tune(tmp_path)
     raw["train"]["init_from"] = str(tmp_path / "missing")
     with pytest.raises(ConfigError, match="train.init_from="):
         key_material(parse_config(raw), "train")
+
+
+def test_the_compile_cache_lives_in_the_run_root_or_where_configured(tmp_path, monkeypatch):
+    """A resumed, retried or repeated run on a GPU must find the kernels compiled before: the
+    inductor cache is pointed at <run_root>/compile_cache (or train.compile_cache)."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    plan = plan_stage(tmp_path / "run", "train", {"k": 1}, [])
+    assert trainer.use_compile_cache(small_cfg(device="cpu"), plan) is None  # nothing compiles
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    path = trainer.use_compile_cache(small_cfg(device="cuda"), plan)
+    assert path == tmp_path / "run" / trainer.COMPILE_CACHE and path.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path.resolve())
+    mine = tmp_path / "elsewhere"
+    assert trainer.use_compile_cache(small_cfg(device="cuda", compile_cache=str(mine)),
+                                     plan) == mine
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine.resolve())
+    assert trainer.use_compile_cache(small_cfg(device="cuda", compile=False), plan) is None
