@@ -54,8 +54,10 @@ def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
 
 def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
     _prepare_environment()
+    from flows.local import start_temporary_api
     from flows.pipeline import pipeline
 
+    start_temporary_api()  # guarded: it dies with this process, even under kill -9
     return pipeline(config, selected)
 
 
