@@ -434,3 +434,115 @@ def test_the_compile_cache_lives_in_the_run_root_or_where_configured(tmp_path, m
                                      plan) == mine
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine.resolve())
     assert trainer.use_compile_cache(small_cfg(device="cuda", compile=False), plan) is None
+
+
+# --------------------------------------------------------------------------- online
+
+
+EXTRACT = ExtractConfig(shard_tokens=400)  # what the `inputs` store was extracted with
+
+
+def online_inputs(inputs, root):
+    """The extract stage's output in online mode (no store), and what the trainer needs."""
+    from draftsmith.artifacts import read_descriptor
+    from draftsmith.extract.stage import record_online_capture
+    from draftsmith.train.trainer import OnlineInputs
+
+    plan = plan_stage(root, "extract", {"online": True}, [inputs["merged"]])
+    hidden = read_descriptor(plan) if plan.is_complete() else \
+        record_online_capture(EXTRACT, inputs["merged"], inputs["target"], plan)
+    return hidden, OnlineInputs(EXTRACT, TargetConfig(model=inputs["target"].path))
+
+
+def train_online(inputs, root, cfg: TrainConfig):
+    hidden, online = online_inputs(inputs, root)
+    plan = plan_stage(root, "train", {"train": cfg.model_dump()}, [hidden])
+    return trainer.run_train(cfg, hidden, inputs["merged"], inputs["target"], plan, online)
+
+
+def test_online_training_equals_offline_on_the_same_rows(inputs, tmp_path):
+    """The target's prefill feeding the rows gives what the store gives: the same rows in
+    the same order, the same loss and counts at every step, the same validation."""
+    offline = train(inputs, tmp_path / "offline", small_cfg())
+    online = train_online(inputs, tmp_path / "online", small_cfg(mode="online"))
+    hidden = json.loads((tmp_path / "online" / "extract").glob("*/manifest.json").__next__()
+                        .read_text())
+    assert hidden["descriptor"]["counts"]["bytes"] == 0  # nothing stored
+    a, b = history(offline), history(online)
+    assert [(h["split"], h["step"]) for h in a] == [(h["split"], h["step"]) for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "cond_acc_", "tau", "acceptance", "lr",
+                               "packing")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa = load_file(str(offline.dir / "drafter.safetensors"))
+    wb = load_file(str(online.dir / "drafter.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_killed_online_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypatch):
+    cfg = small_cfg(mode="online", checkpoint_every=2, aux_noise_std=0.05)
+    straight = train_online(inputs, tmp_path / "a", cfg)
+    real_step = MasterWeightAdamW.step
+    calls = {"n": 0}
+
+    def dying_step(self, clip):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise Killed()
+        return real_step(self, clip)
+
+    monkeypatch.setattr(MasterWeightAdamW, "step", dying_step)
+    with pytest.raises(Killed):
+        train_online(inputs, tmp_path / "b", cfg)
+    monkeypatch.setattr(MasterWeightAdamW, "step", real_step)
+    resumed = train_online(inputs, tmp_path / "b", cfg)
+    a, b = history(straight), history(resumed)
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+                assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), (x["step"], key)
+    wa = load_file(str(straight.dir / "drafter.safetensors"))
+    wb = load_file(str(resumed.dir / "drafter.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=0, msg=name)
+
+
+def test_online_under_torchrun_trains_what_offline_ddp_trains(inputs, ddp_run, tmp_path):
+    """Two gloo processes, each with its own target: the job file carries the capture
+    settings, and the ranks train the rows (and reach the weights) offline DDP reaches."""
+    from draftsmith.train.launch import run_torchrun
+
+    hidden, online = online_inputs(inputs, tmp_path)
+    out = tmp_path / "online-ddp"
+    out.mkdir()
+    result = run_torchrun(torchrun_cfg(mode="online"), hidden, inputs["merged"],
+                          inputs["target"], out, online=online)
+    reference, reference_out = ddp_run
+    assert result["rows_trained"] == reference["rows_trained"]
+    for x, y in zip(reference["history"], result["history"], strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "tau")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa, wb = weights_of(reference_out), weights_of(out)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_preflight_suggests_the_mode_by_the_rule(inputs, tmp_path, monkeypatch, caplog):
+    from draftsmith.extract import preflight
+
+    caplog.set_level("WARNING", logger="draftsmith")
+    merged, target = inputs["merged"], inputs["target"]
+    args = (EXTRACT, merged, target, tmp_path, [1, 3, 4])
+    monkeypatch.setattr(preflight, "free_bytes", lambda _d: 10)  # nearly no disk
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(), *args[1:]) == "online"
+    assert "set train.mode: online" in caplog.text
+    monkeypatch.setattr(preflight, "free_bytes", lambda _d: 1 << 40)  # plenty
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(mode="online", epochs=5),
+                                        *args[1:]) == "offline"
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(mode="online", epochs=1),
+                                        *args[1:]) is None
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(), *args[1:]) is None

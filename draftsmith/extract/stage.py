@@ -231,6 +231,25 @@ def prepare_output(plan: StagePlan) -> Path:
     return plan.dir
 
 
+def record_online_capture(cfg: ExtractConfig, merged: Descriptor, target: Descriptor,
+                          plan: StagePlan) -> Descriptor:
+    """train.mode: online: no store is written. The output records the capture the trainer
+    runs itself (aux layer ids, store dtype), so the train stage's key covers it as it covers
+    a store."""
+    from draftsmith.extract.preflight import merged_tokens
+
+    aux_ids = aux_layer_ids_for(cfg, target)
+    prepare_output(plan)
+    log.info("extract: skipped (train.mode: online); the trainer captures aux layers %s in %s "
+             "from the target's prefill, nothing is stored", aux_ids, cfg.dtype)
+    return finish_stage(
+        plan,
+        counts={"tokens": merged_tokens(merged), "shards": 0, "bytes": 0},
+        figures={"aux_layer_ids": aux_ids, "dtype": cfg.dtype, "padding_waste": 0.0,
+                 "mode": "online", "target_fingerprint": target.fingerprint},
+    )
+
+
 def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor,
                 target: Descriptor, plan: StagePlan) -> Descriptor:
     aux_ids = aux_layer_ids_for(cfg, target)

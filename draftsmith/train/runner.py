@@ -6,6 +6,7 @@ the quality benchmark's re-evaluation of a trained drafter."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -39,7 +40,8 @@ class RowRunner:
 
     def __init__(self, cfg: TrainConfig, drafter: Eagle3Drafter, target_head: TargetHead,
                  device: torch.device, mode: DDP, attention: str, compiled: bool,
-                 padding_like: Sample | None = None):
+                 padding_like: Sample | None = None,
+                 prepare_samples: Callable[[list], list[Sample]] | None = None):
         self.cfg, self.drafter, self.target_head = cfg, drafter, target_head
         self.device, self.mode = device, mode
         self.attention, self.compiled = attention, compiled
@@ -52,6 +54,8 @@ class RowRunner:
         # FSDP: what a rank without a row runs, so that it joins every collective (made when
         # needed: an 8192-token row of an 8B-shaped target is ~270 MB of zeros).
         self._padding_like = padding_like if mode.sharded else None
+        # Online: the target's prefill turns a row's token samples into hidden-state samples.
+        self.prepare_samples = prepare_samples
 
     # ------------------------------------------------------------------ rows
 
@@ -59,6 +63,8 @@ class RowRunner:
         """The samples laid out as one row (None for no samples)."""
         if not samples:
             return None
+        if self.prepare_samples is not None:
+            samples = self.prepare_samples(samples)
         return concat_row(samples, self.cfg.batch_tokens, self.pad_to, pin)
 
     def padding(self) -> PackedRow | None:

@@ -23,13 +23,14 @@ import logging
 import math
 import os
 import random
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
 
 import torch
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
-from draftsmith.config import TrainConfig
+from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
 from draftsmith.distributed import Dist
 from draftsmith.extract.store import Sample, ShardReader
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
@@ -37,6 +38,7 @@ from draftsmith.progress import Progress
 from draftsmith.train.checkpoint import RESUME_DIR, STATE_FILE, Checkpointer, checkpointer_for
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.metrics import StepCounts
+from draftsmith.train.online import OnlineTarget, token_samples
 from draftsmith.train.optim import MasterWeightAdamW, lr_factor
 from draftsmith.train.packing import RowPrefetcher, plan_rows
 from draftsmith.train.parallel import DDP, parallel_mode
@@ -62,15 +64,25 @@ def compute_dtype(cfg: TrainConfig) -> torch.dtype:
     return torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
 
 
+@dataclass(frozen=True)
+class OnlineInputs:
+    """train.mode: online: how the target runs (its dtype) and what it captures (aux layers,
+    store dtype, batch limits), the settings the extract stage would have used."""
+
+    extract: ExtractConfig
+    target: TargetConfig
+
+
 def row_runner(cfg: TrainConfig, drafter: Eagle3Drafter, head: torch.Tensor,
-               device: torch.device, mode: DDP, padding_like: Sample | None = None) -> RowRunner:
+               device: torch.device, mode: DDP, padding_like: Sample | None = None,
+               prepare_samples=None) -> RowRunner:
     """The drafter placed on the device by its parallel mode (cast to the compute dtype, or
     sharded), the target head split for the loss, the attention path and compiled layer."""
     dtype = compute_dtype(cfg)
     mode.place(drafter, dtype, device)
     target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), dtype, device)
     return RowRunner(cfg, drafter, target_head, device, mode, resolve_attention(cfg),
-                     compile_enabled(cfg, device), padding_like)
+                     compile_enabled(cfg, device), padding_like, prepare_samples)
 
 
 def build_drafter(cfg: TrainConfig, drafter_cfg: Eagle3Config, embed: torch.Tensor,
@@ -182,32 +194,50 @@ class Trainer:
 
     @classmethod
     def prepare(cls, cfg: TrainConfig, hidden: Descriptor, merged: Descriptor,
-                target: Descriptor, out: Path, dist: Dist) -> Trainer:
-        """Everything a run needs, from the store, the merged data's vocab map and the target;
-        the saved state when `out` holds a checkpoint."""
+                target: Descriptor, out: Path, dist: Dist,
+                online: OnlineInputs | None = None) -> Trainer:
+        """Everything a run needs, from the store (offline) or the merged data and the target
+        model (online), the merged data's vocab map and the target's head; the saved state
+        when `out` holds a checkpoint."""
         from draftsmith.data.merge import read_vocab_map
         from draftsmith.target import load_target_head_and_embedding
 
         mode = parallel_mode(cfg.parallel, dist)
         torch.manual_seed(cfg.seed)
         device = dist.device(cfg.device)
-        store = ShardReader(hidden.path)
-        train_samples = list(store.samples("train"))
-        validation_rows = plan_rows(list(store.samples("validation")), cfg.batch_tokens)
+        if cfg.mode == "online":
+            if online is None:
+                raise ValueError("train.mode=online needs the extract and target settings the "
+                                 "target's prefill follows: run it through run_train")
+            train_samples = token_samples(merged, "train", online.extract.shard_tokens)
+            validation = token_samples(merged, "validation", online.extract.shard_tokens)
+            aux_ids = hidden.figures["aux_layer_ids"]
+            train_tokens = sum(len(s.input_ids) for s in train_samples)
+        else:
+            store = ShardReader(hidden.path)
+            train_samples = list(store.samples("train"))
+            validation = list(store.samples("validation"))
+            aux_ids, train_tokens = store.aux_layer_ids, store.num_tokens("train")
+        validation_rows = plan_rows(validation, cfg.batch_tokens)
         embed, head = load_target_head_and_embedding(target)
         d2t, t2d = read_vocab_map(merged)
         target_config = json.loads((Path(target.path) / "config.json").read_text())
         target_config = target_config.get("text_config", target_config)
-        drafter_cfg = Eagle3Config.from_target(target_config, store.aux_layer_ids, d2t.numel())
+        drafter_cfg = Eagle3Config.from_target(target_config, aux_ids, d2t.numel())
         drafter = build_drafter(cfg, drafter_cfg, embed, head, d2t, t2d)
-        runner = row_runner(cfg, drafter, head, device, mode,
-                            train_samples[0] if train_samples else None)
+        if cfg.mode == "online":  # loaded after the drafter's seeded initialisation
+            prefill = OnlineTarget(target.path, online.target, online.extract, aux_ids, device)
+            runner = row_runner(cfg, drafter, head, device, mode, prefill.padding_like(),
+                                prepare_samples=prefill.samples)
+        else:
+            runner = row_runner(cfg, drafter, head, device, mode,
+                                train_samples[0] if train_samples else None)
         del head
         provenance = {"target_fingerprint": target.fingerprint, "target_path": target.path,
                       "hidden_states": hidden.fingerprint, "data": merged.fingerprint,
                       "train_config": cfg.model_dump()}
         return cls(cfg, dist, out, runner, train_samples, validation_rows, provenance,
-                   train_tokens=store.num_tokens("train"))
+                   train_tokens=train_tokens)
 
     # ------------------------------------------------------------------ the run
 
@@ -222,7 +252,9 @@ class Trainer:
                  cfg.epochs, dist.world, self.total_steps, len(self.validation_rows_all),
                  sum(p.numel() for p in self.trainable) / 1e6, self.runner.attention,
                  self.runner.compiled, cfg.dtype)
-        self._prefetcher = RowPrefetcher(self.runner.device)
+        # Online rows run the target on the training stream when they are needed.
+        self._prefetcher = RowPrefetcher(self.runner.device,
+                                         background=self.runner.prepare_samples is None)
         self._log = MetricsLog(state.history, self.out / METRICS_FILE if dist.is_main else None)
         self._progress = Progress("train", total=self.total_steps, unit="step")
         self._progress.update(state.step)
@@ -347,10 +379,10 @@ class Trainer:
 
 
 def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
-               out: Path, dist: Dist) -> dict:
+               out: Path, dist: Dist, online: OnlineInputs | None = None) -> dict:
     """Train in this process (one rank of W). Writes metrics, checkpoints and the best drafter
     into `out` on rank 0; returns the summary rank 0 builds the descriptor from."""
-    return Trainer.prepare(cfg, hidden, merged, target, out, dist).run()
+    return Trainer.prepare(cfg, hidden, merged, target, out, dist, online).run()
 
 
 def gpu_memory_gib(device: torch.device) -> float:
@@ -380,7 +412,7 @@ def use_compile_cache(cfg: TrainConfig, plan: StagePlan) -> Path | None:
 
 
 def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
-              plan: StagePlan) -> Descriptor:
+              plan: StagePlan, online: OnlineInputs | None = None) -> Descriptor:
     """Train in this process, or under torchrun with cfg.nproc_per_node processes (always
     under torchrun with train.parallel=fsdp, which shards over a process group even of one). A
     partial directory from a killed attempt is resumed from its last checkpoint, not started
@@ -397,9 +429,9 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
     if cfg.nproc_per_node > 1 or cfg.parallel == "fsdp":
         from draftsmith.train.launch import run_torchrun
 
-        result = run_torchrun(cfg, hidden, merged, target, out)
+        result = run_torchrun(cfg, hidden, merged, target, out, online=online)
     else:
-        result = train_loop(cfg, hidden, merged, target, out, Dist.single())
+        result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online)
     from draftsmith.train.charts import plot_metrics
 
     plot_metrics(result["history"], cfg.ttt_steps, out)
