@@ -1,9 +1,11 @@
 """Stage `train`: fit the EAGLE-3 drafter to the target's distribution with test-time training.
 
 The trainer in parts, each readable alone:
-- `Trainer.prepare`: the store's samples and each epoch's row plan, the drafter built and placed
-  by its parallel mode (`parallel.py`), the row runner (`runner.py`), optimiser, schedule and
-  checkpointer (`checkpoint.py`), and the saved state when the run resumes (`state.py`);
+- `Trainer.prepare`: the store's samples (or, with `train.mode: online`, the merged data's
+  token samples and the target whose prefill fills each row, `online.py`), the drafter built
+  and placed by its parallel mode (`parallel.py`) and the row runner (`runner.py`); then the
+  row plans, optimiser, schedule, checkpointer (`checkpoint.py`) and, when the run resumes,
+  the saved state (`state.py`);
 - `Trainer.train_epoch`: the optimiser steps of one epoch, metrics lines and checkpoints;
 - `Trainer.validate`: validation counts summed over ranks, the best drafter by tau;
 - `Trainer.run`: epochs, each followed by validation and a checkpoint.
