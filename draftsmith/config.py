@@ -115,6 +115,9 @@ class EndpointConfig(StrictModel):
                                  Partition(max_prompt_tokens=32768, concurrency=8,
                                            max_tokens=4096)],
         min_length=1)
+    extra_body: dict[str, Any] = Field(default_factory=dict, description=(  # keyed
+        "More request fields, sent as they are: chat_template_kwargs (e.g. "
+        "{enable_thinking: true}), top_k, repetition_penalty, structured_outputs."))
     price_per_1m_prompt_tokens: float | None = Field(None, ge=0.0)
     price_per_1m_completion_tokens: float | None = Field(None, ge=0.0)
 
@@ -333,7 +336,9 @@ class DraftingPoint(StrictModel):
 
 
 class DeployConfig(StrictModel):
-    engine: Literal["embedded", "sglang"] = "embedded"
+    engine: Literal["embedded", "sglang", "vllm"] = Field("embedded", description=(  # keyed
+        "embedded: draftsmith's own engine in process; sglang: an SGLang server; vllm: "
+        "`vllm serve` with the drafter in the speculators layout."))
     speculative_algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
     # All three or none (none: SGLang picks); SGLang fails obscurely on a partial set.
     num_steps: int | None = Field(3, ge=1)
@@ -350,6 +355,9 @@ class DeployConfig(StrictModel):
     sglang_command: list[str] | None = Field(
         None, description="Program that starts the server; default: python -m "
         "sglang.launch_server with this interpreter.")
+    vllm_command: list[str] | None = Field(  # operational
+        None, description="Program that starts vLLM; default: the `vllm` next to this "
+        "interpreter.")
     startup_timeout_s: float = Field(1800.0, gt=0, description="Big targets need 15+ minutes.")
     keep_serving: bool = False
 
@@ -367,6 +375,11 @@ class DeployConfig(StrictModel):
             if flag in self.extra_args:
                 raise ValueError(f"deploy.extra_args: {flag} is set by draftsmith from deploy.* "
                                  "(and --num-speculative-tokens is not an SGLang flag)")
+        if self.engine == "vllm" and self.eagle_topk not in (None, 1):
+            raise ValueError(
+                f"deploy.eagle_topk={self.eagle_topk} with deploy.engine=vllm: vLLM's EAGLE-3 "
+                "drafts a chain of num_steps tokens, not a tree; set deploy.eagle_topk=1 and "
+                "deploy.num_draft_tokens=num_steps+1 (or deploy.engine=sglang for trees)")
         given = {k: getattr(self, k) for k in ("num_steps", "eagle_topk", "num_draft_tokens")}
         if None in given.values():
             if any(v is not None for v in given.values()):
@@ -457,6 +470,21 @@ class PipelineConfig(StrictModel):
                 "generate.backend=openai needs generate.endpoint (base_url, model, partitions, "
                 "...; see examples/kimi-k2.5-8gpu.yaml) or orchestration.endpoint_block (an "
                 "inference endpoint block registered by draftsmith prefect setup)")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_reads_speculators(self) -> PipelineConfig:
+        if self.deploy.engine != "vllm":
+            return self
+        if self.fix_keys.format != "speculators":
+            raise ValueError(
+                f"deploy.engine=vllm with fix_keys.format={self.fix_keys.format!r}: vLLM loads "
+                "EAGLE-3 drafters in the speculators layout (Eagle3Speculator, layers.0.*); set "
+                "fix_keys.format=speculators")
+        trees = [p.label for p in self.benchmark.sweep if p.eagle_topk != 1]
+        if trees:
+            raise ValueError(f"benchmark.sweep has tree points {trees} with deploy.engine=vllm:"
+                             " vLLM drafts chains only; keep points with eagle_topk=1")
         return self
 
 

@@ -3,6 +3,7 @@
 Embedded engine: speculative vs plain greedy decoding in-process; acceptance length, tokens/s of
 each, and whether the outputs are identical. Served endpoint (SGLang): streamed requests at each
 concurrency of the sweep; tokens/s, time to first token, acceptance length from meta_info.
+vLLM: the OpenAI API and vLLM's Prometheus counters (draftsmith/bench/vllm_bench.py).
 """
 
 from __future__ import annotations
@@ -114,7 +115,20 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
 
 def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
                   merged: Descriptor, target: Descriptor, plan: StagePlan,
-                  deploy_cfg: DeployConfig | None = None) -> Descriptor:
+                  deploy_cfg: DeployConfig | None = None,
+                  trained: Descriptor | None = None) -> Descriptor:
+    """trained: the train stage's descriptor, whose validation full_acc per TTT step sits next
+    to the served engine's acceptance per position (optional)."""
+    if deployment.figures["engine"] == "vllm":
+        from draftsmith.bench.vllm_bench import run_vllm_benchmark
+
+        full_acc = None
+        if trained is not None:
+            steps = sorted(k for k in trained.figures if k.startswith("full_acc_"))
+            full_acc = [trained.figures[k] for k in steps] or None
+        prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
+        return run_vllm_benchmark(cfg, deploy_cfg or DeployConfig(engine="vllm"), target_cfg,
+                                  deployment, prompts, target, plan, full_acc)
     if deployment.figures["engine"] == "sglang":
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)
