@@ -52,7 +52,8 @@ def random_target_tokenizer(random_target):
 def trained_target_cache(tmp_path_factory):
     """DRAFTSMITH_CACHE holding the demo's tiny target (trained, so acceptance is real); built
     once for the session and shared by the e2e and vLLM tests."""
-    cache = tmp_path_factory.mktemp("draftsmith-cache")
+    kept = os.environ.get("DRAFTSMITH_TEST_CACHE")  # a developer's cache, kept between runs
+    cache = Path(kept) if kept else tmp_path_factory.mktemp("draftsmith-cache")
     old = os.environ.get("DRAFTSMITH_CACHE")
     os.environ["DRAFTSMITH_CACHE"] = str(cache)
     yield cache
@@ -68,7 +69,8 @@ def vllm_chain(trained_target_cache, tmp_path_factory):
     the drafter every vLLM test serves (tests/vllm_chain.py)."""
     from tests.vllm_chain import build_chain
 
-    return build_chain(tmp_path_factory.mktemp("vllm-chain"))
+    kept = os.environ.get("DRAFTSMITH_VLLM_CHAIN_ROOT")  # a developer's root, reused
+    return build_chain(Path(kept) if kept else tmp_path_factory.mktemp("vllm-chain"))
 
 
 @pytest.fixture()
