@@ -77,9 +77,12 @@ def build_chain(root: Path) -> Chain:
         engine="vllm", num_steps=3, eagle_topk=1, num_draft_tokens=4, port=free_port(),
         env={"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB},
         # A string-based reasoning parser (no special tokens needed): the generation tests
-        # read the reasoning field vLLM fills.
+        # read the reasoning field vLLM fills; structured outputs constrain the reasoning too,
+        # so a regex can make the tiny target answer in the parser's shape.
         # --enforce-eager: torch.compile warm-up would take minutes on 2 cores, for nothing here.
-        extra_args=["--reasoning-parser", "granite", "--max-num-seqs", "16", "--enforce-eager"],
+        extra_args=["--reasoning-parser", "granite",
+                    "--structured-outputs-config", '{"enable_in_reasoning": true}',
+                    "--max-num-seqs", "16", "--enforce-eager"],
         startup_timeout_s=900)
     chain = Chain(root, target_cfg, target, deploy_cfg)
     data = DataConfig(sources=[
