@@ -30,20 +30,20 @@ pytestmark = pytest.mark.vllm
 
 
 def test_an_sglang_layout_drafter_is_refused_naming_the_export_setting(vllm_chain, tmp_path):
-    from draftsmith.config import FixKeysConfig
-    from draftsmith.export.fix_keys import run_fix_keys
+    from draftsmith.config import ExportConfig
+    from draftsmith.export.stage import run_export
 
-    sglang = run_fix_keys(FixKeysConfig(format="sglang"), vllm_chain.target_cfg,
+    sglang = run_export(ExportConfig(format="sglang"), vllm_chain.target_cfg,
                           vllm_chain.out["train"], vllm_chain.target,
-                          vllm_chain.plan("fix_keys", vllm_chain.out["train"],
+                          vllm_chain.plan("export", vllm_chain.out["train"],
                                           material={"format": "sglang"}))
-    with pytest.raises(VLLMLaunchError, match=r"sglang-layout.*fix_keys\.format=speculators"):
+    with pytest.raises(VLLMLaunchError, match=r"sglang-layout.*export\.format=speculators"):
         build_vllm_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg,
                           sglang.figures["drafter_dir"], "llama", vllm_chain.target.path)
     # The same mistake in a config file stops at load time.
     raw = {"data": {"sources": [{"name": "d", "path": "x.jsonl"}]},
-           "deploy": {"engine": "vllm"}, "fix_keys": {"format": "sglang"}}
-    with pytest.raises(ConfigError, match=r"fix_keys\.format=speculators"):
+           "deploy": {"engine": "vllm"}, "export": {"format": "sglang"}}
+    with pytest.raises(ConfigError, match=r"export\.format=speculators"):
         parse_config(raw)
 
 
@@ -53,7 +53,7 @@ def test_drafting_settings_vllm_cannot_run_are_refused_before_launch():
     with pytest.raises(ValueError, match=r"num_draft_tokens = num_steps \+ 1"):
         DeployConfig(engine="vllm", num_steps=3, eagle_topk=1, num_draft_tokens=6)
     raw = {"data": {"sources": [{"name": "d", "path": "x.jsonl"}]},
-           "deploy": {"engine": "vllm"}, "fix_keys": {"format": "speculators"},
+           "deploy": {"engine": "vllm"}, "export": {"format": "speculators"},
            "benchmark": {"sweep": [{"num_steps": 3, "eagle_topk": 2, "num_draft_tokens": 6}]}}
     with pytest.raises(ConfigError, match="tree points"):
         parse_config(raw)

@@ -18,8 +18,8 @@ from draftsmith.config import (
     BenchmarkConfig,
     DataConfig,
     DeployConfig,
+    ExportConfig,
     ExtractConfig,
-    FixKeysConfig,
     GenerateConfig,
     MergeConfig,
     TargetConfig,
@@ -57,7 +57,7 @@ class Chain:
 
     @property
     def drafter_dir(self) -> str:
-        return self.out["fix_keys"].figures["drafter_dir"]
+        return self.out["export"].figures["drafter_dir"]
 
     def benchmark_cfg(self, **overrides) -> BenchmarkConfig:
         return BenchmarkConfig(**{"num_prompts": 8, "max_new_tokens": 48, **overrides})
@@ -65,7 +65,7 @@ class Chain:
 
 def build_chain(root: Path) -> Chain:
     from draftsmith.data.merge import run_merge
-    from draftsmith.export.fix_keys import run_fix_keys
+    from draftsmith.export.stage import run_export
     from draftsmith.extract.stage import run_extract
     from draftsmith.generate.stage import run_generate
     from draftsmith.target import resolve_target
@@ -100,7 +100,7 @@ def build_chain(root: Path) -> Chain:
     chain.run("train", run_train, TrainConfig(ttt_steps=3, lr=3e-3, warmup_ratio=0.05, epochs=8,
                                               batch_tokens=2048, log_every=20),
               out["extract"], out["merge"], target, inputs=(out["extract"],))
-    chain.run("fix_keys", run_fix_keys, FixKeysConfig(format="speculators"), target_cfg,
+    chain.run("export", run_export, ExportConfig(format="speculators"), target_cfg,
               out["train"], target, inputs=(out["train"],))
     return chain
 
@@ -109,7 +109,7 @@ def ensure_deployed(chain: Chain) -> Descriptor:
     """The deploy stage: reuses the running server, or launches it (again)."""
     from draftsmith.serve.deploy import run_deploy
 
-    chain.out["deploy"] = run_deploy(chain.deploy_cfg, chain.target_cfg, chain.out["fix_keys"],
+    chain.out["deploy"] = run_deploy(chain.deploy_cfg, chain.target_cfg, chain.out["export"],
                                      chain.out["merge"], chain.target,
-                                     chain.plan("deploy", chain.out["fix_keys"]))
+                                     chain.plan("deploy", chain.out["export"]))
     return chain.out["deploy"]

@@ -24,13 +24,14 @@ from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
 from draftsmith.data.formats import load_source
 from draftsmith.data.merge import read_split
+from draftsmith.figures import DeployFigures, TargetFigures, TrainFigures
 from draftsmith.progress import Progress
 from draftsmith.serve.deploy import drafting_label, load_embedded_engine, prompt_ids
 from draftsmith.serve.embedded import (
     EmbeddedSpeculativeEngine,
     Generation,
     Sampling,
-    greedy_generate,
+    plain_generate,
 )
 from draftsmith.target import load_tokenizer
 
@@ -58,8 +59,8 @@ def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
     """The baseline: every prompt decoded without speculation, at cfg.temperature (measured
     once per temperature and shared by every drafting config)."""
     for prompt in prompts[: cfg.warmup_prompts]:
-        greedy_generate(runner, prompt, cfg.max_new_tokens, eos)
-    return [greedy_generate(runner, prompt, cfg.max_new_tokens, eos,
+        plain_generate(runner, prompt, cfg.max_new_tokens, eos)
+    return [plain_generate(runner, prompt, cfg.max_new_tokens, eos,
                             Sampling(cfg.temperature, seed=i)) for i, prompt in enumerate(prompts)]
 
 
@@ -119,17 +120,15 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
                   trained: Descriptor | None = None) -> Descriptor:
     """trained: the train stage's descriptor, whose validation full_acc per TTT step sits next
     to the served engine's acceptance per position (optional)."""
-    if deployment.figures["engine"] == "vllm":
+    engine = DeployFigures.of(deployment).engine
+    if engine == "vllm":
         from draftsmith.bench.vllm_bench import run_vllm_benchmark
 
-        full_acc = None
-        if trained is not None:
-            steps = sorted(k for k in trained.figures if k.startswith("full_acc_"))
-            full_acc = [trained.figures[k] for k in steps] or None
+        full_acc = (TrainFigures.of(trained).full_acc() or None) if trained else None
         prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
         return run_vllm_benchmark(cfg, deploy_cfg or DeployConfig(engine="vllm"), target_cfg,
                                   deployment, prompts, target, plan, full_acc)
-    if deployment.figures["engine"] == "sglang":
+    if engine == "sglang":
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)
     engine, spec = load_embedded_engine(deployment, target_cfg)
@@ -237,7 +236,7 @@ def _serve_and_measure(deploy_cfg: DeployConfig, target_cfg: TargetConfig,
     from draftsmith.serve.readiness import wait_until_ready
     from draftsmith.serve.sglang_launch import build_launch
 
-    launch = build_launch(deploy_cfg, target_cfg, drafter_dir, target.figures["family"],
+    launch = build_launch(deploy_cfg, target_cfg, drafter_dir, TargetFigures.of(target).family,
                           target.path)
     with ManagedProcess(launch.argv, log_path, launch.env, name=name) as process:
         wait_until_ready(launch.url, deploy_cfg, drafter_dir, process)
@@ -249,8 +248,8 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
                            target: Descriptor, plan: StagePlan) -> Descriptor:
     from draftsmith.serve import servers
 
-    url = deployment.figures["url"]
-    drafter_dir = deployment.figures["drafter_dir"]
+    deployed = DeployFigures.of(deployment)
+    url, drafter_dir = deployed.url, deployed.drafter_dir
     prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
     deployed = drafting_label(deploy_cfg.num_steps, deploy_cfg.eagle_topk,
                               deploy_cfg.num_draft_tokens)

@@ -43,7 +43,7 @@ DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
 SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
-EXPORT_FORMAT_SETTING = "fix_keys.format"
+EXPORT_FORMAT_SETTING = "export.format"
 
 
 class VLLMLaunchError(ValueError):
