@@ -86,18 +86,18 @@ def build_chain(root: Path) -> Chain:
         startup_timeout_s=900)
     chain = Chain(root, target_cfg, target, deploy_cfg)
     data = DataConfig(sources=[
-        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 60},
-        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 60},
+        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 48},
+        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 48},
     ])
     out = chain.out
-    chain.run("generate", run_generate, GenerateConfig(max_new_tokens=96, batch_size=32), data,
+    chain.run("generate", run_generate, GenerateConfig(max_new_tokens=64, batch_size=32), data,
               target_cfg, target, inputs=(target,))
     chain.run("merge", run_merge, MergeConfig(max_length=512, validation_fraction=0.15,
                                               draft_vocab_size=1024),
               out["generate"], target, inputs=(out["generate"],))
     chain.run("extract", run_extract, ExtractConfig(batch_size=16, shard_tokens=16384),
               target_cfg, out["merge"], target, inputs=(out["merge"],))
-    chain.run("train", run_train, TrainConfig(ttt_steps=3, lr=3e-3, warmup_ratio=0.05, epochs=8,
+    chain.run("train", run_train, TrainConfig(ttt_steps=3, lr=3e-3, warmup_ratio=0.05, epochs=6,
                                               batch_tokens=2048, log_every=20),
               out["extract"], out["merge"], target, inputs=(out["extract"],))
     chain.run("export", run_export, ExportConfig(format="speculators"), target_cfg,
