@@ -74,6 +74,24 @@ def test_the_launch_command_carries_the_speculative_config(vllm_chain):
     assert "--speculative-config" not in baseline.argv
 
 
+def test_acceptance_is_read_as_deltas_of_vllms_counters():
+    """The figures of the issue's own vLLM run: 99 drafts, 297 draft tokens, 255 accepted
+    (91, 86, 78 by position), on top of what the server had counted before."""
+    names = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+             "vllm:spec_decode_num_accepted_tokens")
+    before = {**dict(zip(names, (10, 30, 20), strict=True)),
+              **{f"vllm:spec_decode_num_accepted_tokens_per_pos[{p}]": 8 - p for p in range(3)}}
+    after = {**dict(zip(names, (109, 327, 275), strict=True)),
+             **{f"vllm:spec_decode_num_accepted_tokens_per_pos[{p}]": v + 8 - p
+                for p, v in enumerate((91, 86, 78))}}
+    figures = acceptance_from_counters(before, after, 3)
+    assert figures["drafts"] == 99 and figures["accepted_tokens"] == 255
+    assert figures["acceptance_length"] == pytest.approx(1 + 255 / 99, abs=1e-4)
+    assert figures["accepted_per_position"] == [round(v / 99, 4) for v in (91, 86, 78)]
+    with pytest.raises(ValueError, match="did not grow"):
+        acceptance_from_counters(after, after, 3)
+
+
 # -- the running server ---------------------------------------------------------------------
 
 
@@ -172,3 +190,21 @@ def test_benchmark_through_vllm_reads_its_counters_and_matches_the_baseline(vllm
             assert row["drafts"] > 0 and row["acceptance_length"] > 1
     assert "Acceptance by position" in (descriptor.dir / "report.md").read_text()
     assert (descriptor.dir / "baseline-server.log").read_text().startswith("$ ")
+
+
+def test_the_deploy_command_prints_the_vllm_command(vllm_chain, tmp_path):
+    import yaml
+    from typer.testing import CliRunner
+
+    from draftsmith.cli import app
+
+    config = tmp_path / "vllm.yaml"
+    config.write_text(yaml.safe_dump({
+        "run_root": str(tmp_path / "runs"), "target": {"model": vllm_chain.target.path},
+        "data": {"sources": [{"name": "d", "path": str(tmp_path / "none.jsonl")}]},
+        "export": {"format": "speculators"}, "deploy": {"engine": "vllm", "port": 30999}}))
+    result = CliRunner().invoke(app, ["deploy", str(config), "--drafter",
+                                      vllm_chain.drafter_dir, "--dry-run"])
+    assert result.exit_code == 0, result.output
+    assert '"method": "eagle3"' in result.output and "--port" in result.output
+    assert vllm_chain.drafter_dir in result.output
