@@ -382,9 +382,11 @@ def _benchmark_reports(descriptor: Descriptor) -> list[Report]:
 def _describe_benchmark(descriptor: Descriptor) -> str:
     figures = BenchmarkFigures.of(descriptor)
     if figures.engine != "embedded":
-        return (f"{figures.url}: measured acceptance length {figures.acceptance_length:.2f}, "
-                f"{figures.single_stream_tokens_per_s} tok/s single stream\n{figures.verdict}\n"
-                f"report: {figures.report}")
+        same = (f", identical to the baseline: {figures.identical_outputs}"
+                if figures.identical_outputs is not None else "")
+        return (f"{figures.engine} at {figures.url}: measured acceptance length "
+                f"{figures.acceptance_length:.2f}, {figures.single_stream_tokens_per_s} tok/s "
+                f"single stream{same}\n{figures.verdict}\nreport: {figures.report}")
     identical = figures.identical_outputs if figures.identical_outputs is not None \
         else figures.lossless
     return (f"measured acceptance length {figures.acceptance_length:.2f}, "

@@ -11,7 +11,9 @@ from draftsmith.config import ExtractConfig
 from draftsmith.extract.vllm_backend import build_capture_argv, vllm_layer_ids
 from tests.vllm_chain import KV_CACHE_GIB, free_port
 
-pytestmark = pytest.mark.vllm
+# The first test that needs the shared chain builds it (and the tiny target): minutes on a
+# busy machine, counted in that test's timeout.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 
 def test_vllm_records_layer_inputs_so_ids_shift_by_one_and_the_last_output_is_added(tmp_path):

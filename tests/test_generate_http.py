@@ -19,6 +19,9 @@ from draftsmith.generate.openai_client import GenerateError
 from draftsmith.generate.stage import journal_dir, run_generate
 from tests.openai_server import FaultProxy, prompt_key
 
+# The first test that needs the shared vLLM server may build its chain and start it.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
+
 SHORT_MAX_TOKENS, LONG_MAX_TOKENS = 5, 9
 
 

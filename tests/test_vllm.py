@@ -23,7 +23,9 @@ from draftsmith.serve.vllm_launch import (
     vllm_program,
 )
 
-pytestmark = pytest.mark.vllm
+# The first test that needs the shared chain builds it (and the tiny target): minutes on a
+# busy machine, counted in that test's timeout.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 
 # -- before launch: nothing vLLM would mis-load reaches it -----------------------------------
