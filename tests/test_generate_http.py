@@ -296,7 +296,11 @@ def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
     from prefect.logging.handlers import APILogWorker
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.stages import generate as generate_task
+    from draftsmith.config import PipelineConfig
+    from draftsmith.stages import STAGES
+    from tasks.stages import task_for
+
+    generate_task = task_for(next(s for s in STAGES if s.name == "generate"))
 
     secret = "sk-prefect-secret-5d1e77"
     proxy.required_key = secret
@@ -305,10 +309,12 @@ def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
                                                                        3))}])
     plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
 
+    config = PipelineConfig(data=data, generate=cfg,
+                            target=TargetConfig(model=str(served_target_dir)))
+
     @flow
     def regenerate():
-        return generate_task(plan, cfg, data, TargetConfig(model=str(served_target_dir)),
-                             served_target)
+        return generate_task(plan, config, {"target": served_target})
 
     with prefect_test_harness(server_startup_timeout=120):
         Secret(value=secret).save("draftsmith-test-key")

@@ -124,7 +124,7 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     if engine == "vllm":
         from draftsmith.bench.vllm_bench import run_vllm_benchmark
 
-        full_acc = (TrainFigures.of(trained).full_acc() or None) if trained else None
+        full_acc = (TrainFigures.of(trained).full_acc or None) if trained else None
         prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
         return run_vllm_benchmark(cfg, deploy_cfg or DeployConfig(engine="vllm"), target_cfg,
                                   deployment, prompts, target, plan, full_acc)
