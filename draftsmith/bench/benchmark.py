@@ -40,10 +40,12 @@ log = logging.getLogger(__name__)
 
 def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> list[list[int]]:
     """Token ids of each prompt: the conversation up to its last assistant turn, from
-    benchmark.prompts_file or from the validation split (never trained on)."""
-    if cfg.prompts_file:
-        records, _ = load_source("benchmark.prompts_file", cfg.prompts_file,
-                                 limit=cfg.num_prompts)
+    benchmark.prompts_file, benchmark.prompts_builtin (HumanEval) or the validation split
+    (never trained on)."""
+    if cfg.prompts_file or cfg.prompts_builtin:
+        records, _ = load_source(
+            "benchmark.prompts_file" if cfg.prompts_file else f"builtin:{cfg.prompts_builtin}",
+            cfg.prompts_file, limit=cfg.num_prompts, builtin=cfg.prompts_builtin)
         return [prompt_ids(tokenizer, json.dumps([m.model_dump(include={"role", "content"})
                                                   for m in r.messages])) for r in records]
     rows = read_split(merged, "validation")

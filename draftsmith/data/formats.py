@@ -237,16 +237,21 @@ def _dataset_rows(dataset) -> Iterator[tuple[int, dict[str, Any]]]:
 def load_source(
     name: str, path: str | Path | None = None, fmt: str = "auto", limit: int | None = None,
     max_drop_rate: float = 1.0, *, hub: str | None = None, hub_config: str | None = None,
-    split: str = "train", revision: str | None = None,
+    split: str = "train", revision: str | None = None, builtin: str | None = None,
 ) -> tuple[list[Record], SourceStats]:
     """Read one source (a local file `path`, or a Hugging Face dataset `hub`). Fails when it
     keeps nothing or drops more than `max_drop_rate` of what it read, naming the reason and
     showing a dropped record."""
-    if (path is None) == (hub is None):
-        raise ValueError(f"data source {name!r}: give exactly one of path or hub")
-    where = str(path) if path is not None else f"hub:{hub}[{split}]"
-    rows = read_rows(path) if path is not None else read_hub_rows(hub, hub_config, split,
-                                                                  revision)
+    if sum(x is not None for x in (path, hub, builtin)) != 1:
+        raise ValueError(f"data source {name!r}: give exactly one of path, hub or builtin")
+    if builtin is not None:
+        from draftsmith.data.packaged import builtin_rows
+
+        where, rows = f"builtin:{builtin}", builtin_rows(builtin, limit)
+    elif path is not None:
+        where, rows = str(path), read_rows(path)
+    else:
+        where, rows = f"hub:{hub}[{split}]", read_hub_rows(hub, hub_config, split, revision)
     stats = SourceStats(source=name)
     dropped: Counter[str] = Counter()
     notes: Counter[str] = Counter()

@@ -17,6 +17,7 @@ from safetensors.torch import load_file, save_file
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
 from draftsmith.config import MergeConfig
 from draftsmith.data.formats import Record
+from draftsmith.data.overlap import Prompt, check_overlap
 from draftsmith.data.tokenize import check_special_tokens, tokenize_record
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.figures import TargetFigures
@@ -29,6 +30,7 @@ SPLITS = ("train", "validation")
 VOCAB_FILE = "vocab_map.safetensors"
 COVERAGE_FILE = "vocab_coverage.json"
 CHECKS_FILE = "checks.json"
+OVERLAP_FILE = "benchmark_overlap.json"
 
 
 def is_validation(record_id: str, fraction: float) -> bool:
@@ -93,7 +95,9 @@ def _share(pairs) -> float:
 
 
 def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
-              plan: StagePlan) -> Descriptor:
+              plan: StagePlan, benchmark: tuple[str, list[Prompt]] | None = None) -> Descriptor:
+    """benchmark: (name, prompts) of the benchmark's own prompt set; no record may overlap it
+    (draftsmith/data/overlap.py), or the stage fails naming the records."""
     records = read_records(generated)
     read_per_source: dict[str, int] = defaultdict(int)
     for r in records:
@@ -102,6 +106,13 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
     log.info("merge: %d exact and %d near-exact duplicates removed",
              sum(c.get("exact_duplicates", 0) for c in removed.values()),
              sum(c.get("near_duplicates", 0) for c in removed.values()))
+    overlap = None
+    if benchmark is not None:
+        overlap = check_overlap(records, benchmark[1], benchmark[0], cfg.max_benchmark_overlap)
+        log.info("merge: no overlap with the benchmark %s: %d records against %d benchmark "
+                 "prompts, 0 exact and 0 near matches (largest similarity %.3f, limit %s)",
+                 benchmark[0], overlap["records_checked"], overlap["benchmark_prompts"],
+                 overlap["max_similarity"], cfg.max_benchmark_overlap)
     random.Random(cfg.seed).shuffle(records)
 
     tokenizer = load_tokenizer(target)
@@ -169,6 +180,8 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
         (out / "stats.json").write_text(json.dumps(stats, indent=2, sort_keys=True))
         (out / COVERAGE_FILE).write_text(json.dumps(vocab_report, indent=2))
         (out / CHECKS_FILE).write_text(json.dumps({"special_tokens": special}, indent=2))
+        if overlap is not None:
+            (out / OVERLAP_FILE).write_text(json.dumps(overlap, indent=2))
     for name, c in stats.items():
         log.info("merge: source %s: %s", name, c)
     log.info("merge: draft vocab %d of %d ids covers %.1f%% of train and %.1f%% of validation "
@@ -189,7 +202,10 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
         figures={"draft_vocab_coverage": round(coverage, 4),
                  "draft_vocab_coverage_validation": round(validation_coverage, 4),
                  "draft_vocab_size": cfg.draft_vocab_size,
-                 "end_of_turn_token": special["end_of_turn_token"]},
+                 "end_of_turn_token": special["end_of_turn_token"],
+                 **({"benchmark_overlap": {k: overlap[k] for k in (
+                     "benchmark", "benchmark_prompts", "records_checked", "exact_matches",
+                     "near_matches", "max_similarity")}} if overlap is not None else {})},
     )
 
 

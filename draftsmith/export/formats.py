@@ -206,7 +206,9 @@ class SpeculatorsLayout(Layout):
                                                                  self.engine),
             "tie_word_embeddings": False,
             "torch_dtype": dtype,
-            "draftsmith": {"canonical_aux_layer_ids": cfg.aux_layer_ids, "target_family": family},
+            "draftsmith": {"canonical_aux_layer_ids": cfg.aux_layer_ids, "target_family": family,
+                           **({"target_provenance": extras["target_provenance"]}
+                              if extras.get("target_provenance") else {})},
         }
 
     def is_layout_of(self, config):

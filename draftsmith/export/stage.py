@@ -26,6 +26,8 @@ def run_export(cfg: ExportConfig, target_cfg: TargetConfig, trained: Descriptor,
     context = target_cfg.context_length or facts.max_position_embeddings
     extras = {"speculative_tokens": cfg.speculative_tokens,
               "verifier": {"name_or_path": target.path, "architectures": facts.architectures}}
+    if facts.provenance:  # where the target came from travels with the drafter
+        extras["target_provenance"] = facts.provenance
     with stage_output(plan) as out:
         config = export_drafter(checkpoint.tensors, checkpoint.config, cfg.format, facts.family,
                                 out / DRAFTER_DIR, context_length=context, extras=extras)

@@ -55,7 +55,7 @@ def journal_dir(plan: StagePlan) -> Path:
 def load_data_source(source: DataSource, max_drop_rate: float) -> tuple[list[Record], SourceStats]:
     return load_source(source.name, source.path, source.format, source.limit, max_drop_rate,
                        hub=source.hub, hub_config=source.hub_config, split=source.split,
-                       revision=source.revision)
+                       revision=source.revision, builtin=source.builtin)
 
 
 def _run_async(coro):

@@ -1,0 +1,149 @@
+"""Proof that no training prompt is a benchmark prompt: an exact and a near-duplicate check.
+
+A drafter measured on prompts it was trained on reports an acceptance no user will see. When the
+benchmark has prompts of its own (benchmark.prompts_builtin, benchmark.prompts_file), the merge
+stage compares every record's prompt (its non-assistant turns) with every benchmark prompt:
+
+- exact: the same text once case and whitespace are folded;
+- near: token 8-grams (words and punctuation, lower-cased) shared with a benchmark prompt, as a
+  share of the smaller of the two prompts' n-grams (so a training prompt that embeds a benchmark
+  prompt, or one with a renamed variable, scores high). N-grams that many prompts share (an
+  instruction both sets are asked with, `from typing import List`) say nothing about overlap
+  and are left out.
+
+Any pair at or above `merge.max_benchmark_overlap` fails the stage, naming the records.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter, defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+from draftsmith.data.formats import Record, load_source
+
+NGRAM = 8
+# An n-gram in more than this share of either set's prompts (and in more than 2) is template.
+COMMON_SHARE = 0.05
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+class OverlapError(ValueError):
+    """Training data that overlaps the benchmark; the message names the records and the fix."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    source: str
+    text: str
+
+
+def prompt_text(record: Record) -> str:
+    """What a record asks: every turn but the assistant's."""
+    return "\n".join(m.content for m in record.messages if m.role != "assistant")
+
+
+def _folded(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def _ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    tokens = _TOKEN.findall(text.lower())
+    if len(tokens) < n:
+        return {tuple(tokens)} if tokens else set()
+    return {tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)}
+
+
+def _common(sets: list[set], share: float) -> set:
+    counts: Counter = Counter(g for s in sets for g in s)
+    limit = max(2, share * len(sets))
+    return {g for g, c in counts.items() if c > limit}
+
+
+def check_overlap(records: list[Record], benchmark: list[Prompt], benchmark_name: str,
+                  max_similarity: float, top: int = 5) -> dict[str, Any]:
+    """The report (exact and near pairs, the closest pairs, the largest similarity); raises
+    OverlapError when a pair is exact or at least `max_similarity`."""
+    train = [Prompt(r.id, r.source, prompt_text(r)) for r in records]
+    bench_exact = defaultdict(list)
+    for b in benchmark:
+        bench_exact[_folded(b.text)].append(b.id)
+    exact = [{"record": p.id, "source": p.source, "benchmark": ids[0]}
+             for p in train if (ids := bench_exact.get(_folded(p.text)))]
+
+    train_grams = [_ngrams(p.text) for p in train]
+    bench_grams = [_ngrams(b.text) for b in benchmark]
+    common = _common(train_grams, COMMON_SHARE) | _common(bench_grams, COMMON_SHARE)
+    bench_grams = [g - common for g in bench_grams]
+    index: dict[tuple[str, ...], list[int]] = defaultdict(list)
+    for j, grams in enumerate(bench_grams):
+        for g in grams:
+            index[g].append(j)
+    best: list[tuple[float, int, int]] = []  # (similarity, train index, benchmark index)
+    for i, grams in enumerate(train_grams):
+        grams = grams - common
+        shared: Counter[int] = Counter(j for g in grams for j in index.get(g, ()))
+        for j, count in shared.items():
+            smaller = min(len(grams), len(bench_grams[j])) or 1
+            best.append((count / smaller, i, j))
+    best.sort(reverse=True)
+
+    def pair(score: float, i: int, j: int) -> dict[str, Any]:
+        return {"record": train[i].id, "source": train[i].source,
+                "benchmark": benchmark[j].id, "similarity": round(score, 4)}
+
+    near = [pair(*b) for b in best if b[0] >= max_similarity]
+    report = {
+        "benchmark": benchmark_name,
+        "benchmark_prompts": len(benchmark),
+        "records_checked": len(train),
+        "ngram": NGRAM,
+        "exact_matches": len(exact),
+        "near_matches": len(near),
+        "max_similarity": round(best[0][0], 4) if best else 0.0,
+        "closest": [pair(*b) for b in best[:top]],
+        "exact": exact[:50],
+        "near": near[:50],
+    }
+    if exact or near:
+        shown = "; ".join(f"{e['record']} ({e['source']}) = {e['benchmark']}" for e in exact[:3])
+        shown += ("; " if exact and near else "") + "; ".join(
+            f"{n['record']} ({n['source']}) ~ {n['benchmark']} ({n['similarity']:.2f})"
+            for n in near[:3])
+        raise OverlapError(
+            f"merge: the training data overlaps the benchmark {benchmark_name}: "
+            f"{len(exact)} exact and {len(near)} near matches (similarity >= "
+            f"merge.max_benchmark_overlap={max_similarity}) among {len(train)} records, e.g. "
+            f"{shown}. A drafter trained on benchmark prompts reports an acceptance users will "
+            "not see: remove those records from their sources, or benchmark on other prompts")
+    return report
+
+
+def benchmark_prompt_set(prompts_builtin: str | None, prompts_file: str | None
+                         ) -> tuple[str, list[Prompt]] | None:
+    """(name, every prompt) of the benchmark's own prompt set, or None when it benchmarks on
+    the validation split (disjoint from training by construction)."""
+    if prompts_builtin:
+        records, _ = load_source("benchmark", builtin=prompts_builtin)
+        name = f"builtin:{prompts_builtin}"
+    elif prompts_file:
+        records, _ = load_source("benchmark", prompts_file)
+        name = prompts_file
+    else:
+        return None
+    return name, [Prompt(r.id, r.source, prompt_text(r)) for r in records]
+
+
+def benchmark_fingerprint(prompts_builtin: str | None, prompts_file: str | None) -> str | None:
+    """The content hash of the benchmark's own prompt set (None: the validation split)."""
+    if prompts_builtin:
+        from draftsmith.data.packaged import builtin_fingerprint
+
+        return builtin_fingerprint(prompts_builtin)
+    if prompts_file:
+        from draftsmith.fingerprints import file_fingerprint
+
+        return file_fingerprint("benchmark.prompts_file", prompts_file)
+    return None

