@@ -531,6 +531,27 @@ def test_online_under_torchrun_trains_what_offline_ddp_trains(inputs, ddp_run, t
         torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
+def test_online_under_fsdp_trains_what_offline_fsdp_trains(inputs, fsdp_run, tmp_path):
+    """FSDP as offline: each rank runs its own target's prefill and the sharded drafter reaches
+    the weights offline FSDP reaches, on the same rows."""
+    from draftsmith.train.launch import run_torchrun
+
+    hidden, online = online_inputs(inputs, tmp_path)
+    out = tmp_path / "online-fsdp"
+    out.mkdir()
+    result = run_torchrun(torchrun_cfg(mode="online", parallel="fsdp"), hidden,
+                          inputs["merged"], inputs["target"], out, online=online)
+    reference, reference_out = fsdp_run
+    assert result["rows_trained"] == reference["rows_trained"]
+    for x, y in zip(reference["history"], result["history"], strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "tau")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa, wb = weights_of(reference_out), weights_of(out)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
 def test_preflight_suggests_the_mode_by_the_rule(inputs, tmp_path, monkeypatch, caplog):
     from draftsmith.extract import preflight
 
