@@ -49,3 +49,8 @@ def hub_fingerprint(source: DataSource) -> str:
         return hash_json(files)[:16]
     return hash_json(source.model_dump(include={"hub", "hub_config", "split",
                                                 "revision"}))[:16]
+
+
+def data_version(data: list[Descriptor]) -> str:
+    """A short name for the data a run reads: the hash of its sources' fingerprints, in order."""
+    return hash_json([d.fingerprint for d in data])[:8]

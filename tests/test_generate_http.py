@@ -67,6 +67,13 @@ def run(cfg, data_path, random_target, random_target_dir, root, name="p", **kwar
     return descriptor, plan
 
 
+def journal_of(plan, cfg, data_path, target, name="p") -> Path:
+    """The answer journal of source `name` (kept after the stage: the per-source cache)."""
+    from draftsmith.config import DataSource
+
+    return journal_dir(plan, cfg, DataSource(name=name, path=str(data_path)), target)
+
+
 def records_of(descriptor) -> list[dict]:
     return [json.loads(line) for line in
             (descriptor.dir / "records.jsonl").read_text().splitlines()]
@@ -106,7 +113,9 @@ def test_regenerates_every_prompt_with_partitions_tokens_and_cost(
     assert any("request/s" in m and "tokens/s" in m and "mean completion" in m
                for m in progress)
     assert any("cost $" in r.getMessage() for r in caplog.records)
-    assert not journal_dir(plan).exists()  # its answers live in the finished directory now
+    # The journal stays, the source's answer cache: a rerun with the same prompts asks nothing.
+    journal = journal_of(plan, cfg, data_path, random_target) / "answers.jsonl"
+    assert len(journal.read_text().splitlines()) == 10
     assert proxy.auth_headers and set(proxy.auth_headers) == {None}  # no key configured
 
 
@@ -150,7 +159,8 @@ def test_a_request_failing_every_retry_goes_to_the_error_file_never_to_the_data(
     assert "max_failure_rate" in message and "errors.jsonl" in message
     plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
     errors = [json.loads(line) for line in
-              (journal_dir(plan) / "errors.jsonl").read_text().splitlines()]
+              (journal_of(plan, cfg, data_path, random_target) / "errors.jsonl")
+              .read_text().splitlines()]
     assert [(e["record_id"], e["attempts"], e["retryable"]) for e in errors] == [
         ("p/p2", 3, True)]  # the first try and max_retries=2 more
 
@@ -228,7 +238,8 @@ def test_server_killed_mid_run_then_restarted_every_prompt_answered_exactly_once
     assert not server.alive()
     plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
     journaled = [json.loads(line) for line in
-                 (journal_dir(plan) / "answers.jsonl").read_text().splitlines()]
+                 (journal_of(plan, cfg, data_path, random_target) / "answers.jsonl")
+                 .read_text().splitlines()]
     assert len(journaled) >= 4 and len({a["key"] for a in journaled}) == len(journaled)
     assert not plan.is_complete()
 
@@ -325,8 +336,8 @@ def test_client_killed_mid_run_resumes_from_its_journal(proxy, random_target, ra
     assert child.wait(timeout=300) == -signal.SIGKILL
     proxy.after_answer = None
     journaled = list(json.loads(line)["key"] for line in
-                     (journal_dir(plan) / "answers.jsonl").read_text().splitlines()
-                     if line.endswith("}"))
+                     (journal_of(plan, cfg, data_path, random_target) / "answers.jsonl")
+                     .read_text().splitlines() if line.endswith("}"))
     # Answers 1..3 arrived well before the crash; a starved client may not have written all.
     assert 1 <= len(journaled) <= 4 + concurrency and len(set(journaled)) == len(journaled)
 
@@ -341,3 +352,53 @@ def test_client_killed_mid_run_resumes_from_its_journal(proxy, random_target, ra
     # for twice: at most the requests in flight then.
     assert len(proxy.answers) == n
     assert sum(proxy.answers.values()) - n <= concurrency
+
+
+def test_generate_max_new_tokens_is_the_budget_of_partitions_that_set_none(
+        proxy, random_target, random_target_dir, tmp_path):
+    """Without it a server applies its own limit (a mean of 538 tokens against 96 set)."""
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 4, long_every=2)
+    cfg = GenerateConfig(backend="openai", max_new_tokens=7, endpoint={
+        "base_url": proxy.url, "model": str(random_target_dir), "timeout_s": 60,
+        "partitions": [{"max_prompt_tokens": 64, "concurrency": 2},  # no max_tokens: 7
+                       {"max_prompt_tokens": 4096, "concurrency": 1,
+                        "max_tokens": LONG_MAX_TOKENS}]})
+    descriptor, _ = run(cfg, data_path, random_target, random_target_dir, tmp_path)
+    assert set(proxy.max_in_flight) == {7, LONG_MAX_TOKENS}
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert summary["per_partition"]["<= 64 prompt tokens"]["completion_tokens"] <= 2 * 7
+    assert summary["seconds_this_attempt"] > 0 and summary["tokens_per_s"] > 0
+
+
+def test_generation_is_keyed_per_source_only_a_changed_source_is_asked(
+        proxy, random_target, random_target_dir, tmp_path):
+    """Two sources; the second gains a record: the next run (a new stage key: its data
+    changed) asks the server for that record alone, and reads every other answer from the
+    sources' journals."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_prompts(first, 3)
+    write_prompts(second, 3)
+    cfg = generate_cfg(proxy, random_target_dir)
+    data = DataConfig(sources=[{"name": "a", "path": str(first)},
+                               {"name": "b", "path": str(second)}])
+
+    def generate(version: str):
+        plan = plan_stage(tmp_path, "generate", {"data": version}, [random_target])
+        return run_generate(cfg, data, TargetConfig(model=str(random_target_dir)),
+                            random_target, plan)
+
+    generate("before")
+    assert len(proxy.answers) == 6
+    write_prompts(second, 4)  # b/p3 is new; the other records are as they were
+    descriptor = generate("after")
+    assert len(proxy.answers) == 7 and set(proxy.answers.values()) == {1}
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert summary["per_source"] == {
+        "a": {"requests": 3, "answered_before": 3, "answered_this_attempt": 0},
+        "b": {"requests": 4, "answered_before": 3, "answered_this_attempt": 1}}
+    assert [r["id"] for r in records_of(descriptor)] == [
+        "a/p0", "a/p1", "a/p2", "b/p0", "b/p1", "b/p2", "b/p3"]
+    # Other generate settings are another journal: everything is asked again.
+    cfg = cfg.model_copy(update={"max_new_tokens": 9})
+    generate("new settings")
+    assert len(proxy.answers) == 7 and sum(proxy.answers.values()) == 14
