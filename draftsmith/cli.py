@@ -35,12 +35,12 @@ SetOption = Annotated[list[str] | None, typer.Option(
 
 
 def _prepare_environment() -> None:
-    # No analytics calls from a machine that may have no network; engine logs in Prefect's log.
+    # No analytics calls from a machine that may have no network; engine logs in Prefect's log;
+    # no download bars from transformers (set here, not imported here: a cached run never
+    # needs transformers).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
@@ -53,10 +53,17 @@ def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
 
 def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
     _prepare_environment()
-    from flows.local import start_temporary_api
+    from flows.local import start_prefects_own, start_temporary_api
+
+    # The temporary API server boots on the other core while Prefect and the flow import here;
+    # both are guarded: they die with this process, even under kill -9.
+    api = start_temporary_api()
     from flows.pipeline import pipeline
 
-    start_temporary_api()  # guarded: it dies with this process, even under kill -9
+    if api is not None:
+        api.wait_ready()
+    else:
+        start_prefects_own()
     return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
 
 
