@@ -260,7 +260,7 @@ def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first
     assert limit["limit"] == 1
     deployment, _ = first_run
     assert deployment["work_pool_name"] == "cpu"
-    assert deployment["concurrency_limit"] == 1  # runs queue, they never overlap
+    assert deployment["global_concurrency_limit"]["limit"] == 1  # runs queue, never overlap
     # The form's defaults: the config file, and the overrides that select distributed mode.
     assert deployment["parameters"] == {
         "config": str(config_file),
