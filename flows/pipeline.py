@@ -12,6 +12,7 @@ summary (draftsmith/summary.py).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -41,6 +42,7 @@ from draftsmith.stages import Inputs, Stage  # noqa: E402
 from flows import data_updates, dispatch  # noqa: E402
 from tasks.stages import publish, resolve_target, task_for  # noqa: E402
 
+# Defaults () are empty lists in the form (tuples: a flow's defaults are never mutated).
 # The form's stage picker lists the stage table's names (a multi-select); the flow itself
 # accepts any name the table knows, aliases included, and refuses others naming the valid ones.
 StageSelection = Annotated[list[str], WithJsonSchema({
@@ -75,7 +77,7 @@ def execute(run: RunPlan, step: Step, run_name: str | None) -> None:
     logger.info("stage %s: %s (%s)", step.name, state.name, run.outputs[step.name].path)
 
 
-def selected_stages(names: list[str] | None) -> list[str] | None:
+def selected_stages(names: Sequence[str] | None) -> list[str] | None:
     """The stage table's names for a selection (aliases accepted); an unknown name is refused
     with the valid ones."""
     try:
@@ -98,7 +100,7 @@ def name_run(config: PipelineConfig, data: list) -> str:
 
 
 def form_overrides(epochs: int | None, ttt_steps: int | None, engine: str | None,
-                   overrides: list[str] | None) -> list[str]:
+                   overrides: Sequence[str]) -> list[str]:
     """The form's common settings as `a.b=c` overrides, before the free-form ones."""
     out = []
     if epochs is not None:
@@ -111,18 +113,18 @@ def form_overrides(epochs: int | None, ttt_steps: int | None, engine: str | None
 
 
 @flow(name="draftsmith-pipeline")
-def pipeline(config: str | None = None, stages: StageSelection | None = None,
+def pipeline(config: str = "tiny", stages: StageSelection = (),
              dataset: DatasetUpdate | None = None, epochs: int | None = None,
              ttt_steps: int | None = None, engine: Engine | None = None,
-             overrides: list[str] | None = None,
-             full_config: dict[str, Any] | None = None) -> dict[str, dict]:
+             overrides: list[str] = (), full_config: dict[str, Any] | None = None
+             ) -> dict[str, dict]:
     """Train an EAGLE-3 drafter and ship it: generate, merge, extract, train, export, deploy,
     benchmark. Stages whose output is complete for these settings are Cached.
 
     Args:
         config: The pipeline YAML to run: a path this worker can read, or the name of a bundled
             example (tiny: the CPU demo).
-        stages: Run only these stages (default: all). Stages before them must be complete for
+        stages: Run only these stages (none picked: all). Stages before them must be complete for
             this config; they are read from disk.
         dataset: New data for one source (what the draftsmith.dataset.updated event carries):
             that source reads this file from now on, in this run and every later run of this

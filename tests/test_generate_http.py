@@ -269,19 +269,22 @@ def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
     from prefect.logging.handlers import APILogWorker
     from prefect.testing.utilities import prefect_test_harness
 
-    from tasks.stages import generate as generate_task
+    from draftsmith import stages
+    from draftsmith.config import PipelineConfig
+    from tasks.stages import task_for
 
     secret = "sk-prefect-secret-5d1e77"
     proxy.required_key = secret
     cfg = generate_cfg(proxy, random_target_dir, api_key_secret="draftsmith-test-key")
     data = DataConfig(sources=[{"name": "p", "path": str(write_prompts(tmp_path / "p.jsonl",
                                                                        3))}])
+    config = PipelineConfig(name="secret-test", run_root=str(tmp_path), generate=cfg, data=data,
+                            target=TargetConfig(model=str(random_target_dir)))
     plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
 
     @flow
     def regenerate():
-        return generate_task(plan, cfg, data, TargetConfig(model=str(random_target_dir)),
-                             random_target)
+        return task_for(stages.get("generate"))(plan, config, {"target": random_target})
 
     with prefect_test_harness(server_startup_timeout=120):
         Secret(value=secret).save("draftsmith-test-key")
@@ -294,8 +297,9 @@ def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
     assert descriptor.counts["generated"] == 3
     assert proxy.auth_headers == [f"Bearer {secret}"] * 3
     assert any(m.startswith("generate summary") for m in logs)  # the logs did arrive
-    assert {a["key"] for a in artifacts} >= {"draftsmith-generate-sources",
-                                             "draftsmith-generate-summary"}
+    assert {a["key"] for a in artifacts} >= {"draftsmith-secret-test-generate-sources",
+                                             "draftsmith-secret-test-generate-summary",
+                                             "draftsmith-secret-test-generate-progress"}
     assert secret not in json.dumps([logs, runs, artifacts])
     for path in tmp_path.rglob("*"):
         if path.is_file():

@@ -141,9 +141,9 @@ class Server:
     def artifacts(self, key: str, **artifact_filter) -> list[dict]:
         """Every version of an artifact key, oldest first."""
         response = self.api.post("/artifacts/filter", json={
-            "artifacts": {"key": {"any_": [key]}, **artifact_filter}, "sort": "CREATED_ASC"})
+            "artifacts": {"key": {"any_": [key]}, **artifact_filter}, "sort": "CREATED_DESC"})
         response.raise_for_status()
-        return response.json()
+        return response.json()[::-1]
 
     def wait_run(self, flow_run_id: str, timeout_s: float = 900) -> dict:
         deadline = time.monotonic() + timeout_s
@@ -294,8 +294,9 @@ def test_the_form_is_short_typed_and_described(server, workers):
     fields = schema["properties"]
     assert list(fields) == ["config", "stages", "dataset", "epochs", "ttt_steps", "engine",
                             "overrides", "full_config"]
-    stages_field = fields["stages"]["anyOf"][0]
+    stages_field = fields["stages"]  # a multi-select, empty: all
     assert stages_field["type"] == "array" and stages_field["items"]["enum"] == list(STAGES)
+    assert stages_field["default"] == [] and fields["config"]["type"] == "string"
     assert fields["engine"]["anyOf"][0]["enum"][:2] == ["embedded", "sglang"]
     assert fields["full_config"]["anyOf"][0]["type"] == "object"  # one JSON field
     for name, field in fields.items():
