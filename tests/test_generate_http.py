@@ -381,7 +381,12 @@ def test_generation_is_keyed_per_source_only_a_changed_source_is_asked(
     sources' journals."""
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     write_prompts(first, 3)
-    write_prompts(second, 3)
+
+    def write_second(n: int) -> None:  # prompts of its own (the proxy counts by prompt)
+        second.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Explain b{i}."}) + "\n"
+                                  for i in range(n)))
+
+    write_second(3)
     cfg = generate_cfg(proxy, random_target_dir)
     data = DataConfig(sources=[{"name": "a", "path": str(first)},
                                {"name": "b", "path": str(second)}])
@@ -393,7 +398,7 @@ def test_generation_is_keyed_per_source_only_a_changed_source_is_asked(
 
     generate("before")
     assert len(proxy.answers) == 6
-    write_prompts(second, 4)  # b/p3 is new; the other records are as they were
+    write_second(4)  # b/p3 is new; the other records are as they were
     descriptor = generate("after")
     assert len(proxy.answers) == 7 and set(proxy.answers.values()) == {1}
     summary = json.loads((descriptor.dir / "generation.json").read_text())
