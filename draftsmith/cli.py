@@ -399,7 +399,8 @@ def prefect_notify_new_data(
     ] = None,
 ) -> None:
     """Emit draftsmith.dataset.updated: the pipeline deployment's trigger re-runs it with
-    this file as the named source."""
+    this file as the named source, which every later run of the pipeline reads too (kept in
+    the Prefect variable draftsmith-<pipeline>-data)."""
     _prepare_environment()
     from deployments.setup import notify_new_data
 

@@ -67,7 +67,7 @@ def run_pipeline(raw: dict, stages: list[str] | None = None) -> dict[str, dict]:
     from flows.pipeline import pipeline
 
     parse_config(json.loads(json.dumps(raw)))  # a bad test config fails here, not in Prefect
-    return pipeline(full_config=raw, stages=stages)
+    return pipeline(full_config=raw, stages=stages or [])
 
 
 def states(results: dict[str, dict]) -> dict[str, str]:
