@@ -10,7 +10,9 @@ gate, up, down) per real token, plus causal attention 2 * T^2 * q_dim per layer 
 (scores and values, half of the dense 4 * T^2 * q_dim), plus the lm_head over real tokens,
 2 * H * V each (the capture stores the target's argmax token at every position, so training
 never needs full-vocab logits). Padding and embeddings are not counted. MFU is against
-790 TFLOP/s (H200 bf16 dense).
+989.4 TFLOP/s (H200 SXM dense bf16, the data sheet), the denominator the training benchmark
+uses; results before 2026-12-01's side-by-side run used 790 (about the measured bf16 GEMM
+rate), so their MFU reads 1.25x higher.
 
 Two passes: `compute` (shards computed, not written) and `write` (shards written with fsync,
 deleted once receipted so the disk does not fill). The disk's own write speed is measured by
@@ -39,7 +41,7 @@ from draftsmith.extract.store import (
     write_index,
 )
 
-PEAK_FLOPS = 790e12
+PEAK_FLOPS = 989.4e12  # H200 SXM dense bf16 (data sheet), as the training benchmark
 
 
 def build_target(args):

@@ -49,7 +49,7 @@ from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.optim import MasterWeightAdamW
 from draftsmith.train.packing import PackedRow, RowPrefetcher, concat_row
-from draftsmith.train.trainer import row_loss_on_device
+from draftsmith.train.row_loss import row_loss_on_device
 
 PEAK_FLOPS = 989.4e12  # H200 SXM, dense bf16
 
@@ -164,6 +164,46 @@ class Setup:
         ) for i, n in enumerate(self.doc_lengths)]
 
 
+KERNEL_KINDS = [  # (category, substrings of the kernel name), first match wins
+    ("gemm", ("gemm", "nvjet", "cutlass", "xmma", "cublas", "sm90_")),
+    ("flex_attention", ("flex", "triton_tem")),
+    ("optimizer", ("multi_tensor", "fused_adam", "FusedAdam", "_fused_adamw", "adam")),
+    ("inductor_fused", ("triton_",)),
+    ("copy_cat", ("Memcpy", "memcpy", "Memset", "copy", "Cat", "cat")),
+    ("aten_elementwise", ("elementwise", "vectorized", "unrolled")),
+    ("aten_reduce", ("reduce", "Reduce", "norm", "softmax")),
+    ("index_gather", ("index", "gather", "scatter", "embedding")),
+]
+
+
+def kernel_breakdown(prof, steps: int) -> dict:
+    """GPU kernel time per category and the heaviest kernels, per step (from the profiler's
+    device events; launches and host time are not in it)."""
+    from collections import defaultdict
+
+    totals: dict[str, float] = defaultdict(float)
+    counts: dict[str, int] = defaultdict(int)
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in prof.events():
+        if str(getattr(e, "device_type", "")).split(".")[-1] != "CUDA":
+            continue
+        us = e.time_range.elapsed_us()
+        kind = next((k for k, subs in KERNEL_KINDS if any(x in e.name for x in subs)), "other")
+        totals[kind] += us
+        counts[kind] += 1
+        by_name[e.name][0] += us
+        by_name[e.name][1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:40]
+    return {
+        "gpu_ms_per_step": round(sum(totals.values()) / 1000 / steps, 2),
+        "categories_ms_per_step": {k: round(v / 1000 / steps, 2)
+                                   for k, v in sorted(totals.items(), key=lambda kv: -kv[1])},
+        "kernels_per_step": {k: counts[k] // steps for k in totals},
+        "top_kernels": [{"name": n[:120], "ms_per_step": round(t / 1000 / steps, 3),
+                         "calls_per_step": c // steps} for n, (t, c) in top],
+    }
+
+
 def synchronize() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -243,7 +283,11 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
             synchronize()
         sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
         table = prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=70)
-        args.profile.write_text(f"{steps=} {lm_head=}, 2 steps\n{table}\n")
+        breakdown = kernel_breakdown(prof, steps=2)
+        with open(args.profile, "a") as f:
+            f.write(f"{steps=} {lm_head=} doc={args.doc}, 2 steps\n{table}\n"
+                    f"{json.dumps(breakdown, indent=1)}\n")
+        result["profile_ms_per_step"] = breakdown["categories_ms_per_step"]
     pending.clear()
     prefetcher.close()
     for p in drafter.parameters():

@@ -299,9 +299,19 @@ class TrainConfig(StrictModel):
     attention: Literal["auto", "flex", "sdpa"] = keyed(
         "auto", description="auto: compiled flex_attention block masks on CUDA, SDPA on CPU.")
     compile: bool = keyed(True, description="torch.compile the decoder layer on CUDA.")
+    compile_cache: str | None = operational(
+        None, description="Directory of the inductor/Triton compile cache (default: "
+        "<run_root>/compile_cache), so a resumed, retried or repeated run does not compile "
+        "again.")
     checkpoint_every: int = operational(0, ge=0, description=(
         "Also checkpoint every N steps (0: only at epoch ends)."))
     nproc_per_node: int = keyed(1, ge=1, description="Processes (GPUs) under torchrun.")
+    # What a mode produces enters train's key through its input: the extract stage's key
+    # includes the mode (online, it writes only the capture settings the trainer follows).
+    mode: Literal["offline", "online"] = operational(
+        "offline", description="offline: train on the extract stage's hidden-state store; "
+        "online: the target runs beside the drafter and its prefill feeds the rows directly "
+        "(no store on disk; the target forward is repeated every epoch).")
     parallel: Literal["ddp", "fsdp"] = keyed(
         "ddp", description="ddp: every process holds the whole drafter, gradients all-reduced; "
         "fsdp: parameters, gradients and AdamW state sharded over the processes (big drafters).")

@@ -258,27 +258,46 @@ def _describe_merge(descriptor: Descriptor) -> str:
 # --------------------------------------------------------------------------- extract
 
 
+def _online(config: PipelineConfig) -> bool:
+    return config.train.mode == "online"
+
+
 def _run_extract(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
                  _secret: str | None = None) -> Descriptor:
-    from draftsmith.extract.stage import run_extract
+    from draftsmith.extract.stage import record_online_capture, run_extract
 
+    if _online(config):  # skipped: the trainer runs the target itself
+        return record_online_capture(config.extract, inputs["merge"], inputs[TARGET], plan)
     return run_extract(config.extract, config.target, inputs["merge"], inputs[TARGET], plan)
+
+
+def _extract_key(config: PipelineConfig) -> dict[str, Any]:
+    # Online, the output is the capture settings, not a store: another key (and the train key,
+    # which reads this output, follows it).
+    return {**_target_dtype(config), **({"train_mode": "online"} if _online(config) else {})}
 
 
 def _extract_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) -> None:
     """On the machine that writes the store (a GPU worker in distributed mode), before any
-    GPU is taken or shard written."""
+    GPU is taken or shard written; with either mode, the train.mode suggestion."""
     from draftsmith import preflight
-    from draftsmith.extract.preflight import check_extract_disk
+    from draftsmith.extract.preflight import check_extract_disk, suggest_train_mode
     from draftsmith.extract.stage import aux_layer_ids_for
 
+    aux_ids = aux_layer_ids_for(config.extract, inputs[TARGET])
+    suggest_train_mode(config.extract, config.train, inputs["merge"], inputs[TARGET], plan.dir,
+                       aux_ids)
+    if _online(config):
+        return
     preflight.check_stage(plan, config.target.device)
-    check_extract_disk(config.extract, inputs["merge"], inputs[TARGET], plan.dir,
-                       aux_layer_ids_for(config.extract, inputs[TARGET]))
+    check_extract_disk(config.extract, inputs["merge"], inputs[TARGET], plan.dir, aux_ids)
 
 
 def _describe_extract(descriptor: Descriptor) -> str:
     figures = ExtractFigures.of(descriptor)
+    if descriptor.figures.get("mode") == "online":
+        return (f"skipped (train.mode: online): the trainer captures aux layers "
+                f"{figures.aux_layer_ids} of {descriptor.counts['tokens']} tokens itself")
     return f"{descriptor.counts['tokens']} tokens, aux layers {figures.aux_layer_ids}"
 
 
@@ -287,9 +306,11 @@ def _describe_extract(descriptor: Descriptor) -> str:
 
 def _run_train(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
                _secret: str | None = None) -> Descriptor:
-    from draftsmith.train.trainer import run_train
+    from draftsmith.train.trainer import OnlineInputs, run_train
 
-    return run_train(config.train, inputs["extract"], inputs["merge"], inputs[TARGET], plan)
+    online = OnlineInputs(config.extract, config.target) if _online(config) else None
+    return run_train(config.train, inputs["extract"], inputs["merge"], inputs[TARGET], plan,
+                     online)
 
 
 def _train_key(config: PipelineConfig) -> dict[str, Any]:
@@ -492,8 +513,9 @@ STAGES: list[Stage] = [
           retention=("generate", "delete_generations_after_merge")),
     Stage("extract", "captures the target's aux and final hidden states into shards",
           "draftsmith/extract/stage.py", _run_extract, inputs=("merge", TARGET),
-          section="extract", figures=ExtractFigures, describe=_describe_extract, gpu=_always,
-          key_extras=_target_dtype, preflight=_extract_preflight, progress=True),
+          section="extract", figures=ExtractFigures, describe=_describe_extract,
+          gpu=lambda c: not _online(c), key_extras=_extract_key, preflight=_extract_preflight,
+          progress=True),
     Stage("train", "trains the EAGLE-3 drafter with test-time training",
           "draftsmith/train/trainer.py", _run_train, inputs=("extract", "merge", TARGET),
           section="train", figures=TrainFigures, describe=_describe_train, gpu=_always,

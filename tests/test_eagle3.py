@@ -11,6 +11,7 @@ import torch
 
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter, ttt_masks
+from tests.engine_helpers import forward_ttt
 
 AUX_IDS = [1, 3, 4]
 DRAFT_VOCAB = 256
@@ -103,7 +104,7 @@ def test_fc_input_is_three_times_the_target_hidden_when_it_differs(random_target
     drafter.load_target_parts(torch.randn(tcfg["vocab_size"], tcfg["hidden_size"]), d2t, t2d)
     ids, aux = random_row(drafter, 6)
     docs = torch.zeros(1, 6, dtype=torch.long)
-    logits = drafter.forward_ttt(ids, aux, torch.arange(6)[None], docs, 2)
+    logits = forward_ttt(drafter, ids, aux, torch.arange(6)[None], docs, 2)
     assert [tuple(x.shape) for x in logits] == [(1, 6, DRAFT_VOCAB)] * 2
 
 
@@ -114,7 +115,7 @@ def test_embed_tokens_is_nan_until_target_parts_are_loaded(random_target_dir):
     ids, aux = random_row(drafter, 5)
     pos, docs = torch.arange(5)[None], torch.zeros(1, 5, dtype=torch.long)
     with torch.no_grad():
-        forgotten = drafter.forward_ttt(ids, aux, pos, docs, 1)[0]
+        forgotten = forward_ttt(drafter, ids, aux, pos, docs, 1)[0]
     assert torch.isnan(forgotten).all()
 
     tcfg = target_config(random_target_dir)
@@ -124,7 +125,7 @@ def test_embed_tokens_is_nan_until_target_parts_are_loaded(random_target_dir):
     assert torch.equal(drafter.embed_tokens.weight, embed)
     assert torch.equal(drafter.d2t, d2t) and torch.equal(drafter.t2d, t2d)
     with torch.no_grad():
-        assert torch.isfinite(drafter.forward_ttt(ids, aux, pos, docs, 1)[0]).all()
+        assert torch.isfinite(forward_ttt(drafter, ids, aux, pos, docs, 1)[0]).all()
 
 
 def test_load_target_parts_with_head_takes_the_draft_vocab_rows(random_target_dir):
@@ -208,7 +209,7 @@ def test_forward_ttt_equals_incremental_chain_drafting(random_target_dir):
     T, steps = 10, 3
     ids, aux = random_row(drafter, T)
     with torch.no_grad():
-        ttt = drafter.forward_ttt(ids, aux, torch.arange(T)[None],
+        ttt = forward_ttt(drafter, ids, aux, torch.arange(T)[None],
                                   torch.zeros(1, T, dtype=torch.long), steps)
         checked = 0
         for t in range(T - steps):  # token t+steps must exist
@@ -233,11 +234,11 @@ def test_forward_ttt_differs_from_full_attention_over_later_steps(random_target_
     ids, aux = random_row(drafter, T)
     pos, docs = torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long)
     with torch.no_grad():
-        good = drafter.forward_ttt(ids, aux, pos, docs, 2)
+        good = forward_ttt(drafter, ids, aux, pos, docs, 2)
         masks = ttt_masks(docs, 2)
         masks[1][..., T:] = torch.ones(T, T, dtype=torch.bool).tril()
         monkeypatch.setattr(eagle3, "ttt_masks", lambda d, s: masks)
-        bad = drafter.forward_ttt(ids, aux, pos, docs, 2)
+        bad = forward_ttt(drafter, ids, aux, pos, docs, 2)
     torch.testing.assert_close(good[0], bad[0])
     assert not torch.allclose(good[1][0, 1:], bad[1][0, 1:], atol=1e-4)
 
@@ -253,7 +254,7 @@ def test_packed_documents_do_not_see_each_other(random_target_dir):
 
     def run(i, a):
         with torch.no_grad():
-            return [x[0] for x in drafter.forward_ttt(i, a, pos, docs, steps)]
+            return [x[0] for x in forward_ttt(drafter, i, a, pos, docs, steps)]
 
     base = run(ids, aux)
     # Change every token and aux state of document 1: document 0 is unaffected wherever the
@@ -276,7 +277,7 @@ def test_packed_documents_do_not_see_each_other(random_target_dir):
 
     # Document 1 packed after document 0 gives what document 1 alone gives.
     with torch.no_grad():
-        alone = drafter.forward_ttt(ids[:, n0:], aux[:, n0:], torch.arange(n1)[None],
+        alone = forward_ttt(drafter, ids[:, n0:], aux[:, n0:], torch.arange(n1)[None],
                                     torch.zeros(1, n1, dtype=torch.long), steps)
     for j in range(steps):
         torch.testing.assert_close(base[j][n0:T - j - 1], alone[j][0, : n1 - j - 1],
@@ -287,7 +288,7 @@ def test_packed_documents_do_not_see_each_other(random_target_dir):
 def test_forward_ttt_returns_one_logit_tensor_per_step(random_target_dir, steps):
     drafter = make_drafter(random_target_dir)
     ids, aux = random_row(drafter, 7)
-    out = drafter.forward_ttt(ids, aux, torch.arange(7)[None], torch.zeros(1, 7, dtype=torch.long),
+    out = forward_ttt(drafter, ids, aux, torch.arange(7)[None], torch.zeros(1, 7, dtype=torch.long),
                               steps)
     assert len(out) == steps
     assert all(x.shape == (1, 7, DRAFT_VOCAB) for x in out)

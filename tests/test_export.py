@@ -25,6 +25,7 @@ from draftsmith.export.layer_ids import LayerIdError, canonical_layer_ids, engin
 from draftsmith.export.native import META_FILE, load_native, save_native
 from draftsmith.export.native import WEIGHTS_FILE as NATIVE_WEIGHTS
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from tests.engine_helpers import forward_ttt
 from tests.test_eagle3 import SGLANG_KEYS
 
 AUX_IDS = [1, 3, 4]
@@ -286,8 +287,8 @@ def test_native_round_trip_is_bit_identical(random_target_dir, tmp_path):
     aux = torch.randn(1, T, 3 * drafter.config.target_hidden_size, generator=g)
     pos, docs = torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long)
     with torch.no_grad():
-        a = drafter.forward_ttt(ids, aux, pos, docs, 3)
-        b = loaded.forward_ttt(ids, aux, pos, docs, 3)
+        a = forward_ttt(drafter, ids, aux, pos, docs, 3)
+        b = forward_ttt(loaded, ids, aux, pos, docs, 3)
     for x, y in zip(a, b, strict=True):
         assert torch.equal(x, y)
 
@@ -462,8 +463,8 @@ def test_exported_drafter_loaded_back_gives_the_trained_logits(exported, random_
     aux = torch.randn(1, T, 3 * drafter.config.target_hidden_size, generator=g)
     pos, docs = torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long)
     with torch.no_grad():
-        for a, b in zip(drafter.forward_ttt(ids, aux, pos, docs, 3),
-                        loaded.eval().forward_ttt(ids, aux, pos, docs, 3), strict=True):
+        for a, b in zip(forward_ttt(drafter, ids, aux, pos, docs, 3),
+                        forward_ttt(loaded.eval(), ids, aux, pos, docs, 3), strict=True):
             assert torch.equal(a, b)
 
 

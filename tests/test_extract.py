@@ -13,13 +13,13 @@ from draftsmith.extract.store import (
     Sample,
     ShardReader,
     ShardSpec,
-    ShardWriter,
     StoreError,
     finished_shard,
     shard_tensors,
     write_index,
     write_shard,
 )
+from tests.engine_helpers import ShardWriter
 
 AUX_IDS = [1, 3, 4]
 

@@ -275,7 +275,10 @@ def test_torchrun_world_of_two_writes_the_same_store(tmp_path, single, merged, r
 def test_each_rank_gets_an_indexed_device():
     """`target.device: cuda` must reach torch.cuda.set_device with an index (it refuses a bare
     "cuda"; seen on the H200)."""
-    from draftsmith.extract.stage import _rank_device
+    from draftsmith.distributed import Dist
+
+    def _rank_device(device: str, local_rank: int, world: int) -> str:  # as extract asks
+        return Dist(local_rank, world, local_rank).device_name(device)
 
     assert _rank_device("cuda", 0, 1) == "cuda:0"
     assert _rank_device("cuda:3", 0, 1) == "cuda:3"

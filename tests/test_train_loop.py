@@ -108,6 +108,40 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(inputs, tmp_path, mo
     assert losses[-1] < losses[0]
 
 
+def test_the_first_metrics_line_after_a_resume_averages_the_uninterrupted_window(
+        inputs, tmp_path, monkeypatch):
+    """log_every 3, checkpoints every 2 steps, killed before step 5: the resumed run's line at
+    step 6 must average steps 4-6, as the uninterrupted run's does, although step 4 ran in the
+    killed process (its counts come back from the checkpoint)."""
+    cfg = small_cfg(checkpoint_every=2, log_every=3, epochs=1)
+    straight = train(inputs, tmp_path / "a", cfg)
+
+    real_step = MasterWeightAdamW.step
+    calls = {"n": 0}
+
+    def dying_step(self, clip):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise Killed()
+        return real_step(self, clip)
+
+    monkeypatch.setattr(MasterWeightAdamW, "step", dying_step)
+    with pytest.raises(Killed):
+        train(inputs, tmp_path / "b", cfg)
+    monkeypatch.setattr(MasterWeightAdamW, "step", real_step)
+    resumed = train(inputs, tmp_path / "b", cfg)
+
+    a = [h for h in history(straight) if h["split"] == "train"]
+    b = [h for h in history(resumed) if h["split"] == "train"]
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    assert [h["step"] for h in a][:3] == [1, 3, 6]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+                assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), (x["step"], key)
+        assert y["tokens_per_s"] > 0
+
+
 def test_metrics_from_the_first_step_and_validation_each_epoch(inputs, tmp_path, caplog):
     caplog.set_level("INFO", logger="draftsmith")
     cfg = small_cfg(log_every=1000, step_weights=[1.0, 0.5])
@@ -292,7 +326,7 @@ def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypat
 def test_fsdp_misconfiguration_names_the_key_and_the_fix(inputs, tmp_path):
     from pydantic import ValidationError
 
-    from draftsmith.train.distributed import Dist
+    from draftsmith.distributed import Dist
     from draftsmith.train.launch import TrainLaunchError
 
     with pytest.raises(ValidationError, match=r"train.parallel=fsdp with train.device=mps.*"
@@ -383,3 +417,132 @@ def test_the_train_key_follows_the_content_of_the_drafter_to_fine_tune(tmp_path)
     raw["train"]["init_from"] = str(tmp_path / "missing")
     with pytest.raises(ConfigError, match="train.init_from="):
         key_material(parse_config(raw), "train")
+
+
+def test_the_compile_cache_lives_in_the_run_root_or_where_configured(tmp_path, monkeypatch):
+    """A resumed, retried or repeated run on a GPU must find the kernels compiled before: the
+    inductor cache is pointed at <run_root>/compile_cache (or train.compile_cache)."""
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    plan = plan_stage(tmp_path / "run", "train", {"k": 1}, [])
+    assert trainer.use_compile_cache(small_cfg(device="cpu"), plan) is None  # nothing compiles
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ
+    path = trainer.use_compile_cache(small_cfg(device="cuda"), plan)
+    assert path == tmp_path / "run" / trainer.COMPILE_CACHE and path.is_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(path.resolve())
+    mine = tmp_path / "elsewhere"
+    assert trainer.use_compile_cache(small_cfg(device="cuda", compile_cache=str(mine)),
+                                     plan) == mine
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(mine.resolve())
+    assert trainer.use_compile_cache(small_cfg(device="cuda", compile=False), plan) is None
+
+
+# --------------------------------------------------------------------------- online
+
+
+EXTRACT = ExtractConfig(shard_tokens=400)  # what the `inputs` store was extracted with
+
+
+def online_inputs(inputs, root):
+    """The extract stage's output in online mode (no store), and what the trainer needs."""
+    from draftsmith.artifacts import read_descriptor
+    from draftsmith.extract.stage import record_online_capture
+    from draftsmith.train.trainer import OnlineInputs
+
+    plan = plan_stage(root, "extract", {"online": True}, [inputs["merged"]])
+    hidden = read_descriptor(plan) if plan.is_complete() else \
+        record_online_capture(EXTRACT, inputs["merged"], inputs["target"], plan)
+    return hidden, OnlineInputs(EXTRACT, TargetConfig(model=inputs["target"].path))
+
+
+def train_online(inputs, root, cfg: TrainConfig):
+    hidden, online = online_inputs(inputs, root)
+    plan = plan_stage(root, "train", {"train": cfg.model_dump()}, [hidden])
+    return trainer.run_train(cfg, hidden, inputs["merged"], inputs["target"], plan, online)
+
+
+def test_online_training_equals_offline_on_the_same_rows(inputs, tmp_path):
+    """The target's prefill feeding the rows gives what the store gives: the same rows in
+    the same order, the same loss and counts at every step, the same validation."""
+    offline = train(inputs, tmp_path / "offline", small_cfg())
+    online = train_online(inputs, tmp_path / "online", small_cfg(mode="online"))
+    hidden = json.loads((tmp_path / "online" / "extract").glob("*/manifest.json").__next__()
+                        .read_text())
+    assert hidden["descriptor"]["counts"]["bytes"] == 0  # nothing stored
+    a, b = history(offline), history(online)
+    assert [(h["split"], h["step"]) for h in a] == [(h["split"], h["step"]) for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "cond_acc_", "tau", "acceptance", "lr",
+                               "packing")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa = load_file(str(offline.dir / "drafter.safetensors"))
+    wb = load_file(str(online.dir / "drafter.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_killed_online_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypatch):
+    cfg = small_cfg(mode="online", checkpoint_every=2, aux_noise_std=0.05)
+    straight = train_online(inputs, tmp_path / "a", cfg)
+    real_step = MasterWeightAdamW.step
+    calls = {"n": 0}
+
+    def dying_step(self, clip):
+        calls["n"] += 1
+        if calls["n"] == 5:
+            raise Killed()
+        return real_step(self, clip)
+
+    monkeypatch.setattr(MasterWeightAdamW, "step", dying_step)
+    with pytest.raises(Killed):
+        train_online(inputs, tmp_path / "b", cfg)
+    monkeypatch.setattr(MasterWeightAdamW, "step", real_step)
+    resumed = train_online(inputs, tmp_path / "b", cfg)
+    a, b = history(straight), history(resumed)
+    assert [h["step"] for h in a] == [h["step"] for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+                assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), (x["step"], key)
+    wa = load_file(str(straight.dir / "drafter.safetensors"))
+    wb = load_file(str(resumed.dir / "drafter.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wa[name], wb[name], rtol=0, atol=0, msg=name)
+
+
+def test_online_under_torchrun_trains_what_offline_ddp_trains(inputs, ddp_run, tmp_path):
+    """Two gloo processes, each with its own target: the job file carries the capture
+    settings, and the ranks train the rows (and reach the weights) offline DDP reaches."""
+    from draftsmith.train.launch import run_torchrun
+
+    hidden, online = online_inputs(inputs, tmp_path)
+    out = tmp_path / "online-ddp"
+    out.mkdir()
+    result = run_torchrun(torchrun_cfg(mode="online"), hidden, inputs["merged"],
+                          inputs["target"], out, online=online)
+    reference, reference_out = ddp_run
+    assert result["rows_trained"] == reference["rows_trained"]
+    for x, y in zip(reference["history"], result["history"], strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "tau")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa, wb = weights_of(reference_out), weights_of(out)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_preflight_suggests_the_mode_by_the_rule(inputs, tmp_path, monkeypatch, caplog):
+    from draftsmith.extract import preflight
+
+    caplog.set_level("WARNING", logger="draftsmith")
+    merged, target = inputs["merged"], inputs["target"]
+    args = (EXTRACT, merged, target, tmp_path, [1, 3, 4])
+    monkeypatch.setattr(preflight, "free_bytes", lambda _d: 10)  # nearly no disk
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(), *args[1:]) == "online"
+    assert "set train.mode: online" in caplog.text
+    monkeypatch.setattr(preflight, "free_bytes", lambda _d: 1 << 40)  # plenty
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(mode="online", epochs=5),
+                                        *args[1:]) == "offline"
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(mode="online", epochs=1),
+                                        *args[1:]) is None
+    assert preflight.suggest_train_mode(EXTRACT, small_cfg(), *args[1:]) is None

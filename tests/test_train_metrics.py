@@ -11,9 +11,9 @@ import torch.nn.functional as F
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.extract.store import Sample
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
-from draftsmith.train.metrics import StepCounts, count_step
-from draftsmith.train.packing import PackedRow, pack
-from draftsmith.train.trainer import row_loss
+from draftsmith.train.metrics import StepCounts
+from draftsmith.train.packing import PackedRow
+from tests.engine_helpers import count_step, forward_ttt, pack, row_loss
 
 B = torch.tensor  # short for the hand-written boolean rows below
 
@@ -209,7 +209,7 @@ def test_row_loss_mask_hand_count(random_target_dir):
     loss.backward()
     assert drafter.fc.weight.grad.abs().sum() > 0
     # The trainer sums counts across steps on the device: they must hold no autograd graph.
-    from draftsmith.train.trainer import row_loss_on_device
+    from draftsmith.train.row_loss import row_loss_on_device
 
     _, on_device = row_loss_on_device(drafter, row, head, 3, 0.8, "cpu")
     assert not on_device.requires_grad
@@ -221,7 +221,7 @@ def reference_row_loss(drafter, row, head, steps, decay):
     draft_ids = drafter.draft_to_target_ids()
     target_logits = row.final @ head.T  # [T, V]
     with torch.no_grad():
-        logits = drafter.forward_ttt(row.input_ids[None], row.aux[None], row.position_ids[None],
+        logits = forward_ttt(drafter, row.input_ids[None], row.aux[None], row.position_ids[None],
                                      row.document_ids[None], steps)
     total, positions, with_loss, chain_correct, prefix_correct = 0.0, [], [], [], []
     chain = [True] * T
@@ -271,7 +271,7 @@ def test_row_loss_matches_a_position_by_position_reference(random_target_dir, st
     # predicts from to the drafter's guess. Anchors 0, 4, 8, ... get steps 0 and 1 right;
     # anchors 2, 6, 10, ... step 1 only (right, but not a chain a drafter would accept).
     with torch.no_grad():
-        logits = drafter.forward_ttt(row.input_ids[None], row.aux[None], row.position_ids[None],
+        logits = forward_ttt(drafter, row.input_ids[None], row.aux[None], row.position_ids[None],
                                      row.document_ids[None], 2)
     guess = [drafter.draft_to_target_ids()[x[0].argmax(-1)] for x in logits]
     for t in range(0, T - 2, 2):

@@ -252,50 +252,36 @@ def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -
     hidden-state store, on the trainer's path (same packing, dtype, attention and compiled
     layer as its validation):
 
-    - tau: trainer.evaluate on rows whose loss masks are cut to the first N answer tokens of
-      each sample, and uncut (which must equal the train stage's validation tau);
+    - tau: the trainer's `RowRunner.evaluate` on rows whose loss masks are cut to the first N
+      answer tokens of each sample, and uncut (which must equal the train stage's validation
+      tau);
     - walk: per anchor, how many drafts in a row the target agrees with (the trainer's runs,
       `row_loss_on_device(with_runs=True)`), then greedy chain decoding of each stored
       answer's first N tokens replayed over them (`replay_chain_decoding`, what the train
       stage's validation reports over whole answers): acceptance as the benchmark counts it
       (tokens per verify round) rather than averaged over every position."""
+    from draftsmith.distributed import Dist
     from draftsmith.export.native import load_native
     from draftsmith.extract.store import ShardReader
     from draftsmith.target import load_target_head_and_embedding
-    from draftsmith.train import trainer
-    from draftsmith.train.loss import TargetHead
     from draftsmith.train.metrics import replay_chain_decoding
-    from draftsmith.train.packing import concat_row, plan_rows
+    from draftsmith.train.packing import plan_rows
+    from draftsmith.train.parallel import DDP
+    from draftsmith.train.trainer import row_runner
 
     cfg = config.train
     steps = cfg.ttt_steps
     device = torch.device(cfg.device)
     embed, head = load_target_head_and_embedding(outputs["target"])
     drafter = load_native(outputs["train"].dir, embed)
-    dtype = torch.bfloat16 if cfg.dtype == "bfloat16" else torch.float32
-    with torch.no_grad():  # as the trainer does: parameters only, RoPE's buffer stays float32
-        for p in drafter.parameters():
-            p.data = p.data.to(dtype)
-    drafter.to(device)
-    target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), dtype, device)
-    runtime = trainer.Runtime(trainer.resolve_attention(cfg), trainer.compile_enabled(cfg, device))
-    drafter.compile_layer(runtime.compiled)
-    pad_to = cfg.batch_tokens if runtime.attention == "flex" else None
+    # The trainer's own runner: same dtype, attention, compiled layer, padding and fallback.
+    runner = row_runner(cfg, drafter, head, device, DDP(Dist.single()))
     store = ShardReader(outputs["extract"].path)
     rows = plan_rows(list(store.samples("validation")), cfg.batch_tokens)  # the trainer's rows
 
-    def guarded(fn):
-        while True:
-            try:
-                return fn()
-            except Exception as err:  # noqa: BLE001 - the trainer's fallback, same rungs
-                if not runtime.fallback(drafter, err):
-                    raise
-
     def tau_of(window: int | None) -> dict:
         cut = [[cut_to_window(s, window) for s in row] for row in rows]
-        counts = guarded(lambda: trainer.evaluate(drafter, cut, target_head, cfg,
-                                                  runtime.attention, pad_to, device))
+        counts = runner.guarded(lambda: runner.evaluate(cut))
         summary = counts.summary()
         return {"tau": round(summary["tau"], 4),
                 "full_acc": [round(summary[f"full_acc_{j}"], 4) for j in range(steps)],
@@ -312,10 +298,7 @@ def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -
     def runs_of(samples) -> list[tuple]:
         """(id, loss mask, runs) per sample: runs [n] are the drafts in a row the target
         accepts at each anchor, from the same pass that counts tau."""
-        row = concat_row(samples, cfg.batch_tokens, pad_to)
-        _, _, runs = trainer.row_loss_on_device(drafter, row, target_head, steps,
-                                                trainer.step_weights_of(cfg), device,
-                                                runtime.attention, with_runs=True)
+        _, _, runs = runner.loss(runner.row(samples), train=False, with_runs=True)
         runs, per_sample, start = runs.cpu(), [], 0  # [T]
         for s in samples:
             n = min(len(s.input_ids), cfg.batch_tokens)
@@ -328,7 +311,7 @@ def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -
         with torch.no_grad():
             drafter.eval()
             for samples in rows:
-                per_sample += guarded(lambda samples=samples: runs_of(samples))
+                per_sample += runner.guarded(lambda samples=samples: runs_of(samples))
         walks = {}
         for window in windows:  # greedy chain decoding of each answer's first `window` tokens
             per = {}
@@ -348,7 +331,7 @@ def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -
     except Exception as err:  # noqa: BLE001 - reported in the result and the log
         log.exception("tau by position: the replay failed")
         result["walk_error"] = f"{type(err).__name__}: {err}"
-    result["runtime"] = {"attention": runtime.attention, "compiled": runtime.compiled,
+    result["runtime"] = {"attention": runner.attention, "compiled": runner.compiled,
                          "dtype": cfg.dtype}
     result["seconds"] = round(time.monotonic() - started, 1)
     log.info("tau by position: %s; walk %s; %.1fs", {k: v["tau"] for k, v in result["tau"].items()},

@@ -103,3 +103,31 @@ def check_extract_disk(cfg: ExtractConfig, merged: Descriptor, target: Descripto
             f"{estimate.free_bytes / gib:.1f} GiB free. Free space, point run_root at a larger "
             f"disk{smaller}, or cut the data (data.sources[].limit, merge.max_length)")
     return estimate
+
+
+# The rule (README, "Online or offline"): a store that does not fit -> online; a store that
+# fits easily, trained on for several epochs -> offline (online repeats the target's forward
+# every epoch, offline pays it once).
+EASY_FIT = 0.5  # the store takes at most this share of the free disk
+MANY_EPOCHS = 2
+
+
+def suggest_train_mode(cfg: ExtractConfig, train, merged: Descriptor, target: Descriptor,
+                       destination: str | Path, aux_layer_ids: list[int]) -> str | None:
+    """The mode this run should use by the rule, logged as a warning when it is not the one
+    configured; returns the suggestion (None when the configured mode is right)."""
+    hidden = TargetFigures.of(target).hidden_size
+    needed = estimate_store_bytes(merged_tokens(merged), hidden, len(aux_layer_ids), cfg.dtype)
+    free = free_bytes(destination)
+    gib = 1 << 30
+    if train.mode == "offline" and needed > free:
+        log.warning("train.mode: offline needs a %.1f GiB hidden-state store and %s has %.1f GiB "
+                    "free: set train.mode: online (the target feeds the drafter directly, "
+                    "nothing is stored)", needed / gib, destination, free / gib)
+        return "online"
+    if train.mode == "online" and needed <= EASY_FIT * free and train.epochs >= MANY_EPOCHS:
+        log.warning("train.mode: online repeats the target's forward in each of the %d epochs; "
+                    "the store would take %.1f GiB of %.1f GiB free: train.mode: offline pays "
+                    "the forward once", train.epochs, needed / gib, free / gib)
+        return "offline"
+    return None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
 from draftsmith.config import ExtractConfig, TargetConfig
 from draftsmith.data.merge import SPLITS, read_split
+from draftsmith.distributed import Dist
 from draftsmith.extract.batching import plan_batches, plan_shards
 from draftsmith.extract.capture import HiddenStateCapture
 from draftsmith.extract.store import (
@@ -51,22 +51,6 @@ def load_rows(merged: Descriptor) -> dict[str, list[dict]]:
 
 def shard_plan(rows: dict[str, list[dict]], shard_tokens: int) -> list[ShardSpec]:
     return [spec for split in SPLITS for spec in plan_shards(split, rows[split], shard_tokens)]
-
-
-def torchrun_world() -> tuple[int, int, int] | None:
-    """(rank, world size, local rank) when started by torchrun with more than one process."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world <= 1:
-        return None
-    return int(os.environ["RANK"]), world, int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
-
-
-def _rank_device(device: str, local_rank: int, world: int) -> str:
-    """This rank's device, with an explicit index for CUDA ("cuda" alone means the current
-    GPU, which torch.cuda.set_device does not accept)."""
-    if device.startswith("cuda") and world > 1:
-        return f"cuda:{local_rank}"
-    return "cuda:0" if device == "cuda" else device
 
 
 def load_model(path: str, device: str, dtype: str, device_map: str | None):
@@ -154,16 +138,17 @@ class ShardComputer:
 
 def extract_shards(cfg: ExtractConfig, target_cfg: TargetConfig, target_path: str,
                    out: Path, pending: list[ShardSpec], rows: dict[str, list[dict]],
-                   aux_ids: list[int], rank: int = 0, world: int = 1,
-                   local_rank: int = 0) -> dict[str, Any]:
+                   aux_ids: list[int], dist: Dist | None = None) -> dict[str, Any]:
     """This rank's share of the pending shards: load the target, compute, write. Every rank
     must be given the same `pending` list, taken before any rank started writing."""
+    dist = dist or Dist.single()
+    rank, world = dist.rank, dist.world
     by_id = {r["id"]: r for split_rows in rows.values() for r in split_rows}
     mine = pending[rank::world]
     figures = {"rank": rank, "shards": len(mine)}
     if not mine:
         return figures
-    device = _rank_device(target_cfg.device, local_rank, world)
+    device = dist.device_name(target_cfg.device)
     model = load_model(target_path, device, target_cfg.dtype, cfg.device_map)
     if device.startswith("cuda") and cfg.device_map is None:
         torch.cuda.set_device(torch.device(device))
@@ -204,7 +189,8 @@ def _spawned_worker(rank: int, world: int, args: tuple, results: Any) -> None:
     from draftsmith.logs import configure_logging
 
     configure_logging()
-    results[rank] = extract_shards(*args, rank=rank, world=world, local_rank=rank)
+    # Spawned here, not by torchrun: ranks without a process group (none is needed).
+    results[rank] = extract_shards(*args, dist=Dist(rank, world, local_rank=rank))
 
 
 def _run_spawned(world: int, args: tuple) -> list[dict[str, Any]]:
@@ -234,14 +220,6 @@ def _run_spawned(world: int, args: tuple) -> list[dict[str, Any]]:
     return [results[r] for r in range(world)]
 
 
-def _barrier() -> None:
-    import torch.distributed as dist
-
-    if not dist.is_initialized():  # gloo: the barrier needs no GPU
-        dist.init_process_group("gloo")
-    dist.barrier()
-
-
 def prepare_output(plan: StagePlan) -> Path:
     """Unlike a stage that starts afresh, extract keeps what a crashed attempt finished."""
     if plan.is_complete():
@@ -253,16 +231,33 @@ def prepare_output(plan: StagePlan) -> Path:
     return plan.dir
 
 
+def record_online_capture(cfg: ExtractConfig, merged: Descriptor, target: Descriptor,
+                          plan: StagePlan) -> Descriptor:
+    """train.mode: online: no store is written. The output records the capture the trainer
+    runs itself (aux layer ids, store dtype), so the train stage's key covers it as it covers
+    a store."""
+    from draftsmith.extract.preflight import merged_tokens
+
+    aux_ids = aux_layer_ids_for(cfg, target)
+    prepare_output(plan)
+    log.info("extract: skipped (train.mode: online); the trainer captures aux layers %s in %s "
+             "from the target's prefill, nothing is stored", aux_ids, cfg.dtype)
+    return finish_stage(
+        plan,
+        counts={"tokens": merged_tokens(merged), "shards": 0, "bytes": 0},
+        figures={"aux_layer_ids": aux_ids, "dtype": cfg.dtype, "padding_waste": 0.0,
+                 "mode": "online", "target_fingerprint": target.fingerprint},
+    )
+
+
 def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor,
                 target: Descriptor, plan: StagePlan) -> Descriptor:
     aux_ids = aux_layer_ids_for(cfg, target)
-    ranked = torchrun_world()
-    rank = ranked[0] if ranked else 0
-    if rank == 0:
-        out = prepare_output(plan)
-    if ranked:
-        _barrier()  # nobody writes before rank 0 has cleared partial files
-        out = plan.dir
+    dist = Dist.from_env("gloo")  # under torchrun: the barriers need no GPU
+    if dist.is_main:
+        prepare_output(plan)
+    dist.barrier()  # nobody writes before rank 0 has cleared partial files
+    out = plan.dir
     rows = load_rows(merged)
     specs = shard_plan(rows, cfg.shard_tokens)
     pending = [s for s in specs if finished_shard(out, s) is None]
@@ -278,12 +273,12 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
         reports = [run_sglang_capture(cfg, target_cfg, target, out, specs, rows, aux_ids)]
     else:
         args = (cfg, target_cfg, target.path, out, pending, rows, aux_ids)
-        if ranked:
-            _barrier()  # every rank has its `pending` list before any rank writes a shard
-            reports = [extract_shards(*args, rank=rank, world=ranked[1], local_rank=ranked[2])]
-            _barrier()
-            if rank != 0:  # rank 0 writes the index; the others return its descriptor
-                _barrier()
+        if dist.world > 1:
+            dist.barrier()  # every rank has its `pending` list before any rank writes a shard
+            reports = [extract_shards(*args, dist=dist)]
+            dist.barrier()
+            if not dist.is_main:  # rank 0 writes the index; the others return its descriptor
+                dist.barrier()
                 return Descriptor.model_validate(
                     json.loads((plan.dir / "manifest.json").read_text())["descriptor"])
         elif cfg.data_parallel > 1:
@@ -291,8 +286,7 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
         else:
             reports = [extract_shards(*args)]
     descriptor = _finish(plan, out, specs, meta, aux_ids, cfg, reports)
-    if ranked:
-        _barrier()
+    dist.barrier()
     return descriptor
 
 

@@ -223,33 +223,6 @@ class AsyncShardWriter:
         return self.records
 
 
-class ShardWriter:
-    """Synchronous writer for callers that build a store sample by sample (tests, imports):
-    a shard is cut whenever `shard_tokens` tokens are pending."""
-
-    def __init__(self, root: str | Path, split: str, shard_tokens: int):
-        self.root, self.split, self.shard_tokens = Path(root), split, shard_tokens
-        self.shards: list[dict[str, Any]] = []
-        self._pending: list[Sample] = []
-
-    def add(self, sample: Sample) -> None:
-        self._pending.append(sample)
-        if sum(len(s.input_ids) for s in self._pending) >= self.shard_tokens:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self._pending:
-            return
-        spec = ShardSpec(self.split, len(self.shards), tuple(s.id for s in self._pending),
-                         tuple(len(s.input_ids) for s in self._pending))
-        self.shards.append(write_shard(self.root, spec, shard_tensors(self._pending)))
-        self._pending = []
-
-    def close(self) -> list[dict[str, Any]]:
-        self.flush()
-        return self.shards
-
-
 def write_index(root: str | Path, meta: dict[str, Any], splits: dict[str, list[dict]]) -> None:
     atomic_write_json(Path(root) / INDEX_FILE, {"store_version": STORE_VERSION, **meta,
                                                "splits": splits})

@@ -236,18 +236,13 @@ class Eagle3Drafter(nn.Module):
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
         return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, K*Ht] -> [B, T, H]
 
-    def forward_ttt(self, input_ids, aux, position_ids, document_ids, steps: int,
-                    attention: str = "sdpa"):
-        """Unrolled TTT over packed rows. input_ids/position_ids/document_ids [B, T] (position ids
-        restart at 0 in each document); aux [B, T, K*Ht]. Returns logits per step, each
-        [B, T, D], where step j at anchor t predicts token t+j+2."""
-        return [self.lm_head(h) for h in self.forward_ttt_hidden(
-            input_ids, aux, position_ids, document_ids, steps, attention)]
-
     def forward_ttt_hidden(self, input_ids, aux, position_ids, document_ids, steps: int,
                            attention: str = "sdpa") -> list[torch.Tensor]:
-        """forward_ttt up to lm_head's input: norm(out) per step, each [B, T, H]. The trainer
-        applies lm_head fused with the loss, so [T, draft_vocab] logits never persist."""
+        """Unrolled TTT over packed rows, up to lm_head's input: norm(out) per step, each
+        [B, T, H], where step j at anchor t goes on to predict token t+j+2. input_ids,
+        position_ids, document_ids [B, T] (position ids restart at 0 in each document); aux
+        [B, T, K*Ht]. The trainer applies lm_head fused with the loss, so [T, draft_vocab]
+        logits never persist."""
         masks = ttt_block_masks(document_ids, steps) if attention == "flex" else \
             ttt_masks(document_ids, steps)
         hidden = self.project_aux(aux)  # [B, T, H]

@@ -37,7 +37,8 @@ def torchrun_argv(cfg: TrainConfig, job: Path) -> list[str]:
 
 def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
                  out: Path, poll_s: float = 0.5,
-                 on_start: Callable[[ManagedProcess], None] | None = None) -> dict:
+                 on_start: Callable[[ManagedProcess], None] | None = None,
+                 online=None) -> dict:
     """Run the training job under torchrun and return rank 0's result. on_start receives the
     running process (its group id is its pid), e.g. to register it for cancellation."""
     check_devices(cfg)
@@ -46,7 +47,10 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
     result_path.unlink(missing_ok=True)
     atomic_write_json(job, {"train": cfg.model_dump(), "hidden": hidden.model_dump(mode="json"),
                             "merged": merged.model_dump(mode="json"),
-                            "target": target.model_dump(mode="json"), "out": str(out)})
+                            "target": target.model_dump(mode="json"), "out": str(out),
+                            "online": None if online is None else {
+                                "extract": online.extract.model_dump(),
+                                "target": online.target.model_dump()}})
     env = {"OMP_NUM_THREADS": "1"} if not cfg.device.startswith("cuda") else {}
     process = ManagedProcess(torchrun_argv(cfg, job), out / LOG_FILE, env=env, name="torchrun")
     try:

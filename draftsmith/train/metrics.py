@@ -111,13 +111,3 @@ def replay_chain_decoding(runs: torch.Tensor, loss_mask: torch.Tensor,
             tokens += min(1 + runs_[p], last - (p + 1))  # the answer's end cuts the last round
             p += 1 + runs_[p]
     return rounds, tokens
-
-
-def count_step(counts: StepCounts, j: int, loss_sum: torch.Tensor, loss_positions: int,
-               mask: torch.Tensor, chain_right: torch.Tensor, prefix_right: torch.Tensor) -> None:
-    """mask, chain_right, prefix_right: bool [...], same shape."""
-    counts.loss_sum[j] += loss_sum.detach().double().cpu()
-    counts.loss_positions[j] += loss_positions
-    counts.positions[j] += mask.sum().item()
-    counts.chain_correct[j] += (mask & chain_right).sum().item()
-    counts.prefix_correct[j] += (mask & prefix_right).sum().item()

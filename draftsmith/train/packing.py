@@ -38,11 +38,14 @@ class RowPrefetcher:
     are concatenated straight into pinned host memory and copied to the GPU on a side stream.
     Building an 8192-token row of an 8B-shaped target moves ~270 MB through host memory; on
     the training thread that took longer than the GPU's step, leaving the GPU idle. On a CPU
-    rows are built on the calling thread when waited for."""
+    rows are built on the calling thread when waited for, and so are online rows."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, background: bool = True):
+        """background=False: build each row when it is waited for, on the calling thread
+        (online rows: the target's forward runs on the training stream)."""
         self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" and background \
+            else None
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="row-prefetch") \
             if self.stream is not None else None
 
@@ -110,11 +113,6 @@ def plan_rows(samples: list[Sample], row_tokens: int) -> list[list[Sample]]:
     return rows
 
 
-def pack(samples: list[Sample], row_tokens: int) -> list[PackedRow]:
-    """First-fit in the given order; a sample longer than a row is cut to the row size."""
-    return [concat_row(row, row_tokens) for row in plan_rows(samples, row_tokens)]
-
-
 def concat_row(samples: list[Sample], row_tokens: int, pad_to: int | None = None,
                pin: bool = False) -> PackedRow:
     """The samples of one row laid end to end (each cut to row_tokens), in one copy, in
@@ -128,8 +126,10 @@ def concat_row(samples: list[Sample], row_tokens: int, pad_to: int | None = None
         raise ValueError(f"row of {real} tokens is longer than the pad length {pad_to}")
 
     def laid_out(pieces: list[torch.Tensor], fill: int = 0) -> torch.Tensor:
+        # Where the pieces are (online rows: on the GPU already), pinned if asked on the host.
         out = torch.empty((length, *pieces[0].shape[1:]), dtype=pieces[0].dtype,
-                          pin_memory=pin)  # [L, ...]
+                          device=pieces[0].device,
+                          pin_memory=pin and pieces[0].device.type == "cpu")  # [L, ...]
         torch.cat(pieces, out=out[:real])
         out[real:] = fill
         return out

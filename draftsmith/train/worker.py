@@ -8,9 +8,9 @@ import sys
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, atomic_write_json
-from draftsmith.config import TrainConfig
-from draftsmith.train.distributed import Dist
-from draftsmith.train.trainer import train_loop
+from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
+from draftsmith.distributed import Dist
+from draftsmith.train.trainer import OnlineInputs, train_loop
 
 
 def main(job_path: str) -> None:
@@ -20,10 +20,15 @@ def main(job_path: str) -> None:
                          always=cfg.parallel == "fsdp")
     logging.basicConfig(level=logging.INFO, stream=sys.stdout,
                         format=f"%(asctime)s rank{dist.rank} %(name)s %(levelname)s %(message)s")
+    online = None
+    if job.get("online"):
+        online = OnlineInputs(ExtractConfig.model_validate(job["online"]["extract"]),
+                              TargetConfig.model_validate(job["online"]["target"]))
     try:
         result = train_loop(cfg, Descriptor.model_validate(job["hidden"]),
                             Descriptor.model_validate(job["merged"]),
-                            Descriptor.model_validate(job["target"]), Path(job["out"]), dist)
+                            Descriptor.model_validate(job["target"]), Path(job["out"]), dist,
+                            online)
         if dist.is_main:
             atomic_write_json(Path(job["out"]) / "torchrun_result.json", result)
         dist.barrier()
