@@ -182,14 +182,16 @@ def validate(
 
 @app.command()
 def deploy(
-    config: Annotated[Path, typer.Argument(help="Pipeline YAML with deploy.engine: sglang.")],
+    config: Annotated[Path, typer.Argument(
+        help="Pipeline YAML with deploy.engine: sglang or vllm.")],
     drafter: Annotated[Path | None, typer.Option(
-        help="Drafter directory (SGLang layout); default: this config's export output.")] = None,
+        help="Drafter directory (SGLang layout for SGLang, speculators for vLLM); default: "
+        "this config's export output.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the exact command and environment; start nothing.")] = False,
     set_: SetOption = None,
 ) -> None:
-    """Serve the target with the drafter on SGLang (EAGLE3) until Ctrl-C.
+    """Serve the target with the drafter on SGLang (EAGLE3) or vLLM (eagle3) until Ctrl-C.
 
     Checks every speculative setting before launch, refuses busy GPUs, and waits for real
     readiness: port, /health, /server_info settings and one generation.
@@ -213,6 +215,9 @@ def deploy(
         drafter = Path(ExportFigures.of(outputs["export"]).drafter_dir)
         family, model_path = TargetFigures.of(target).family, target.path
     family = "llama" if family == "auto" else family
+    if pipeline_config.deploy.engine == "vllm":
+        _deploy_vllm(pipeline_config, drafter, family, model_path, dry_run)
+        return
     try:
         launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family,
                               model_path)
@@ -237,6 +242,43 @@ def deploy(
     except (GpusBusyError, ReadinessError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
+
+
+def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | None,
+                 dry_run: bool) -> None:
+    """`draftsmith deploy` for deploy.engine=vllm: the same checks, `vllm serve` until Ctrl-C."""
+    import json
+    import time
+
+    from draftsmith.serve.readiness import ReadinessError
+    from draftsmith.serve.vllm_launch import VLLMLaunchError, build_vllm_launch, start_vllm
+
+    try:
+        launch = build_vllm_launch(pipeline_config.deploy, pipeline_config.target, drafter,
+                                   family, model_path)
+    except (VLLMLaunchError, ValueError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    if dry_run:
+        print(launch.shell())
+        print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+        return
+    log_file = Path(pipeline_config.run_root) / "vllm-server.log"
+    try:
+        process, _ = start_vllm(launch, log_file, "vllm",
+                                pipeline_config.deploy.startup_timeout_s)
+    except (VLLMLaunchError, ReadinessError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(1) from None
+    try:
+        console.print(f"[green]serving at {launch.url}[/green] (log: {log_file}); Ctrl-C "
+                      "stops the server")
+        while process.exit_code() is None:
+            time.sleep(1)
+        console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
+        raise typer.Exit(1)
+    finally:
+        process.stop()
 
 
 FamilyOption = Annotated[str, typer.Option(

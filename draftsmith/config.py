@@ -151,6 +151,9 @@ class EndpointConfig(StrictModel):
         default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64),
                                  Partition(max_prompt_tokens=32768, concurrency=8)],
         min_length=1)
+    extra_body: dict[str, Any] = keyed(default_factory=dict, description=(
+        "More request fields, sent as they are: chat_template_kwargs (e.g. "
+        "{enable_thinking: true}), top_k, repetition_penalty, structured_outputs."))
     price_per_1m_prompt_tokens: float | None = operational(None, ge=0.0)
     price_per_1m_completion_tokens: float | None = operational(None, ge=0.0)
 
@@ -238,8 +241,26 @@ class SGLangCaptureConfig(StrictModel):
         "How long to wait for a request's dump after its response."))
 
 
+class VLLMCaptureConfig(StrictModel):
+    """The capture server for extract.backend=vllm (vLLM's extract_hidden_states method)."""
+
+    host: str = operational("127.0.0.1")
+    port: int = operational(30110, ge=1, le=65535)
+    concurrency: int = operational(8, ge=1, description="Requests in flight.")
+    dump_dir: str | None = operational(None, description=(
+        "Where the server writes per-request states; must be local to the server and to this "
+        "process. Default: /dev/shm (or <extract output>/dumps)."))
+    extra_args: list[str] = operational(default_factory=list, description=(
+        "Passed to vLLM as is, e.g. [--enforce-eager]."))
+    env: dict[str, str] = operational(default_factory=dict, description=(
+        "e.g. VLLM_CPU_KVCACHE_SPACE on a CPU."))
+    vllm_command: list[str] | None = operational(None)
+    startup_timeout_s: float = operational(1800.0, gt=0)
+    dump_timeout_s: float = operational(120.0, gt=0)
+
+
 class ExtractConfig(StrictModel):
-    backend: Literal["transformers", "sglang"] = keyed("transformers")
+    backend: Literal["transformers", "sglang", "vllm"] = keyed("transformers")
     aux_layer_ids: list[int] | None = keyed(
         None,
         description="Canonical ids (output of decoder layer i). Default [1, L//2-1, L-4].",
@@ -261,6 +282,7 @@ class ExtractConfig(StrictModel):
     writer_queue: int = operational(2, ge=1, description="Shards waiting for the disk writers.")
     writer_threads: int = operational(2, ge=1)
     sglang: SGLangCaptureConfig = operational(default_factory=SGLangCaptureConfig)
+    vllm: VLLMCaptureConfig = operational(default_factory=VLLMCaptureConfig)
 
     @model_validator(mode="after")
     def _check_parallel(self) -> ExtractConfig:
@@ -396,7 +418,9 @@ class DraftingPoint(StrictModel):
 
 
 class DeployConfig(StrictModel):
-    engine: Literal["embedded", "sglang"] = keyed("embedded")
+    engine: Literal["embedded", "sglang", "vllm"] = keyed("embedded", description=(
+        "embedded: draftsmith's own engine in process; sglang: an SGLang server; vllm: "
+        "`vllm serve` with the drafter in the speculators layout."))
     speculative_algorithm: Literal["EAGLE3", "EAGLE"] = keyed("EAGLE3")
     # All three or none (none: SGLang picks); SGLang fails obscurely on a partial set.
     num_steps: int | None = keyed(3, ge=1)
@@ -413,6 +437,9 @@ class DeployConfig(StrictModel):
     sglang_command: list[str] | None = keyed(
         None, description="Program that starts the server; default: python -m "
         "sglang.launch_server with this interpreter.")
+    vllm_command: list[str] | None = keyed(
+        None, description="The command that serves, up to the model path, e.g. [vllm, serve]; "
+        "default: `vllm serve` of this environment (vllm-cpu: its API server module).")
     startup_timeout_s: float = operational(1800.0, gt=0, description=(
         "Big targets need 15+ minutes."))
     keep_serving: bool = operational(False)
@@ -431,6 +458,11 @@ class DeployConfig(StrictModel):
             if flag in self.extra_args:
                 raise ValueError(f"deploy.extra_args: {flag} is set by draftsmith from deploy.* "
                                  "(and --num-speculative-tokens is not an SGLang flag)")
+        if self.engine == "vllm" and self.eagle_topk not in (None, 1):
+            raise ValueError(
+                f"deploy.eagle_topk={self.eagle_topk} with deploy.engine=vllm: vLLM's EAGLE-3 "
+                "drafts a chain of num_steps tokens, not a tree; set deploy.eagle_topk=1 and "
+                "deploy.num_draft_tokens=num_steps+1 (or deploy.engine=sglang for trees)")
         given = {k: getattr(self, k) for k in ("num_steps", "eagle_topk", "num_draft_tokens")}
         if None in given.values():
             if any(v is not None for v in given.values()):
@@ -556,6 +588,21 @@ class PipelineConfig(StrictModel):
                 "generate.backend=openai needs generate.endpoint (base_url, model, partitions, "
                 "...; see examples/kimi-k2.5-8gpu.yaml) or orchestration.endpoint_block (an "
                 "inference endpoint block registered by draftsmith prefect setup)")
+        return self
+
+    @model_validator(mode="after")
+    def _vllm_reads_speculators(self) -> PipelineConfig:
+        if self.deploy.engine != "vllm":
+            return self
+        if self.export.format != "speculators":
+            raise ValueError(
+                f"deploy.engine=vllm with export.format={self.export.format!r}: vLLM loads "
+                "EAGLE-3 drafters in the speculators layout (Eagle3Speculator, layers.0.*); set "
+                "export.format=speculators")
+        trees = [p.label for p in self.benchmark.sweep if p.eagle_topk != 1]
+        if trees:
+            raise ValueError(f"benchmark.sweep has tree points {trees} with deploy.engine=vllm:"
+                             " vLLM drafts chains only; keep points with eagle_topk=1")
         return self
 
 

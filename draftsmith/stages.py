@@ -442,8 +442,9 @@ def _run_benchmark(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
                    _secret: str | None = None) -> Descriptor:
     from draftsmith.bench.benchmark import run_benchmark
 
+    # The trained drafter's validation full_acc sits next to a served engine's acceptance.
     return run_benchmark(config.benchmark, config.target, inputs["deploy"], inputs["merge"],
-                         inputs[TARGET], plan, config.deploy)
+                         inputs[TARGET], plan, config.deploy, trained=inputs.get("train"))
 
 
 def _benchmark_key(config: PipelineConfig) -> dict[str, Any]:
@@ -479,9 +480,11 @@ def _benchmark_reports(descriptor: Descriptor) -> list[Report]:
 def _describe_benchmark(descriptor: Descriptor) -> str:
     figures = BenchmarkFigures.of(descriptor)
     if figures.engine != "embedded":
-        return (f"{figures.url}: measured acceptance length {figures.acceptance_length:.2f}, "
-                f"{figures.single_stream_tokens_per_s} tok/s single stream\n{figures.verdict}\n"
-                f"report: {figures.report}")
+        same = (f", identical to the baseline: {figures.identical_outputs}"
+                if figures.identical_outputs is not None else "")
+        return (f"{figures.engine} at {figures.url}: measured acceptance length "
+                f"{figures.acceptance_length:.2f}, {figures.single_stream_tokens_per_s} tok/s "
+                f"single stream{same}\n{figures.verdict}\nreport: {figures.report}")
     identical = figures.identical_outputs if figures.identical_outputs is not None \
         else figures.lossless
     return (f"measured acceptance length {figures.acceptance_length:.2f}, "
@@ -531,7 +534,8 @@ STAGES: list[Stage] = [
           section="deploy", figures=DeployFigures, describe=_describe_deploy, gpu=_always,
           key_extras=_target_dtype, preflight=_embedded_preflight, live=_served),
     Stage("benchmark", "measures acceptance and tokens/s with and without speculation",
-          "draftsmith/bench/benchmark.py", _run_benchmark, inputs=("deploy", "merge", TARGET),
+          "draftsmith/bench/benchmark.py", _run_benchmark,
+          inputs=("deploy", "merge", TARGET, "train"),
           section="benchmark", figures=BenchmarkFigures, describe=_describe_benchmark,
           gpu=_always, key_extras=_benchmark_key, preflight=_embedded_preflight,
           reports=_benchmark_reports, progress=True, problem=_benchmark_problem),

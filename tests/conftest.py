@@ -46,3 +46,46 @@ def random_target_tokenizer(random_target):
     from draftsmith.target import load_tokenizer
 
     return load_tokenizer(random_target)
+
+
+@pytest.fixture(scope="session")
+def trained_target_cache(tmp_path_factory):
+    """DRAFTSMITH_CACHE holding the demo's tiny target (trained, so acceptance is real); built
+    once for the session and shared by the e2e and vLLM tests."""
+    kept = os.environ.get("DRAFTSMITH_TEST_CACHE")  # a developer's cache, kept between runs
+    cache = Path(kept) if kept else tmp_path_factory.mktemp("draftsmith-cache")
+    old = os.environ.get("DRAFTSMITH_CACHE")
+    os.environ["DRAFTSMITH_CACHE"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("DRAFTSMITH_CACHE", None)
+    else:
+        os.environ["DRAFTSMITH_CACHE"] = old
+
+
+@pytest.fixture(scope="session")
+def vllm_chain(trained_target_cache, tmp_path_factory):
+    """The demo's stages through export in the speculators layout, on the trained tiny target:
+    the drafter every vLLM test serves (tests/vllm_chain.py)."""
+    from tests.vllm_chain import build_chain
+
+    kept = os.environ.get("DRAFTSMITH_VLLM_CHAIN_ROOT")  # a developer's root, reused
+    return build_chain(Path(kept) if kept else tmp_path_factory.mktemp("vllm-chain"))
+
+
+@pytest.fixture()
+def vllm_server(vllm_chain):
+    """The shared `vllm serve` of the tiny target with the exported drafter, started by the
+    deploy stage once per session; a test that stopped it (the benchmark's baseline does) gets
+    it back, launched again."""
+    from tests.vllm_chain import ensure_deployed
+
+    return ensure_deployed(vllm_chain)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_servers_at_exit():
+    yield
+    from draftsmith.serve.process import stop_started
+
+    stop_started(grace_s=10)

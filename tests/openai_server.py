@@ -1,83 +1,23 @@
-"""A real OpenAI-compatible server for the tests, and a fault-injecting proxy in front of it.
+"""A fault-injecting proxy in front of a real OpenAI-compatible server (the tests' vLLM).
 
-`ServeProcess` runs `transformers serve` on a loopback port with a local model directory,
-offline, in its own process group (so kill -9 takes the whole server down, as a crash would).
-`FaultProxy` forwards to it and can answer 429/503 a few times, hang on a request, fail chosen
-prompts always, require an API key, add `reasoning_content` the way reasoning servers do, and
-count answers per prompt; a hook runs after each answer (the kill test uses it).
+`FaultProxy` forwards to it, counts requests in flight and answers per prompt, and injects the
+faults a healthy server does not produce: 429/503 a few times, a hung request, prompts that
+always fail, an outage (every request answered 502, as a gateway does when the server behind it
+is gone), a required API key. A hook runs after each answer (the resume tests use it).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
 from http.server import ThreadingHTTPServer
-from pathlib import Path
 
 import httpx
 
 from tests.json_http import JsonHandler
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class ServeProcess:
-    def __init__(self, model_dir: Path, log_file: Path, port: int | None = None):
-        self.model_dir, self.log_file = model_dir, log_file
-        self.port = port or free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 180.0) -> None:
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "OMP_NUM_THREADS": "1"}
-        # The console script of this environment's transformers (its module path moved in v5).
-        cli = Path(sys.executable).with_name("transformers")
-        argv = [str(cli) if cli.is_file() else "transformers",
-                "serve", "--host", "127.0.0.1", "--port", str(self.port), "--device", "cpu",
-                "--log-level", "info", str(self.model_dir)]
-        log = open(self.log_file, "ab")  # noqa: SIM115 - the child owns it while it runs
-        self.proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        log.close()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"transformers serve exited with {self.proc.returncode}: "
-                                   + self.log_file.read_text()[-3000:])
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.3)
-        self.kill()
-        raise RuntimeError("transformers serve did not become healthy: "
-                           + self.log_file.read_text()[-3000:])
-
-    def kill(self) -> None:
-        """SIGKILL to the whole process group: no shutdown, no goodbye, like a crashed host."""
-        if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(timeout=30)
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
 
 def prompt_key(body: dict) -> str:
@@ -91,7 +31,6 @@ class FaultProxy:
         self.fail_next: deque[tuple[int, dict[str, str]]] = deque()
         self.always_fail: dict[str, int] = {}  # substring of the last message -> status
         self.required_key: str | None = None
-        self.add_reasoning = False
         self.after_answer: Callable[[int], None] | None = None
         self.reset()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -104,7 +43,7 @@ class FaultProxy:
             self.fail_next.clear()
             self.always_fail.clear()
             self.required_key = None
-            self.add_reasoning = False
+            self.down = False  # an outage: the server behind the proxy is gone
             self.after_answer = None
             self.stall_next: deque[float] = deque()  # seconds to hold a request before sending
             self.answers: Counter[str] = Counter()  # prompt -> 200 answers sent
@@ -139,6 +78,8 @@ class FaultProxy:
                     for needle, status in proxy.always_fail.items():
                         if needle in last:
                             return self.send_json(status, {"error": "injected, always"})
+                    if proxy.down:
+                        return self.send_json(502, {"error": "upstream: connection refused"})
                     if proxy.fail_next:
                         status, headers = proxy.fail_next.popleft()
                         return self.send_json(status, {"error": "injected"}, headers)
@@ -160,9 +101,6 @@ class FaultProxy:
                         proxy.in_flight[max_tokens] -= 1
                 payload = upstream.json()
                 if upstream.status_code == 200:
-                    if proxy.add_reasoning:
-                        message = payload["choices"][0]["message"]
-                        message["reasoning_content"] = "thinking about: " + last[-24:]
                     with proxy.lock:
                         proxy.answers[prompt_key(body)] += 1
                         answered = sum(proxy.answers.values())

@@ -1,7 +1,8 @@
-"""Regeneration over HTTP against a real OpenAI-compatible server: `transformers serve` with the
-random tiny target on a loopback port, offline, one server for the module. A fault-injecting
-proxy (tests/openai_server.py) sits in front of it for the retry, error, key and reasoning
-tests; the kill test kills the server itself with SIGKILL mid-run.
+"""Regeneration over HTTP against a real OpenAI-compatible server: the session's `vllm serve` of
+the trained tiny target (tests/vllm_chain.py, 127.0.0.1), whose granite reasoning parser fills
+vLLM's `reasoning` field. A proxy (tests/openai_server.py) sits in front of it: it counts
+requests in flight and answers per prompt, and injects only the faults a healthy server does
+not produce (429/503 bursts, a hung request, an outage, a key check).
 """
 
 from __future__ import annotations
@@ -16,26 +17,37 @@ from draftsmith.artifacts import plan_stage
 from draftsmith.config import DataConfig, GenerateConfig, TargetConfig
 from draftsmith.generate.openai_client import GenerateError
 from draftsmith.generate.stage import journal_dir, run_generate
-from tests.openai_server import FaultProxy, ServeProcess, prompt_key
+from tests.openai_server import FaultProxy, prompt_key
+
+# The first test that needs the shared vLLM server may build its chain and start it.
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(1800)]
 
 SHORT_MAX_TOKENS, LONG_MAX_TOKENS = 5, 9
 
 
-@pytest.fixture(scope="module")
-def server(random_target_dir, tmp_path_factory):
-    serve = ServeProcess(random_target_dir, tmp_path_factory.mktemp("serve") / "serve.log")
-    serve.start()
-    yield serve
-    serve.kill()
+@pytest.fixture()
+def proxy(vllm_server):
+    fault_proxy = FaultProxy(vllm_server.figures["url"])
+    yield fault_proxy
+    fault_proxy.close()
 
 
 @pytest.fixture()
-def proxy(server):
-    if not server.alive():  # a test that killed it must not take the others down with it
-        server.start()
-    fault_proxy = FaultProxy(server.url)
-    yield fault_proxy
-    fault_proxy.close()
+def served_target(vllm_chain):
+    """The target vLLM serves (its descriptor, as the stage gets it)."""
+    return vllm_chain.target
+
+
+@pytest.fixture()
+def served_target_dir(vllm_chain) -> Path:
+    return Path(vllm_chain.target.path)
+
+
+@pytest.fixture()
+def served_tokenizer(vllm_chain):
+    from draftsmith.target import load_tokenizer
+
+    return load_tokenizer(vllm_chain.target)
 
 
 def write_prompts(path: Path, n: int, long_every: int = 0) -> Path:
@@ -58,11 +70,11 @@ def generate_cfg(proxy: FaultProxy, model_dir: Path, **endpoint) -> GenerateConf
         **endpoint})
 
 
-def run(cfg, data_path, random_target, random_target_dir, root, name="p", **kwargs):
+def run(cfg, data_path, served_target, served_target_dir, root, name="p", **kwargs):
     data = DataConfig(sources=[{"name": name, "path": str(data_path)}])
-    plan = plan_stage(root, "generate", {"run": str(root)}, [random_target])
-    descriptor = run_generate(cfg, data, TargetConfig(model=str(random_target_dir)),
-                              random_target, plan, backoff_initial_s=0.05, backoff_max_s=0.2,
+    plan = plan_stage(root, "generate", {"run": str(root)}, [served_target])
+    descriptor = run_generate(cfg, data, TargetConfig(model=str(served_target_dir)),
+                              served_target, plan, backoff_initial_s=0.05, backoff_max_s=0.2,
                               **kwargs)
     return descriptor, plan
 
@@ -80,16 +92,30 @@ def records_of(descriptor) -> list[dict]:
 
 
 def test_regenerates_every_prompt_with_partitions_tokens_and_cost(
-        proxy, random_target, random_target_dir, tmp_path, caplog):
+        proxy, served_target, served_target_dir, tmp_path, caplog):
     data_path = write_prompts(tmp_path / "prompts.jsonl", 10, long_every=4)  # p0, p4, p8 long
-    cfg = generate_cfg(proxy, random_target_dir, price_per_1m_prompt_tokens=2.0,
+    cfg = generate_cfg(proxy, served_target_dir, price_per_1m_prompt_tokens=2.0,
                        price_per_1m_completion_tokens=8.0)
     with caplog.at_level(logging.INFO, logger="draftsmith"):
-        descriptor, plan = run(cfg, data_path, random_target, random_target_dir, tmp_path)
+        descriptor, plan = run(cfg, data_path, served_target, served_target_dir, tmp_path)
 
     records = records_of(descriptor)
     assert [r["id"] for r in records] == [f"p/p{i}" for i in range(10)]  # input order
     assert all([m["role"] for m in r["messages"]] == ["user", "assistant"] for r in records)
+    # The answers are the target's own: vLLM's greedy answer is what transformers decodes.
+    import torch
+
+    from draftsmith.serve.deploy import prompt_ids
+    from draftsmith.target import load_target_model, load_tokenizer
+
+    tokenizer = load_tokenizer(served_target)
+    model = load_target_model(served_target.path)
+    for record in (records[1], records[4]):
+        prompt = prompt_ids(tokenizer, json.dumps(record["messages"]))
+        budget = LONG_MAX_TOKENS if record["id"] == "p/p4" else SHORT_MAX_TOKENS
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=budget, do_sample=False)
+        expected = tokenizer.decode(out[0, len(prompt):], skip_special_tokens=True)
+        assert record["messages"][-1]["content"] == expected, record["id"]
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["requests"] == summary["answered"] == 10 and summary["failed"] == 0
     # Each partition's completion budget reached the server; short prompts ran 3 at a time at
@@ -114,18 +140,18 @@ def test_regenerates_every_prompt_with_partitions_tokens_and_cost(
                for m in progress)
     assert any("cost $" in r.getMessage() for r in caplog.records)
     # The journal stays, the source's answer cache: a rerun with the same prompts asks nothing.
-    journal = journal_of(plan, cfg, data_path, random_target) / "answers.jsonl"
+    journal = journal_of(plan, cfg, data_path, served_target) / "answers.jsonl"
     assert len(journal.read_text().splitlines()) == 10
     assert proxy.auth_headers and set(proxy.auth_headers) == {None}  # no key configured
 
 
-def test_429_and_503_are_retried_with_backoff(proxy, random_target, random_target_dir,
+def test_429_and_503_are_retried_with_backoff(proxy, served_target, served_target_dir,
                                               tmp_path, caplog):
     proxy.fail_next.extend([(429, {"Retry-After": "0"}), (503, {}), (500, {})])
     data_path = write_prompts(tmp_path / "prompts.jsonl", 4)
     with caplog.at_level(logging.WARNING, logger="draftsmith"):
-        descriptor, _ = run(generate_cfg(proxy, random_target_dir), data_path, random_target,
-                            random_target_dir, tmp_path)
+        descriptor, _ = run(generate_cfg(proxy, served_target_dir), data_path, served_target,
+                            served_target_dir, tmp_path)
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["answered"] == 4 and summary["failed"] == 0
     assert summary["retries_this_attempt"] == 3
@@ -135,38 +161,38 @@ def test_429_and_503_are_retried_with_backoff(proxy, random_target, random_targe
     assert sum(proxy.answers.values()) == 4  # no prompt answered twice
 
 
-def test_a_hung_request_times_out_and_is_retried(proxy, random_target, random_target_dir,
+def test_a_hung_request_times_out_and_is_retried(proxy, served_target, served_target_dir,
                                                  tmp_path, caplog):
     proxy.stall_next.append(4.0)
     data_path = write_prompts(tmp_path / "prompts.jsonl", 2)
     with caplog.at_level(logging.WARNING, logger="draftsmith"):
-        descriptor, _ = run(generate_cfg(proxy, random_target_dir, timeout_s=1.0), data_path,
-                            random_target, random_target_dir, tmp_path)
+        descriptor, _ = run(generate_cfg(proxy, served_target_dir, timeout_s=1.0), data_path,
+                            served_target, served_target_dir, tmp_path)
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["answered"] == 2 and summary["retries_this_attempt"] == 1
     assert "ReadTimeout" in caplog.text
 
 
 def test_a_request_failing_every_retry_goes_to_the_error_file_never_to_the_data(
-        proxy, random_target, random_target_dir, tmp_path):
+        proxy, served_target, served_target_dir, tmp_path):
     proxy.always_fail["def f2(x)"] = 503
     data_path = write_prompts(tmp_path / "prompts.jsonl", 5)
-    cfg = generate_cfg(proxy, random_target_dir, max_retries=2)
+    cfg = generate_cfg(proxy, served_target_dir, max_retries=2)
     with pytest.raises(GenerateError) as info:
-        run(cfg, data_path, random_target, random_target_dir, tmp_path)
+        run(cfg, data_path, served_target, served_target_dir, tmp_path)
     message = str(info.value)
     assert "1 of 5 requests failed" in message and "p/p2" in message and "HTTP 503" in message
     assert "max_failure_rate" in message and "errors.jsonl" in message
-    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
+    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
     errors = [json.loads(line) for line in
-              (journal_of(plan, cfg, data_path, random_target) / "errors.jsonl")
+              (journal_of(plan, cfg, data_path, served_target) / "errors.jsonl")
               .read_text().splitlines()]
     assert [(e["record_id"], e["attempts"], e["retryable"]) for e in errors] == [
         ("p/p2", 3, True)]  # the first try and max_retries=2 more
 
     # Tolerated failures: the stage finishes without the failed record and keeps the error.
     cfg = cfg.model_copy(update={"max_failure_rate": 0.25})
-    descriptor, _ = run(cfg, data_path, random_target, random_target_dir, tmp_path)
+    descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
     assert [r["id"] for r in records_of(descriptor)] == ["p/p0", "p/p1", "p/p3", "p/p4"]
     assert descriptor.counts["failed"] == 1
     kept_errors = (descriptor.dir / "errors.jsonl").read_text()
@@ -175,45 +201,56 @@ def test_a_request_failing_every_retry_goes_to_the_error_file_never_to_the_data(
     assert all(proxy.answers[k] == 1 for k in proxy.answers) and len(proxy.answers) == 4
 
 
-def test_a_client_error_is_not_retried(proxy, random_target, random_target_dir, tmp_path):
+def test_a_client_error_is_not_retried(proxy, served_target, served_target_dir, tmp_path):
     data_path = write_prompts(tmp_path / "prompts.jsonl", 2)
-    cfg = generate_cfg(proxy, random_target_dir, model="not-the-served-model")
+    cfg = generate_cfg(proxy, served_target_dir, model="not-the-served-model")
     with pytest.raises(GenerateError, match="2 of 2 requests failed"):
-        run(cfg, data_path, random_target, random_target_dir, tmp_path)
+        run(cfg, data_path, served_target, served_target_dir, tmp_path)
     assert proxy.requests == 2  # one each: a 4xx other than 429 does not get better
 
 
-def test_reasoning_is_captured_counted_and_reassembled_before_the_answer(
-        proxy, random_target, random_target_dir, random_target_tokenizer, tmp_path):
+# vLLM's granite parser splits an answer at "Here is my thought process:" / "Here is my
+# response:"; a structured-output regex (a real vLLM request field) makes the tiny target
+# answer in that shape, so the parser fills vLLM's `reasoning` field for real.
+THOUGHT, RESPONSE = "Here is my thought process:", "Here is my response:"
+
+
+def test_reasoning_vllm_parses_is_captured_counted_and_reassembled_before_the_answer(
+        proxy, served_target, served_target_dir, served_tokenizer, tmp_path):
     from draftsmith.data.formats import Record
     from draftsmith.data.tokenize import tokenize_record
 
-    proxy.add_reasoning = True
     data_path = write_prompts(tmp_path / "prompts.jsonl", 3)
-    descriptor, _ = run(generate_cfg(proxy, random_target_dir), data_path, random_target,
-                        random_target_dir, tmp_path)
+    cfg = generate_cfg(proxy, served_target_dir, extra_body={"structured_outputs": {
+        "regex": f"{THOUGHT} [a-z]{{2,12}}\\. {RESPONSE} [a-z]{{2,12}}\\."}})
+    cfg.endpoint.partitions = [cfg.endpoint.partitions[1].model_copy(
+        update={"max_tokens": 64, "concurrency": 3})]
+    descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
     assert descriptor.counts["with_reasoning"] == 3
     record = Record.model_validate(records_of(descriptor)[1])
     answer = record.messages[-1]
-    assert answer.reasoning == "thinking about: " + record.messages[0].content[-24:]
-    ids, mask = tokenize_record(random_target_tokenizer, record)
+    # What vLLM's parser cut out: the thought without its marker, the response after its own.
+    assert answer.reasoning and THOUGHT not in answer.reasoning
+    assert answer.reasoning.strip().endswith(".")  # the thought, up to the response marker
+    assert answer.content and RESPONSE not in answer.content
+    ids, mask = tokenize_record(served_tokenizer, record)
     masked = [t for t, m in zip(ids, mask, strict=True) if m]
-    assert random_target_tokenizer.decode(masked, skip_special_tokens=False) == (
+    assert served_tokenizer.decode(masked, skip_special_tokens=False) == (
         f"<think>\n{answer.reasoning}\n</think>\n\n{answer.content}<|im_end|>")
 
 
 def test_api_key_comes_from_the_environment_and_never_reaches_logs_or_files(
-        proxy, random_target, random_target_dir, tmp_path, caplog, monkeypatch):
+        proxy, served_target, served_target_dir, tmp_path, caplog, monkeypatch):
     secret = "sk-draftsmith-test-7f3a9c"
     proxy.required_key = secret
     data_path = write_prompts(tmp_path / "prompts.jsonl", 3)
-    cfg = generate_cfg(proxy, random_target_dir, api_key_env="DRAFTSMITH_TEST_KEY")
+    cfg = generate_cfg(proxy, served_target_dir, api_key_env="DRAFTSMITH_TEST_KEY")
     with pytest.raises(GenerateError, match="DRAFTSMITH_TEST_KEY.*not set"):
-        run(cfg, data_path, random_target, random_target_dir, tmp_path / "unset")
+        run(cfg, data_path, served_target, served_target_dir, tmp_path / "unset")
     monkeypatch.setenv("DRAFTSMITH_TEST_KEY", secret)
     proxy.fail_next.append((503, {}))  # a retry logs a warning: it must not carry the key
     with caplog.at_level(logging.DEBUG):  # every logger, httpx and httpcore included
-        descriptor, _ = run(cfg, data_path, random_target, random_target_dir, tmp_path)
+        descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
     assert descriptor.counts["generated"] == 3
     assert proxy.auth_headers.count(f"Bearer {secret}") == 4
     assert secret not in caplog.text
@@ -222,37 +259,38 @@ def test_api_key_comes_from_the_environment_and_never_reaches_logs_or_files(
             assert secret not in path.read_text(errors="replace"), path
 
 
-def test_server_killed_mid_run_then_restarted_every_prompt_answered_exactly_once(
-        server, proxy, random_target, random_target_dir, tmp_path):
+def test_server_gone_mid_run_then_back_every_prompt_answered_exactly_once(
+        proxy, served_target, served_target_dir, tmp_path):
+    """An outage after four answers (the proxy answers 502, as a gateway does when the server
+    behind it died): the run fails with what it has journaled; once the server is back, the
+    rerun asks only for the rest."""
     n = 12
     data_path = write_prompts(tmp_path / "prompts.jsonl", n)
-    cfg = generate_cfg(proxy, random_target_dir, max_retries=1)
+    cfg = generate_cfg(proxy, served_target_dir, max_retries=1)
 
     def crash(answered: int) -> None:
         if answered == 4:
-            server.kill()
+            proxy.down = True
 
     proxy.after_answer = crash
     with pytest.raises(GenerateError, match=r"requests failed after every retry"):
-        run(cfg, data_path, random_target, random_target_dir, tmp_path)
-    assert not server.alive()
-    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
+        run(cfg, data_path, served_target, served_target_dir, tmp_path)
+    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
     journaled = [json.loads(line) for line in
-                 (journal_of(plan, cfg, data_path, random_target) / "answers.jsonl")
+                 (journal_of(plan, cfg, data_path, served_target) / "answers.jsonl")
                  .read_text().splitlines()]
     assert len(journaled) >= 4 and len({a["key"] for a in journaled}) == len(journaled)
     assert not plan.is_complete()
 
-    server.start()
-    proxy.after_answer = None
-    descriptor, _ = run(cfg, data_path, random_target, random_target_dir, tmp_path)
+    proxy.down, proxy.after_answer = False, None
+    descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["answered_before"] == len(journaled)
     assert summary["answered_this_attempt"] == n - len(journaled)
     records = records_of(descriptor)
     assert sorted(r["id"] for r in records) == sorted(f"p/p{i}" for i in range(n))
     assert all(r["messages"][-1]["role"] == "assistant" for r in records)
-    # Across the crashed run and the rerun, the server answered each prompt exactly once.
+    # Across the failed run and the rerun, the server answered each prompt exactly once.
     assert len(proxy.answers) == n and set(proxy.answers.values()) == {1}
     sent = {prompt_key({"messages": [{"role": "user", "content": r["messages"][0]["content"]}]})
             for r in records}
@@ -260,7 +298,7 @@ def test_server_killed_mid_run_then_restarted_every_prompt_answered_exactly_once
 
 
 def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
-        proxy, random_target, random_target_dir, tmp_path):
+        proxy, served_target, served_target_dir, tmp_path):
     """The task layer resolves generate.endpoint.api_key_secret: the key reaches the server,
     and neither the run's logs, task parameters nor artifacts hold it."""
     from prefect import flow
@@ -275,16 +313,16 @@ def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
 
     secret = "sk-prefect-secret-5d1e77"
     proxy.required_key = secret
-    cfg = generate_cfg(proxy, random_target_dir, api_key_secret="draftsmith-test-key")
+    cfg = generate_cfg(proxy, served_target_dir, api_key_secret="draftsmith-test-key")
     data = DataConfig(sources=[{"name": "p", "path": str(write_prompts(tmp_path / "p.jsonl",
                                                                        3))}])
     config = PipelineConfig(name="secret-test", run_root=str(tmp_path), generate=cfg, data=data,
-                            target=TargetConfig(model=str(random_target_dir)))
-    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
+                            target=TargetConfig(model=str(served_target_dir)))
+    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
 
     @flow
     def regenerate():
-        return task_for(stages.get("generate"))(plan, config, {"target": random_target})
+        return task_for(stages.get("generate"))(plan, config, {"target": served_target})
 
     with prefect_test_harness(server_startup_timeout=120):
         Secret(value=secret).save("draftsmith-test-key")
@@ -306,7 +344,7 @@ def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
             assert secret not in path.read_text(errors="replace"), path
 
 
-def test_client_killed_mid_run_resumes_from_its_journal(proxy, random_target, random_target_dir,
+def test_client_killed_mid_run_resumes_from_its_journal(proxy, served_target, served_target_dir,
                                                          tmp_path):
     """kill -9 of draftsmith itself (a VM crash) right after an answer arrives: the rerun asks
     only for what the journal lacks, and every prompt ends up in the data exactly once."""
@@ -319,15 +357,15 @@ def test_client_killed_mid_run_resumes_from_its_journal(proxy, random_target, ra
 
     n, concurrency = 10, 3
     data_path = write_prompts(tmp_path / "prompts.jsonl", n)
-    cfg = generate_cfg(proxy, random_target_dir)
+    cfg = generate_cfg(proxy, served_target_dir)
     data = DataConfig(sources=[{"name": "p", "path": str(data_path)}])
-    target_cfg = TargetConfig(model=str(random_target_dir))
-    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
+    target_cfg = TargetConfig(model=str(served_target_dir))
+    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
     spec = tmp_path / "spec.json"
     spec.write_text(json.dumps({"generate": cfg.model_dump(mode="json"),
                                 "data": data.model_dump(mode="json"),
                                 "target_cfg": target_cfg.model_dump(mode="json"),
-                                "target": random_target.model_dump(mode="json"),
+                                "target": served_target.model_dump(mode="json"),
                                 "plan": plan.model_dump(mode="json")}))
     child = subprocess.Popen([sys.executable, str(REPO / "tests" / "generate_child.py"),
                               str(spec)], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
@@ -340,12 +378,12 @@ def test_client_killed_mid_run_resumes_from_its_journal(proxy, random_target, ra
     assert child.wait(timeout=300) == -signal.SIGKILL
     proxy.after_answer = None
     journaled = list(json.loads(line)["key"] for line in
-                     (journal_of(plan, cfg, data_path, random_target) / "answers.jsonl")
+                     (journal_of(plan, cfg, data_path, served_target) / "answers.jsonl")
                      .read_text().splitlines() if line.endswith("}"))
     # Answers 1..3 arrived well before the crash; a starved client may not have written all.
     assert 1 <= len(journaled) <= 4 + concurrency and len(set(journaled)) == len(journaled)
 
-    descriptor = run_generate(cfg, data, target_cfg, random_target, plan,
+    descriptor = run_generate(cfg, data, target_cfg, served_target, plan,
                               backoff_initial_s=0.05, backoff_max_s=0.2)
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["answered_before"] == len(journaled)
@@ -359,15 +397,15 @@ def test_client_killed_mid_run_resumes_from_its_journal(proxy, random_target, ra
 
 
 def test_generate_max_new_tokens_is_the_budget_of_partitions_that_set_none(
-        proxy, random_target, random_target_dir, tmp_path):
+        proxy, served_target, served_target_dir, tmp_path):
     """Without it a server applies its own limit (a mean of 538 tokens against 96 set)."""
     data_path = write_prompts(tmp_path / "prompts.jsonl", 4, long_every=2)
     cfg = GenerateConfig(backend="openai", max_new_tokens=7, endpoint={
-        "base_url": proxy.url, "model": str(random_target_dir), "timeout_s": 60,
+        "base_url": proxy.url, "model": str(served_target_dir), "timeout_s": 60,
         "partitions": [{"max_prompt_tokens": 64, "concurrency": 2},  # no max_tokens: 7
                        {"max_prompt_tokens": 4096, "concurrency": 1,
                         "max_tokens": LONG_MAX_TOKENS}]})
-    descriptor, _ = run(cfg, data_path, random_target, random_target_dir, tmp_path)
+    descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
     assert set(proxy.max_in_flight) == {7, LONG_MAX_TOKENS}
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["per_partition"]["<= 64 prompt tokens"]["completion_tokens"] <= 2 * 7
@@ -375,7 +413,7 @@ def test_generate_max_new_tokens_is_the_budget_of_partitions_that_set_none(
 
 
 def test_generation_is_keyed_per_source_only_a_changed_source_is_asked(
-        proxy, random_target, random_target_dir, tmp_path):
+        proxy, served_target, served_target_dir, tmp_path):
     """Two sources; the second gains a record: the next run (a new stage key: its data
     changed) asks the server for that record alone, and reads every other answer from the
     sources' journals."""
@@ -387,14 +425,14 @@ def test_generation_is_keyed_per_source_only_a_changed_source_is_asked(
                                   for i in range(n)))
 
     write_second(3)
-    cfg = generate_cfg(proxy, random_target_dir)
+    cfg = generate_cfg(proxy, served_target_dir)
     data = DataConfig(sources=[{"name": "a", "path": str(first)},
                                {"name": "b", "path": str(second)}])
 
     def generate(version: str):
-        plan = plan_stage(tmp_path, "generate", {"data": version}, [random_target])
-        return run_generate(cfg, data, TargetConfig(model=str(random_target_dir)),
-                            random_target, plan)
+        plan = plan_stage(tmp_path, "generate", {"data": version}, [served_target])
+        return run_generate(cfg, data, TargetConfig(model=str(served_target_dir)),
+                            served_target, plan)
 
     generate("before")
     assert len(proxy.answers) == 6

@@ -34,19 +34,6 @@ def prefect_api(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained_target_cache(tmp_path_factory):
-    """DRAFTSMITH_CACHE holding the demo's tiny target (trained, so acceptance is real)."""
-    cache = tmp_path_factory.mktemp("draftsmith-cache")
-    old = os.environ.get("DRAFTSMITH_CACHE")
-    os.environ["DRAFTSMITH_CACHE"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("DRAFTSMITH_CACHE", None)
-    else:
-        os.environ["DRAFTSMITH_CACHE"] = old
-
-
-@pytest.fixture(scope="module")
 def base_raw(tmp_path_factory):
     """examples/tiny.yaml, smaller: fewer records and epochs, data copied so a test can edit it."""
     data_dir = tmp_path_factory.mktemp("data")

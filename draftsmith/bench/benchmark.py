@@ -3,6 +3,7 @@
 Embedded engine: speculative vs plain greedy decoding in-process; acceptance length, tokens/s of
 each, and whether the outputs are identical. Served endpoint (SGLang): streamed requests at each
 concurrency of the sweep; tokens/s, time to first token, acceptance length from meta_info.
+vLLM: the OpenAI API and vLLM's Prometheus counters (draftsmith/bench/vllm_bench.py).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
 from draftsmith.data.formats import load_source
 from draftsmith.data.merge import read_split
-from draftsmith.figures import DeployFigures, TargetFigures
+from draftsmith.figures import DeployFigures, TargetFigures, TrainFigures
 from draftsmith.progress import Progress
 from draftsmith.serve.deploy import drafting_label, load_embedded_engine, prompt_ids
 from draftsmith.serve.embedded import (
@@ -115,8 +116,19 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
 
 def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
                   merged: Descriptor, target: Descriptor, plan: StagePlan,
-                  deploy_cfg: DeployConfig | None = None) -> Descriptor:
-    if DeployFigures.of(deployment).engine == "sglang":
+                  deploy_cfg: DeployConfig | None = None,
+                  trained: Descriptor | None = None) -> Descriptor:
+    """trained: the train stage's descriptor, whose validation full_acc per TTT step sits next
+    to the served engine's acceptance per position (optional)."""
+    engine = DeployFigures.of(deployment).engine
+    if engine == "vllm":
+        from draftsmith.bench.vllm_bench import run_vllm_benchmark
+
+        full_acc = (TrainFigures.of(trained).full_acc or None) if trained else None
+        prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
+        return run_vllm_benchmark(cfg, deploy_cfg or DeployConfig(engine="vllm"), target_cfg,
+                                  deployment, prompts, target, plan, full_acc)
+    if engine == "sglang":
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)
     engine, spec = load_embedded_engine(deployment, target_cfg)

@@ -271,6 +271,10 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
         from draftsmith.extract.sglang_backend import run_sglang_capture
 
         reports = [run_sglang_capture(cfg, target_cfg, target, out, specs, rows, aux_ids)]
+    elif cfg.backend == "vllm":
+        from draftsmith.extract.vllm_backend import run_vllm_capture
+
+        reports = [run_vllm_capture(cfg, target_cfg, target, out, specs, rows, aux_ids)]
     else:
         args = (cfg, target_cfg, target.path, out, pending, rows, aux_ids)
         if dist.world > 1:

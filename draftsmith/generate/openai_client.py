@@ -274,7 +274,7 @@ class OpenAIRegenerator:
                                 "temperature": self.temperature, "stream": False}
         if self.temperature > 0:
             body.update(top_p=self.top_p, seed=self.seed)
-        return body
+        return {**self.endpoint.extra_body, **body}  # draftsmith's own fields win
 
     async def _post(self, client: httpx.AsyncClient, request: Request,
                     partition: Partition) -> Answer:

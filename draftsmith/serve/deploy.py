@@ -3,7 +3,8 @@
 The embedded engine (the CPU default) loads the target and the drafter from the exported files,
 and deploy is complete only when one real speculative generation has run and matched plain
 greedy decoding token for token. The SGLang engine launches a server (draftsmith/serve/
-sglang_launch.py) and is complete only when it passes every readiness check.
+sglang_launch.py) and the vLLM engine `vllm serve` (draftsmith/serve/vllm_launch.py); each is
+complete only when it passes every readiness check.
 """
 
 from __future__ import annotations
@@ -55,6 +56,11 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
                merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
     if cfg.engine == "sglang":
         return run_deploy_sglang(cfg, target_cfg, exported, target, plan)
+    if cfg.engine == "vllm":
+        from draftsmith.serve.vllm_launch import run_deploy_vllm
+
+        return run_deploy_vllm(cfg, target_cfg, exported.figures["drafter_dir"], target.path,
+                               target.figures["family"], plan)
     spec = {"engine": "embedded", "target_path": target.path,
             "drafter_dir": ExportFigures.of(exported).drafter_dir, "num_steps": cfg.num_steps,
             "target_family": TargetFigures.of(target).family,

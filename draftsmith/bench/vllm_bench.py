@@ -1,0 +1,186 @@
+"""The benchmark on vLLM: held-out prompts through the deployed server's OpenAI API.
+
+At each `benchmark.concurrency`: tokens/s, time to first token and inter-token latency from
+streamed completions; acceptance from vLLM's own Prometheus counters, read before and after the
+run (acceptance length = 1 + accepted / drafts; per position, the share of drafts whose token
+there was accepted, next to the trainer's full_acc of that TTT step). Then the same server
+without speculation, on the same prompts: the speedup per concurrency, a verdict, and under
+greedy decoding the count of outputs identical to the baseline's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from draftsmith.artifacts import (
+    Descriptor,
+    StagePlan,
+    atomic_write_json,
+    finish_stage,
+    stage_output,
+)
+from draftsmith.bench.charts import plot_benchmark
+from draftsmith.bench.openai_load import Completion, run_completions, summarize
+from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
+from draftsmith.serve.vllm_launch import (
+    acceptance_from_counters,
+    build_vllm_launch,
+    read_counters,
+    start_vllm,
+)
+
+log = logging.getLogger(__name__)
+
+
+def measure_server(url: str, model: str, prompts: list[list[int]], cfg: BenchmarkConfig,
+                   positions: int | None) -> tuple[list[dict[str, Any]], list[Completion]]:
+    """One row per concurrency; returns the rows and the first row's completions (prompt
+    order). positions None: a server without speculation (no counters to read)."""
+    if cfg.warmup_prompts:
+        asyncio.run(run_completions(url, model, prompts[: cfg.warmup_prompts], max_tokens=8))
+    rows, first = [], None
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for concurrency in cfg.concurrency:
+            before = read_counters(client) if positions else None
+            results, wall = asyncio.run(run_completions(
+                url, model, prompts, max_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature, concurrency=concurrency))
+            row: dict[str, Any] = {"concurrency": concurrency, **summarize(results, wall)}
+            if positions:
+                row.update(acceptance_from_counters(before, read_counters(client), positions))
+            log.info("benchmark %s (%s) at concurrency %d: %s", url,
+                     "speculative" if positions else "baseline", concurrency, row)
+            rows.append(row)
+            first = first or results
+    return rows, first or []
+
+
+def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cfg: TargetConfig,
+                       deployment: Descriptor, prompts: list[list[int]], target: Descriptor,
+                       plan: StagePlan, trainer_full_acc: list[float] | None = None
+                       ) -> Descriptor:
+    from draftsmith.serve import servers
+
+    url, model = deployment.figures["url"], deployment.figures["model"]
+    positions = deployment.figures["num_steps"]
+    greedy = cfg.temperature == 0
+    with stage_output(plan) as out:
+        sweep, speculative = measure_server(url, model, prompts, cfg, positions)
+        sampled = None
+        if cfg.sampled_temperature:
+            sampled_cfg = cfg.model_copy(update={"temperature": cfg.sampled_temperature})
+            sampled = measure_server(url, model, prompts, sampled_cfg, positions)[0]
+        # The baseline needs the deployed server's port and devices, so it runs only when
+        # this run started that server and can stop it.
+        owned = servers.running(url) is not None
+        baseline, plain, skipped = None, None, "benchmark.baseline is false"
+        if cfg.baseline and owned:
+            servers.stop(url)
+            log.info("benchmark: stopped the speculative vLLM server; serving the target alone "
+                     "for the baseline")
+            launch = build_vllm_launch(deploy_cfg, target_cfg, None, target.figures["family"],
+                                       target.path)
+            process, _ = start_vllm(launch, out / "baseline-server.log", "vllm-baseline",
+                                    deploy_cfg.startup_timeout_s)
+            try:
+                baseline, plain = measure_server(launch.url, launch.model, prompts, cfg, None)
+            finally:
+                process.stop()
+        elif cfg.baseline:
+            skipped = (f"the vLLM server at {url} was not started by this run, so it cannot be "
+                       "stopped for the baseline (set benchmark.baseline=false, or let this run "
+                       "start it)")
+
+        first = sweep[0]
+        summary: dict[str, Any] = {
+            "engine": "vllm", "url": url, "config": f"chain, {positions} steps",
+            "num_steps": positions, "prompts": len(prompts), "temperature": cfg.temperature,
+            "acceptance_length": first["acceptance_length"],
+            "accepted_per_position": first["accepted_per_position"],
+            "trainer_full_acc": trainer_full_acc,
+            "single_stream_tokens_per_s": first["tokens_per_s"],
+            "ttft_p50_s": first["ttft_p50_s"], "inter_token_mean_s": first["inter_token_mean_s"],
+        }
+        per_prompt = [{"prompt_tokens": c.prompt_tokens, "completion_tokens": len(c.output_ids),
+                       "ttft_s": round(c.ttft_s, 4), "latency_s": round(c.latency_s, 4)}
+                      for c in speculative]
+        if baseline:
+            speedups = {row["concurrency"]: round(row["tokens_per_s"] / b["tokens_per_s"], 3)
+                        for row, b in zip(sweep, baseline, strict=True)}
+            summary["baseline_single_stream_tokens_per_s"] = baseline[0]["tokens_per_s"]
+            summary["speedup"] = speedups[first["concurrency"]]
+            summary["speedups"] = speedups
+            slower = [c for c, s in speedups.items() if s < 1]
+            verdict = (f"WARNING: speculation is slower than no speculation at concurrency "
+                       f"{slower} (speedups {speedups})" if slower else
+                       f"speculation pays: {speedups} x the baseline's tokens/s by concurrency")
+            if greedy:
+                same = [s.output_ids == p.output_ids for s, p in zip(speculative, plain,
+                                                                       strict=True)]
+                for entry, spec, base, equal in zip(per_prompt, speculative, plain, same,
+                                                    strict=True):
+                    entry["identical"] = equal
+                    if not equal:
+                        entry["first_difference"] = first_difference(spec.output_ids,
+                                                                     base.output_ids)
+                summary["identical_outputs"] = f"{sum(same)}/{len(same)}"
+                summary["lossless"] = all(same)
+                if not all(same):
+                    bad = [i for i, equal in enumerate(same) if not equal]
+                    log.error("benchmark: greedy outputs differ from the baseline's on prompts "
+                              "%s", bad)
+                    verdict += f"; outputs differ from the baseline on prompts {bad}"
+            else:
+                summary["identical_outputs"] = (f"n/a (sampled at temperature "
+                                                f"{cfg.temperature})")
+                summary["lossless"] = None
+        else:
+            summary.update(speedup=None, identical_outputs=f"n/a ({skipped})", lossless=None)
+            verdict = (f"no baseline measured ({skipped}), so no speedup is claimed; "
+                       f"acceptance length {summary['acceptance_length']:.2f}")
+        configs = [{"config": summary["config"], "rows": sweep}]
+        if sampled:
+            configs.append({"config": f"{summary['config']} @ T={cfg.sampled_temperature}",
+                            "temperature": cfg.sampled_temperature, "rows": sampled})
+        rows = [{"server": c["config"], **r} for c in configs for r in c["rows"]]
+        rows += [{"server": "baseline", **r} for r in baseline or []]
+        atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
+                                                "rows": rows, "per_prompt": per_prompt})
+        (out / "report.md").write_text(markdown_report(summary, rows, verdict))
+        plot_benchmark([f"{r['server']} c={r['concurrency']}" for r in rows],
+                       [r["tokens_per_s"] for r in rows],
+                       [r.get("acceptance_length") for r in rows], out,
+                       f"vLLM at {url}, {len(prompts)} held-out prompts")
+    log.info("benchmark: acceptance length %.3f (per position %s, trainer full_acc %s); %s",
+             summary["acceptance_length"], summary["accepted_per_position"], trainer_full_acc,
+             verdict)
+    return finish_stage(plan, counts={"prompts": len(prompts),
+                                      "tokens": first["completion_tokens"]},
+                        figures={**summary, "verdict": verdict,
+                                 "report": str(Path(plan.dir) / "report.md")})
+
+
+def first_difference(a: list[int], b: list[int]) -> int:
+    """The first token index where two outputs differ (the shorter length if one is a prefix)."""
+    return next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), min(len(a), len(b)))
+
+
+def markdown_report(summary: dict[str, Any], rows: list[dict[str, Any]], verdict: str) -> str:
+    from draftsmith.bench.benchmark import markdown_table
+
+    table = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+    text = f"# draftsmith benchmark: vLLM\n\n| metric | value |\n|---|---|\n{table}\n"
+    text += "\n## By server and concurrency\n\n" + markdown_table(rows)
+    full_acc = summary.get("trainer_full_acc")
+    if full_acc:
+        per_pos = summary["accepted_per_position"]
+        text += ("\n## Acceptance by position\n\n| position | vLLM accepted | trainer "
+                 "full_acc |\n|---|---|---|\n")
+        text += "\n".join(f"| {p} | {a} | {full_acc[p] if p < len(full_acc) else ''} |"
+                          for p, a in enumerate(per_pos)) + "\n"
+    return text + f"\n**{verdict}**\n"

