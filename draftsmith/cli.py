@@ -18,8 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from draftsmith import stages
-from draftsmith.artifacts import Descriptor
-from draftsmith.config import ConfigError, PipelineConfig, load_config
+from draftsmith.config import EXAMPLES_DIR, ConfigError, PipelineConfig, load_config
 from draftsmith.plan import select_stages
 
 app = typer.Typer(
@@ -30,18 +29,18 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = EXAMPLES_DIR
 SetOption = Annotated[list[str] | None, typer.Option(
     "--set", help="Override a config value, e.g. --set train.epochs=2 (repeatable).")]
 
 
 def _prepare_environment() -> None:
-    # No analytics calls from a machine that may have no network; engine logs in Prefect's log.
+    # No analytics calls from a machine that may have no network; engine logs in Prefect's log;
+    # no download bars from transformers (set here, not imported here: a cached run never
+    # needs transformers).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
@@ -54,28 +53,32 @@ def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
 
 def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
     _prepare_environment()
-    from flows.local import start_temporary_api
+    from flows.local import start_prefects_own, start_temporary_api
+
+    # The temporary API server boots on the other core while Prefect and the flow import here;
+    # both are guarded: they die with this process, even under kill -9.
+    api = start_temporary_api()
     from flows.pipeline import pipeline
 
-    start_temporary_api()  # guarded: it dies with this process, even under kill -9
-    return pipeline(config, selected)
+    if api is not None:
+        api.wait_ready()
+    else:
+        start_prefects_own()
+    return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
 
 
 def _summary(results: dict[str, dict]) -> tuple[Table, list[str]]:
     """The run's summary table (each stage's state and result, as the stage table describes
-    it) and the problems that must fail the command."""
+    it; draftsmith/summary.py) and the problems that must fail the command."""
+    from draftsmith.summary import stage_rows
+
     table = Table(title="draftsmith run", show_header=True)
     table.add_column("stage")
     table.add_column("state")
     table.add_column("result", overflow="fold")
-    problems = []
-    for stage in stages.STAGES:
-        if stage.name not in results:
-            continue
-        descriptor = Descriptor.model_validate(results[stage.name]["descriptor"])
-        table.add_row(stage.label, results[stage.name]["state"], stage.describe(descriptor))
-        if problem := stage.problem(descriptor):
-            problems.append(problem)
+    rows, problems = stage_rows(results)
+    for row in rows:
+        table.add_row(row.stage, row.state, row.result)
     return table, problems
 
 
@@ -98,7 +101,7 @@ def demo(
 
     The target is built locally on first use and cached; a second run finds every stage cached.
     """
-    overrides = [f"run_root={run_root.resolve()}", *(set_ or [])]
+    overrides = [f"run_root={run_root.resolve()}", "name=demo", *(set_ or [])]
     config = _load(EXAMPLES / "tiny.yaml", overrides)
     _finish(_run_flow(config, stages.names()))
 
@@ -420,7 +423,7 @@ def prefect_setup(
                            endpoint_url=endpoint_url, endpoint_model=endpoint_model,
                            api_key_env=api_key_env)
     try:
-        ids = setup(pipeline_config, options)
+        ids = setup(pipeline_config, options, config_path=config, overrides=list(set_ or []))
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -438,7 +441,8 @@ def prefect_notify_new_data(
     ] = None,
 ) -> None:
     """Emit draftsmith.dataset.updated: the pipeline deployment's trigger re-runs it with
-    this file as the named source."""
+    this file as the named source, which every later run of the pipeline reads too (kept in
+    the Prefect variable draftsmith-<pipeline>-data)."""
     _prepare_environment()
     from deployments.setup import notify_new_data
 

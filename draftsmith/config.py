@@ -6,6 +6,7 @@ overrides are applied to the raw YAML before validation so they get the same che
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -68,7 +69,9 @@ class TargetConfig(StrictModel):
     device: str = operational("cpu")
     dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
     family: Literal["auto", "llama", "qwen", "deepseek", "gpt-oss"] = keyed(
-        "auto", description="Decides how SGLang reads aux layer ids (REFERENCE.md section 1)."
+        "auto", description=(
+            "How the serving engine numbers aux layers: llama and qwen as trained, deepseek "
+            "(Kimi) one higher in SGLang; auto reads it from the model's config.json.")
     )
     tp_size: int = operational(1, ge=1, description="Tensor-parallel GPUs when served by SGLang.")
     context_length: int | None = keyed(None, ge=1)
@@ -128,7 +131,8 @@ class Partition(StrictModel):
 
     max_prompt_tokens: int = keyed(..., ge=1)
     concurrency: int = operational(..., ge=1)
-    max_tokens: int = keyed(..., ge=1, description="Completion tokens per request.")
+    max_tokens: int | None = keyed(None, ge=1, description=(
+        "Completion tokens per request for these prompts; default generate.max_new_tokens."))
 
 
 class EndpointConfig(StrictModel):
@@ -144,10 +148,8 @@ class EndpointConfig(StrictModel):
     timeout_s: float = operational(600.0, gt=0, description="Per request.")
     max_retries: int = operational(6, ge=0, description="On 429, 5xx, timeouts, connection errors.")
     partitions: list[Partition] = keyed(
-        default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64,
-                                           max_tokens=2048),
-                                 Partition(max_prompt_tokens=32768, concurrency=8,
-                                           max_tokens=4096)],
+        default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64),
+                                 Partition(max_prompt_tokens=32768, concurrency=8)],
         min_length=1)
     extra_body: dict[str, Any] = keyed(default_factory=dict, description=(
         "More request fields, sent as they are: chat_template_kwargs (e.g. "
@@ -184,7 +186,9 @@ class GenerateConfig(StrictModel):
         description="missing: answer records whose last turn is not the assistant's; "
         "all: re-answer every record; none: keep records as they are.",
     )
-    max_new_tokens: int = keyed(128, ge=1)
+    max_new_tokens: int = keyed(128, ge=1, description=(
+        "Completion tokens per answer (sent as max_tokens over HTTP unless a partition of "
+        "generate.endpoint sets its own)."))
     temperature: float = keyed(0.0, ge=0.0, description="0 means greedy.")
     top_p: float = keyed(1.0, gt=0.0, le=1.0)
     batch_size: int = keyed(16, ge=1)
@@ -528,6 +532,9 @@ class RetentionConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """Everything a run needs. Each stage reads only its own section (plus the target)."""
 
+    name: str | None = operational(None, description=(
+        "Names this pipeline in Prefect: its artifact keys (draftsmith-<name>-train), run names "
+        "and the variable that keeps new-data updates. Default: the config file's name."))
     run_root: str = "runs/default"
     target: TargetConfig = Field(default_factory=TargetConfig)
     data: DataConfig
@@ -546,6 +553,12 @@ class PipelineConfig(StrictModel):
     @classmethod
     def _export_spellings(cls, data: Any) -> Any:
         return normalise_sections(data) if isinstance(data, dict) else data
+
+    @property
+    def pipeline_name(self) -> str:
+        """The name in artifact keys, run names and variables: lowercase letters, digits and
+        dashes (what Prefect accepts there), from `name` or else run_root's last directory."""
+        return slug(self.name or Path(self.run_root).name) or "pipeline"
 
     @property
     def fix_keys(self) -> ExportConfig:
@@ -591,6 +604,11 @@ class PipelineConfig(StrictModel):
             raise ValueError(f"benchmark.sweep has tree points {trees} with deploy.engine=vllm:"
                              " vLLM drafts chains only; keep points with eagle_topk=1")
         return self
+
+
+def slug(text: str) -> str:
+    """Lowercase letters, digits and single dashes: `Kimi-K2.5 8gpu` -> `kimi-k2-5-8gpu`."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def normalise_sections(raw: dict[str, Any]) -> dict[str, Any]:
@@ -662,6 +680,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])
+    raw.setdefault("name", path.stem)
     config = parse_config(raw, str(path))
     base = path.resolve().parent
     for src in config.data.sources:
@@ -692,3 +711,45 @@ def with_source(config: PipelineConfig, name: str, path: str) -> PipelineConfig:
     else:
         sources.append({"name": name, "path": path})
     return parse_config(raw, f"dataset update {name}={path}")
+
+
+# The bundled example configs (`tiny` is the CPU demo); a source checkout and an editable
+# install have them here.
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+
+
+def find_config(name_or_path: str) -> Path:
+    """A config file by path, or a bundled example by name (`tiny` -> examples/tiny.yaml)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    example = EXAMPLES_DIR / f"{name_or_path}.yaml"
+    if "/" not in name_or_path and example.is_file():
+        return example
+    bundled = sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {name_or_path!r}: no such file on this machine, nor a bundled "
+                      f"example ({', '.join(bundled) or 'none found'}); give the path of a "
+                      "pipeline YAML that this worker can read, or paste the whole config "
+                      "into full_config")
+
+
+def form_config(config: str | None, full_config: dict[str, Any] | None,
+                overrides: list[str]) -> PipelineConfig:
+    """The pipeline config a run form asks for: a config file (by path or example name), or
+    the whole config as a mapping, with `a.b=c` overrides applied either way."""
+    if full_config:
+        raw = apply_overrides(json_copy(full_config), overrides)
+        config_ = parse_config(raw, "full_config")
+        if not Path(config_.run_root).is_absolute():
+            config_.run_root = str(Path.cwd() / config_.run_root)
+        return config_
+    if not config:
+        raise ConfigError("give a config (a pipeline YAML's path, or an example name such as "
+                          "tiny) or the whole config in full_config")
+    return load_config(find_config(config), overrides)
+
+
+def json_copy(value: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(value))

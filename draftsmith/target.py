@@ -7,17 +7,26 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from draftsmith.artifacts import Descriptor, external_descriptor, hash_json, sha256_file
+from draftsmith.artifacts import Descriptor, external_descriptor, hash_json
 from draftsmith.config import TargetConfig
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 BUILTIN_TINY = "builtin:tiny"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def __getattr__(name: str) -> Any:
+    # DTYPES needs torch, which resolving a target does not: a cached run never imports it.
+    if name == "DTYPES":
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # model_type -> the family whose rule SGLang applies to eagle_aux_hidden_state_layer_ids.
 _FAMILIES = {
@@ -92,20 +101,23 @@ def sample_weights(f: Path, sample: int = WEIGHT_SAMPLE_BYTES) -> str:
 
 
 def target_fingerprint(path: Path) -> str:
-    """Hash of the config and tokenizer files and of a sample of each weight file.
+    """Hash of the config and tokenizer files and of a sample of each weight file (each
+    remembered while its file is unchanged: draftsmith/fingerprints.py).
 
     Hashing terabytes of weights on every run is not an option, so each weight file counts by
     its size and its first and last MiB (safetensors put the header first and tensors after
     it; a retrained checkpoint of the same shapes differs there).
     """
+    from draftsmith.fingerprints import remembered_digest
+
     material: dict[str, Any] = {}
     for f in sorted(path.iterdir()):
         if not f.is_file():
             continue
         if f.suffix in (".json", ".jinja", ".txt", ".model", ".py"):
-            material[f.name] = sha256_file(f)
+            material[f.name] = remembered_digest(f)
         elif f.suffix in (".safetensors", ".bin", ".pt"):
-            material[f.name] = sample_weights(f)
+            material[f.name] = remembered_digest(f, sample_weights, "sampled")
     return hash_json(material)[:16]
 
 
@@ -154,6 +166,8 @@ def load_tokenizer(target: Descriptor):
 
 def load_target_model(path: str | Path, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
+
+    from draftsmith.target import DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return model.to(device).eval()

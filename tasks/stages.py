@@ -24,7 +24,7 @@ from draftsmith import preflight
 from draftsmith import progress as engine_progress
 from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
 from draftsmith.config import PipelineConfig, TargetConfig
-from draftsmith.stages import Inputs, Report, Stage
+from draftsmith.stages import Inputs, Report, Stage, artifact_key
 
 
 def plan_cache_key(_context, parameters) -> str:
@@ -45,9 +45,9 @@ def retry_unless_hopeless(_task, _task_run, state) -> bool:
 
 
 @contextmanager
-def progress_artifact(stage: str) -> Iterator[None]:
+def progress_artifact(stage: str, key: str | None = None) -> Iterator[None]:
     """Mirror the engine's progress reports into one Prefect progress artifact."""
-    artifact_id = create_progress_artifact(0.0, description=f"{stage} progress")
+    artifact_id = create_progress_artifact(0.0, key=key, description=f"{stage} progress")
 
     def listener(p: engine_progress.Progress) -> None:
         if p.total:  # the description carries the counts, rate and ETA of the log line
@@ -62,15 +62,16 @@ def progress_artifact(stage: str) -> Iterator[None]:
     update_progress_artifact(artifact_id, 100.0)
 
 
-def publish(reports: list[Report]) -> None:
-    """A stage's reports as Prefect artifacts, and their lines in the run log."""
+def publish(reports: list[Report], config: PipelineConfig) -> None:
+    """Reports as Prefect artifacts, keyed within the pipeline (draftsmith-<name>-<key>), and
+    their lines in the run log."""
     logger = get_run_logger()
     for report in reports:
+        key = artifact_key(config, report.key) if report.key else None
         if report.kind == "table":
-            create_table_artifact(report.rows, key=report.key, description=report.description)
+            create_table_artifact(report.rows, key=key, description=report.description)
         elif report.kind == "markdown":
-            create_markdown_artifact(report.text, key=report.key,
-                                     description=report.description)
+            create_markdown_artifact(report.text, key=key, description=report.description)
         for line in report.log_lines:
             logger.info("%s", line)
 
@@ -98,11 +99,11 @@ def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig,
         stage.preflight(config, inputs, plan)
         secret = secret_value(stage.secret(config))
         if stage.progress:
-            with progress_artifact(stage.name):
+            with progress_artifact(stage.name, artifact_key(config, f"{stage.label}-progress")):
                 descriptor = stage.run(config, inputs, plan, secret)
         else:
             descriptor = stage.run(config, inputs, plan, secret)
-    publish(stage.reports(descriptor))
+    publish(stage.reports(descriptor), config)
     return descriptor
 
 

@@ -50,9 +50,11 @@ def base_raw(tmp_path_factory):
 
 
 def run_pipeline(raw: dict, stages: list[str] | None = None) -> dict[str, dict]:
+    """The flow as `draftsmith run` starts it: the whole config in full_config."""
     from flows.pipeline import pipeline
 
-    return pipeline(parse_config(json.loads(json.dumps(raw))), stages)
+    parse_config(json.loads(json.dumps(raw)))  # a bad test config fails here, not in Prefect
+    return pipeline(full_config=raw, stages=stages or [])
 
 
 def states(results: dict[str, dict]) -> dict[str, str]:
@@ -112,7 +114,15 @@ def test_new_data_reruns_from_generate(first_run, base_raw, tmp_path):
     results = run_pipeline(raw, ["generate", "merge", "extract"])
     assert states(results) == {"generate": "Completed", "merge": "Completed",
                                "extract": "Completed"}
-    assert results["generate"]["descriptor"]["counts"]["records"] > 180
+    generated = results["generate"]["descriptor"]
+    assert generated["counts"]["records"] == 90 + 151
+    # Answers are journaled per source: the unchanged source asked for nothing, the grown one
+    # only for the prompts no earlier run had answered (its first 90 were).
+    summary = json.loads((Path(generated["path"]) / "generation.json").read_text())
+    assert summary["per_source"] == {
+        "stdlib-openai": {"requests": 151, "answered_before": 90, "answered_this_attempt": 61},
+        "stdlib-sharegpt": {"requests": 90, "answered_before": 90, "answered_this_attempt": 0}}
+    assert summary["seconds_this_attempt"] > 0 and summary["tokens_per_s"] > 0
 
 
 def test_cli_runs_one_stage_from_finished_outputs(first_run, base_raw, tmp_path):
@@ -232,8 +242,9 @@ def test_generate_and_merge_publish_their_stats_as_table_artifacts(first_run):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    keys = ["draftsmith-generate-sources", "draftsmith-generate-summary",
-            "draftsmith-merge-sources", "draftsmith-merge-vocab"]
+    # Keyed within the pipeline (named after its run_root, runs/tiny: no config file here).
+    keys = ["draftsmith-tiny-generate-sources", "draftsmith-tiny-generate-summary",
+            "draftsmith-tiny-merge-sources", "draftsmith-tiny-merge-vocab"]
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(
             artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
@@ -243,16 +254,19 @@ def test_generate_and_merge_publish_their_stats_as_table_artifacts(first_run):
         data = artifact.data if isinstance(artifact.data, list) else json.loads(artifact.data)
         tables.setdefault(artifact.key, data)
     assert set(tables) == set(keys) and all(a.type == "table" for a in artifacts)
-    sources = {row["source"]: row for row in tables["draftsmith-generate-sources"]}
-    assert {s: (r["read"], r["kept"], r["dropped"]) for s, r in sources.items()} == {
-        "stdlib-sharegpt": (90, 90, 0), "stdlib-openai": (90, 90, 0)}
-    summary = {row["figure"]: row["value"] for row in tables["draftsmith-generate-summary"]}
+    sources = {row["source"]: row for row in tables["draftsmith-tiny-generate-sources"]}
+    assert {s: (r["read"], r["kept"], r["dropped"], r["answered now"])
+            for s, r in sources.items()} == {
+        "stdlib-sharegpt": (90, 90, 0, 90), "stdlib-openai": (90, 90, 0, 90)}
+    summary = {row["figure"]: row["value"] for row in tables["draftsmith-tiny-generate-summary"]}
     assert summary["answered"] == "180" and summary["failed"] == "0"
-    merged = {row["source"]: row for row in tables["draftsmith-merge-sources"]}
+    # The in-process backend times itself too (it reported 0.0 s and no throughput).
+    assert float(summary["seconds_this_attempt"]) > 0 and float(summary["tokens_per_s"]) > 0
+    merged = {row["source"]: row for row in tables["draftsmith-tiny-merge-sources"]}
     for row in merged.values():
         assert row["records"] > 0 and 0 < row["masked_tokens"] < row["tokens"]
         assert row["mean_length"] == pytest.approx(row["tokens"] / row["records"], abs=0.1)
-    vocab = {row["figure"]: row["value"] for row in tables["draftsmith-merge-vocab"]}
+    vocab = {row["figure"]: row["value"] for row in tables["draftsmith-tiny-merge-vocab"]}
     assert 0 < float(vocab["coverage_train"]) <= 1
 
 
