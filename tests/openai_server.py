@@ -3,8 +3,9 @@
 `ServeProcess` runs `transformers serve` on a loopback port with a local model directory,
 offline, in its own process group (so kill -9 takes the whole server down, as a crash would).
 `FaultProxy` forwards to it and can answer 429/503 a few times, hang on a request, fail chosen
-prompts always, require an API key, add `reasoning_content` the way reasoning servers do, and
-count answers per prompt; a hook runs after each answer (the kill test uses it).
+prompts always, garble the server's real reply (cut it short, null its content), require an API
+key, add `reasoning_content` the way reasoning servers do, and count answers per prompt; a hook
+runs after each answer (the kill test uses it).
 """
 
 from __future__ import annotations
@@ -107,6 +108,9 @@ class FaultProxy:
             self.add_reasoning = False
             self.after_answer = None
             self.stall_next: deque[float] = deque()  # seconds to hold a request before sending
+            # "truncate" or "null_content": what to do to the next real 200s on their way back.
+            self.garble_next: deque[str] = deque()
+            self.garbled = 0
             self.answers: Counter[str] = Counter()  # prompt -> 200 answers sent
             self.requests = 0
             self.auth_headers: list[str | None] = []
@@ -160,6 +164,15 @@ class FaultProxy:
                         proxy.in_flight[max_tokens] -= 1
                 payload = upstream.json()
                 if upstream.status_code == 200:
+                    with proxy.lock:
+                        garble = proxy.garble_next.popleft() if proxy.garble_next else None
+                        proxy.garbled += garble is not None
+                    if garble == "truncate":
+                        text = json.dumps(payload)
+                        return self.send_text(200, text[: len(text) // 2])
+                    if garble == "null_content":
+                        payload["choices"][0]["message"]["content"] = None
+                        return self.send_json(200, payload)
                     if proxy.add_reasoning:
                         message = payload["choices"][0]["message"]
                         message["reasoning_content"] = "thinking about: " + last[-24:]

@@ -126,6 +126,30 @@ def test_429_and_503_are_retried_with_backoff(proxy, random_target, random_targe
     assert sum(proxy.answers.values()) == 4  # no prompt answered twice
 
 
+def test_a_garbled_reply_of_the_real_server_is_retried_without_disturbing_the_batch(
+        proxy, random_target, random_target_dir, tmp_path, caplog):
+    """transformers serve's own replies, cut short and with their content nulled on the way
+    back, in the middle of a batch: each is one failed attempt of its request, retried; the
+    stage neither aborts nor stores an empty answer."""
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 8)
+    cfg = generate_cfg(proxy, random_target_dir)
+
+    def garble(answered: int) -> None:
+        if answered == 2:  # two healthy answers are in, more are in flight
+            proxy.garble_next.extend(["truncate", "null_content"])
+
+    proxy.after_answer = garble
+    with caplog.at_level(logging.WARNING, logger="draftsmith"):
+        descriptor, _ = run(cfg, data_path, random_target, random_target_dir, tmp_path)
+    assert proxy.garbled == 2
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert (summary["answered"], summary["failed"], summary["retries_this_attempt"]) == (8, 0, 2)
+    assert "is not JSON" in caplog.text and "content is null" in caplog.text
+    records = records_of(descriptor)
+    assert sorted(r["id"] for r in records) == sorted(f"p/p{i}" for i in range(8))
+    assert all(r["messages"][-1]["content"] for r in records)  # no empty turn stored
+
+
 def test_a_hung_request_times_out_and_is_retried(proxy, random_target, random_target_dir,
                                                  tmp_path, caplog):
     proxy.stall_next.append(4.0)

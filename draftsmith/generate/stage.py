@@ -11,6 +11,7 @@ import concurrent.futures
 import json
 import logging
 import shutil
+from collections import Counter
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
@@ -19,7 +20,8 @@ from draftsmith.data.formats import Message, Record, SourceStats, load_source
 from draftsmith.generate.openai_client import (
     ERRORS_FILE,
     Answer,
-    GenerateError,
+    EndpointError,
+    GenerateInputError,
     Journal,
     OpenAIRegenerator,
     Request,
@@ -136,7 +138,7 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                 prompt_tokens = len(tokenizer.apply_chat_template(
                     wire, add_generation_prompt=True, tokenize=True, return_dict=False))
             except Exception as err:  # jinja raises what the template's author chose
-                raise GenerateError(
+                raise GenerateInputError(
                     f"record {records[index].id} ({records[index].source}): the target's chat "
                     f"template cannot render its prompt: {type(err).__name__}: {err}") from None
             request_for[index] = Request(
@@ -145,8 +147,9 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
         requests = list(request_for.values())
     done_before = journal.answers()
     # Records repeated with the same id and prompt share one request (and its answer).
-    missing = list({r.key: r for r in requests if r.key not in done_before}.values())
-    answered_before = len({r.key for r in requests} & done_before.keys())
+    unique = {r.key: r for r in requests}
+    missing = [r for key, r in unique.items() if key not in done_before]
+    answered_before = len(unique.keys() & done_before.keys())
     if done_before:
         log.info("generate: resuming: %d of %d prompts already answered (journal %s), %d to go",
                  answered_before, len(requests), journal.dir, len(missing))
@@ -167,15 +170,24 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
 
     answers = journal.answers()
     failures = {f.key: f for f in journal.failures()}
-    unanswered = [r for r in requests if r.key not in answers]
-    if unanswered and len(unanswered) > cfg.max_failure_rate * len(requests):
+    unanswered = [r for key, r in unique.items() if key not in answers]
+    # Every request is answered (before or now) or failed, exactly once.
+    if answered_before + totals.answered + len(unanswered) != len(unique):
+        raise AssertionError(f"generate: {answered_before} answered before + {totals.answered} "
+                             f"now + {len(unanswered)} failed != {len(unique)} requests")
+    if unanswered and len(unanswered) > cfg.max_failure_rate * len(unique):
         first = failures.get(unanswered[0].key)
-        raise GenerateError(
-            f"generate: {len(unanswered)} of {len(requests)} requests failed after every retry "
-            f"(more than generate.max_failure_rate={cfg.max_failure_rate}); first: "
-            f"{unanswered[0].record_id}: {first.error if first else 'no answer'}. Errors: "
-            f"{journal.errors_path}. The {len(answers)} answers so far are kept in "
-            f"{journal.dir}; running the stage again asks only for the missing ones")
+        # Retrying the stage helps only when some failure may pass (5xx, timeouts, garbage
+        # replies); a server that refuses every request (4xx) refuses it again.
+        kind = (EndpointError if any(f.retryable for f in failures.values()) or
+                len(failures) < len(unanswered) else GenerateInputError)
+        raise kind(
+            f"generate: {len(unanswered)} of {len(unique)} requests failed after every retry "
+            f"(more than generate.max_failure_rate={cfg.max_failure_rate}); causes "
+            f"{_causes(failures.values())}; first: {unanswered[0].record_id}: "
+            f"{first.error if first else 'no answer'}. Errors: {journal.errors_path}. The "
+            f"{len(answers)} answers so far are kept in {journal.dir}; running the stage again "
+            "asks only for the missing ones")
 
     kept: list[Record] = []
     answered_keys = set()
@@ -200,11 +212,12 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     cost = cost_usd(cfg.endpoint, prompt_tokens, completion_tokens) if cfg.endpoint else None
     summary = {
         "backend": cfg.backend,
-        "requests": len(requests),
+        "requests": len(unique),
         "answered": len(used),
         "answered_this_attempt": totals.answered,
         "answered_before": answered_before,
         "failed": len(unanswered),
+        "failed_by_cause": _causes(failures[r.key] for r in unanswered if r.key in failures),
         "retries_this_attempt": totals.retries,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -244,6 +257,10 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     # Everything the journal held is in the finished directory now.
     shutil.rmtree(journal.dir, ignore_errors=True)
     return descriptor
+
+
+def _causes(failures) -> dict[str, int]:
+    return dict(sorted(Counter(f.cause for f in failures).items()))
 
 
 def read_records(generated: Descriptor) -> list[Record]:
