@@ -231,12 +231,11 @@ FamilyOption = Annotated[str, typer.Option(
 
 
 def _export_errors(action):
-    from draftsmith.export.formats import ExportError
-    from draftsmith.export.layer_ids import LayerIdError
+    from draftsmith.errors import InputError
 
     try:
         return action()
-    except (ExportError, LayerIdError, FileNotFoundError) as err:
+    except (InputError, FileNotFoundError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
 

@@ -12,10 +12,12 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from draftsmith.errors import InputError
+
 STAGES = ("generate", "merge", "extract", "train", "fix_keys", "deploy", "benchmark")
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A config file or override that cannot be used; the message names the key and the fix."""
 
 
@@ -223,6 +225,24 @@ class ExtractConfig(StrictModel):
     writer_queue: int = Field(2, ge=1, description="Shards waiting for the disk writers.")
     writer_threads: int = Field(2, ge=1)
     sglang: SGLangCaptureConfig = Field(default_factory=SGLangCaptureConfig)
+
+    @model_validator(mode="after")
+    def _aux_ids_usable(self) -> ExtractConfig:
+        # Against the target's layer count later (extract, `draftsmith validate`); what needs no
+        # target is refused here, before anything runs.
+        ids = self.aux_layer_ids
+        if ids is None:
+            return self
+        if not ids:
+            raise ValueError("extract.aux_layer_ids=[]: the drafter needs at least one aux layer "
+                             "(EAGLE-3 uses three, e.g. [1, L//2-1, L-4]); remove the key for "
+                             "that default")
+        if min(ids) < 0:
+            raise ValueError(f"extract.aux_layer_ids={ids}: ids count decoder layers from 0 "
+                             "(id i = output of layer i); negative ids are not accepted")
+        if sorted(set(ids)) != ids:
+            raise ValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and ascending")
+        return self
 
     @model_validator(mode="after")
     def _check_parallel(self) -> ExtractConfig:

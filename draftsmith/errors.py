@@ -40,6 +40,11 @@ class CheckpointError(InputError, ValueError):
     key); the message names the file, what is wrong and what to do."""
 
 
+class WorkerCrashError(TransientError, RuntimeError):
+    """A child process (a torchrun rank, an extraction worker) died or failed for a reason
+    that is not an input error."""
+
+
 def is_input_error(err: BaseException) -> bool:
     return isinstance(err, InputError)
 

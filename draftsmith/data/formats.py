@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field
 
 from draftsmith.artifacts import hash_json
+from draftsmith.errors import InputError, MissingFileError
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -76,7 +77,7 @@ class SourceStats(BaseModel):
     notes: dict[str, int] = {}
 
 
-class DataFormatError(ValueError):
+class DataFormatError(InputError, ValueError):
     pass
 
 
@@ -188,7 +189,8 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
     """(1-based line or index, row) from a JSONL file, a JSON array or a Parquet file."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: data file not found")
+        raise MissingFileError(f"{path}: data file not found; check data.sources[].path "
+                               "(relative paths are read from the config file's directory)")
     if path.suffix in (".parquet", ".arrow"):
         import datasets
 

@@ -29,6 +29,7 @@ import torch
 
 from draftsmith.artifacts import Descriptor, StagePlan, atomic_path, finish_stage
 from draftsmith.config import TrainConfig
+from draftsmith.errors import CheckpointError, ConfigValueError
 from draftsmith.extract.store import Sample, ShardReader
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter, shift_left
 from draftsmith.progress import Progress
@@ -165,22 +166,23 @@ def build_drafter(cfg: TrainConfig, drafter_cfg: Eagle3Config, embed: torch.Tens
         try:
             ckpt = read_drafter(cfg.init_from, family=cfg.init_family)
         except (ExportError, ValueError, FileNotFoundError) as err:
-            raise ValueError(f"train.init_from={cfg.init_from!r}: {err}") from None
+            raise CheckpointError(f"train.init_from={cfg.init_from!r}: {err}") from None
         theirs = ckpt.config.model_dump(exclude={"max_position_embeddings", "rope_scaling"})
         ours = drafter_cfg.model_dump(exclude={"max_position_embeddings", "rope_scaling"})
         diff = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
         if diff:
-            raise ValueError(f"train.init_from={cfg.init_from!r} does not fit this target and "
-                             f"data (theirs, ours): {diff}; fine-tune a drafter built for the "
-                             "same target, aux layers and draft vocab, or train from scratch")
+            raise ConfigValueError(
+                f"train.init_from={cfg.init_from!r} does not fit this target and data (theirs, "
+                f"ours): {diff}; fine-tune a drafter built for the same target, aux layers and "
+                "draft vocab, or train from scratch")
         state = {k: v for k, v in ckpt.tensors.items() if k != "embed_tokens.weight"}
         missing = drafter.load_state_dict(state, strict=False)
         if set(missing.missing_keys) - {"embed_tokens.weight"} or missing.unexpected_keys:
-            raise ValueError(f"train.init_from={cfg.init_from!r}: missing "
-                             f"{missing.missing_keys}, unexpected {missing.unexpected_keys}")
+            raise CheckpointError(f"train.init_from={cfg.init_from!r}: missing "
+                                  f"{missing.missing_keys}, unexpected {missing.unexpected_keys}")
         if not torch.equal(drafter.d2t.cpu(), d2t.cpu()):
-            raise ValueError(f"train.init_from={cfg.init_from!r}: its draft vocab (d2t) differs "
-                             "from the one built from this data")
+            raise ConfigValueError(f"train.init_from={cfg.init_from!r}: its draft vocab (d2t) "
+                                   "differs from the one built from this data")
         log.info("train: fine-tuning %s drafter from %s", ckpt.layout, cfg.init_from)
     drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     return drafter
@@ -238,8 +240,9 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
 
     sharded = cfg.parallel == "fsdp"
     if sharded and not dist.grouped:
-        raise ValueError("train.parallel=fsdp shards the drafter over a process group: run it "
-                         "through run_train (which starts torchrun), or set train.parallel=ddp")
+        raise ConfigValueError("train.parallel=fsdp shards the drafter over a process group: run "
+                               "it through run_train (which starts torchrun), or set "
+                               "train.parallel=ddp")
     torch.manual_seed(cfg.seed)
     device = dist.device(cfg.device)
     store = ShardReader(hidden.path)
@@ -285,8 +288,8 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
         optimizer.optimizer, lr_factor(cfg.warmup_ratio, cfg.scheduler, total_steps))
     weights = step_weights_of(cfg)
     if len(weights) != cfg.ttt_steps:
-        raise ValueError(f"train.step_weights has {len(weights)} entries, ttt_steps is "
-                         f"{cfg.ttt_steps}: give one weight per step")
+        raise ConfigValueError(f"train.step_weights has {len(weights)} entries, ttt_steps is "
+                               f"{cfg.ttt_steps}: give one weight per step")
 
     state = {"epoch": 0, "step_in_epoch": 0, "step": 0, "best_tau": -1.0, "best_epoch": -1,
              "history": [], "trained": [[] for _ in range(dist.world)]}
@@ -295,19 +298,19 @@ def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target:
         saved = torch.load(state_path, map_location="cpu", weights_only=False)
         saved_world = len(saved["position"]["trained"])
         if saved_world != dist.world:
-            raise ValueError(f"{state_path} was written by {saved_world} process(es); resume "
-                             f"with train.nproc_per_node={saved_world} (now {dist.world}), or "
-                             "delete it to start over")
+            raise ConfigValueError(f"{state_path} was written by {saved_world} process(es); "
+                                   f"resume with train.nproc_per_node={saved_world} (now "
+                                   f"{dist.world}), or delete it to start over")
         saved_parallel = saved.get("parallel", "ddp")
         if saved_parallel != cfg.parallel:
-            raise ValueError(f"{state_path} was written with train.parallel={saved_parallel}; "
-                             f"resume with that setting (now {cfg.parallel}), or delete it to "
-                             "start over")
+            raise ConfigValueError(f"{state_path} was written with train.parallel="
+                                   f"{saved_parallel}; resume with that setting (now "
+                                   f"{cfg.parallel}), or delete it to start over")
         if sharded:  # this rank's shards of model and optimiser, from its own file
             shard_path = state_path.parent / saved["shards"][dist.rank]
             if not shard_path.is_file():
-                raise ValueError(f"{state_path} names {shard_path}, which is missing; delete "
-                                 f"{state_path.parent} to start over")
+                raise CheckpointError(f"{state_path} names {shard_path}, which is missing; delete "
+                                      f"{state_path.parent} to start over")
             shard = torch.load(shard_path, map_location="cpu", weights_only=False)
             fsdp.load_local_state(drafter, shard["model"])
             fsdp.load_local_optimizer_state(optimizer.optimizer, shard["optimizer"])
