@@ -160,10 +160,21 @@ def run(
 @app.command()
 def validate(
     config: Annotated[Path, typer.Argument(help="Pipeline YAML to check.")],
+    deep: Annotated[bool, typer.Option(
+        "--deep", help="Also load the target's config and tokenizer.")] = False,
     set_: SetOption = None,
 ) -> None:
-    """Check a config file (keys, types, constraints) without running anything."""
+    """Check a config and what a run would fail on, without running anything heavy: keys and
+    values, data files, aux layer ids against the target, drafting settings, ports."""
+    from draftsmith.checks import check_config, format_findings
+
     pipeline_config = _load(config, set_)
+    findings = check_config(pipeline_config, deep=deep)
+    print("\n".join(format_findings(findings)))
+    if any(f.level == "error" for f in findings):
+        console.print(f"[red]{config}: {sum(f.level == 'error' for f in findings)} problem(s) "
+                      "a run would fail on[/red]")
+        raise typer.Exit(1)
     console.print(f"[green]{config}: valid[/green] (run_root {pipeline_config.run_root}, "
                   f"{len(pipeline_config.data.sources)} data sources)")
 

@@ -271,19 +271,42 @@ def read_rows(path: str | Path) -> Iterator[tuple[int, dict[str, Any]]]:
         yield from _dataset_rows(datasets.load_dataset(builder, data_files=str(path),
                                                        split="train"))
         return
-    text = path.read_text(encoding="utf-8")
     if path.suffix == ".json":
-        rows = json.loads(text)
+        try:
+            rows = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as err:
+            raise DataFormatError(f"{path}: not valid JSON: {err}") from None
         if not isinstance(rows, list):
             raise DataFormatError(f"{path}: expected a JSON array of records")
         yield from enumerate(rows, start=1)
         return
-    for lineno, line in enumerate(text.splitlines(), start=1):
-        if line.strip():
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataFormatError(f"{path}:{lineno}: not valid JSON: {err}") from None
+    # Line by line: a large file is never held in memory whole, and a reader that stops early
+    # (a `limit`, `draftsmith validate`) reads only what it needs.
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if line.strip():
+                try:
+                    yield lineno, json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DataFormatError(f"{path}:{lineno}: not valid JSON: {err}") from None
+
+
+def peek_rows(path: str | Path, n: int) -> Iterator[tuple[int, dict[str, Any]]]:
+    """The first `n` rows of a local file, reading no more of it than that (Parquet through
+    pyarrow directly: datasets would first convert the whole file)."""
+    path = Path(path)
+    if path.suffix == ".parquet" and path.is_file():
+        import pyarrow.parquet as pq
+
+        batch = next(pq.ParquetFile(path).iter_batches(batch_size=n), None)
+        rows = batch.to_pylist() if batch is not None else []
+        yield from ((i, {k: v for k, v in row.items() if v is not None})
+                    for i, row in enumerate(rows, start=1))
+        return
+    for count, item in enumerate(read_rows(path)):
+        if count >= n:
+            return
+        yield item
 
 
 def read_hub_rows(name: str, config: str | None = None, split: str = "train",
@@ -313,15 +336,18 @@ def load_source(
     name: str, path: str | Path | None = None, fmt: str = "auto", limit: int | None = None,
     max_drop_rate: float = 1.0, *, hub: str | None = None, hub_config: str | None = None,
     split: str = "train", revision: str | None = None,
+    rows: Iterator[tuple[int, dict[str, Any]]] | None = None,
 ) -> tuple[list[Record], SourceStats]:
     """Read one source (a local file `path`, or a Hugging Face dataset `hub`). Fails when it
     keeps nothing or drops more than `max_drop_rate` of what it read, naming the reason and
-    showing a dropped record."""
+    showing a dropped record. `rows` replaces the reading (e.g. the first few, from
+    `peek_rows`)."""
     if (path is None) == (hub is None):
         raise ValueError(f"data source {name!r}: give exactly one of path or hub")
     where = str(path) if path is not None else f"hub:{hub}[{split}]"
-    rows = read_rows(path) if path is not None else read_hub_rows(hub, hub_config, split,
-                                                                  revision)
+    if rows is None:
+        rows = read_rows(path) if path is not None else read_hub_rows(hub, hub_config, split,
+                                                                      revision)
     stats = SourceStats(source=name)
     dropped: Counter[str] = Counter()
     notes: Counter[str] = Counter()
