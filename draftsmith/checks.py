@@ -185,11 +185,11 @@ def check_layers(checks: Checks, config: PipelineConfig, target: TargetShape) ->
     except InputError as err:
         checks.error("aux layers", f"{err} ({target.where})")
         return
-    engine = "vllm" if config.fix_keys.format == "speculators" else "sglang"
+    engine = "vllm" if config.export.format == "speculators" else "sglang"
     try:
         written = engine_layer_ids(ids, target.family, engine)
     except InputError as err:
-        checks.error("aux layers", f"fix-keys would refuse them after training: {err}")
+        checks.error("aux layers", f"export would refuse them after training: {err}")
         return
     checks.ok("aux layers", f"{ids} (outputs; {'default' if given is None else 'given'}) within "
                             f"0..{target.num_layers - 1}, written {written} for {engine} on a "
@@ -208,22 +208,13 @@ def check_vocab(checks: Checks, config: PipelineConfig, target: TargetShape) -> 
 
 def check_drafting(checks: Checks, config: PipelineConfig) -> None:
     ttt, deploy = config.train.ttt_steps, config.deploy
-    if deploy.engine == "sglang" and config.fix_keys.format != "sglang":
-        checks.error("drafting", f"deploy.engine=sglang with fix_keys.format="
-                                 f"{config.fix_keys.format}: SGLang loads the SGLang layout only; "
-                                 "set fix_keys.format=sglang")
-    beyond = []
-    if deploy.num_steps is not None and deploy.num_steps > ttt:
-        beyond.append(f"deploy.num_steps={deploy.num_steps}")
-    beyond += [f"benchmark.sweep {p.label}" for p in config.benchmark.sweep if p.num_steps > ttt]
-    if config.fix_keys.format == "speculators" and config.fix_keys.speculative_tokens > ttt:
-        beyond.append(f"fix_keys.speculative_tokens={config.fix_keys.speculative_tokens}")
-    if beyond:
-        checks.warn("drafting", f"{', '.join(beyond)} draft more steps than train.ttt_steps="
-                                f"{ttt} trained: the later steps run on inputs the drafter never "
-                                "saw, and their acceptance falls; raise train.ttt_steps or draft "
-                                "fewer steps")
-    elif not any(f.check == "drafting" for f in checks.findings):
+    if deploy.engine == "sglang" and config.export.format != "sglang":
+        checks.error("drafting", f"deploy.engine=sglang with export.format="
+                                 f"{config.export.format}: SGLang loads the SGLang layout only; "
+                                 "set export.format=sglang")
+    for warning in config.warnings():  # drafting more steps than were trained, and the like
+        checks.warn("drafting", warning)
+    if not any(f.check == "drafting" for f in checks.findings):
         steps = deploy.num_steps if deploy.num_steps is not None else "engine default"
         checks.ok("drafting", f"{deploy.engine}: {steps} draft steps, trained with "
                               f"train.ttt_steps={ttt}")

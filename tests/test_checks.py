@@ -109,12 +109,12 @@ def test_empty_aux_layer_ids_are_refused_at_config_time(random_target_dir, tmp_p
 
 
 def test_aux_ids_the_engine_cannot_express_fail_before_training(random_target_dir, tmp_path):
-    """DeepSeek-family targets on SGLang cannot read the output of layer 0: fix-keys would
+    """DeepSeek-family targets on SGLang cannot read the output of layer 0: export would
     refuse it only after extraction and training."""
     found = findings(write_config(tmp_path, random_target_dir, target={"family": "deepseek"},
                                   extract={"aux_layer_ids": [0, 3, 5]}))
     ((level, message),) = found["aux layers"]
-    assert level == "error" and "fix-keys would refuse them after training" in message
+    assert level == "error" and "export would refuse them after training" in message
 
 
 def test_a_sglang_capture_needs_room_above_the_last_aux_layer(random_target_dir, tmp_path):
@@ -138,13 +138,13 @@ def test_drafting_beyond_the_trained_steps_warns_and_a_layout_sglang_cannot_load
                                   deploy={"num_steps": 3, "eagle_topk": 1,
                                           "num_draft_tokens": 4}))
     ((level, message),) = found["drafting"]
-    assert level == "warning" and "deploy.num_steps=3" in message and "ttt_steps=2" in message
+    assert level == "warning" and "deploy.num_steps=3 exceeds train.ttt_steps=2" in message
 
     found = findings(write_config(tmp_path, random_target_dir,
                                   deploy={"engine": "sglang", "port": free_port()},
-                                  fix_keys={"format": "speculators"}))
-    assert ("error", "deploy.engine=sglang with fix_keys.format=speculators: SGLang loads the "
-                     "SGLang layout only; set fix_keys.format=sglang") in found["drafting"]
+                                  export={"format": "speculators"}))
+    assert ("error", "deploy.engine=sglang with export.format=speculators: SGLang loads the "
+                     "SGLang layout only; set export.format=sglang") in found["drafting"]
 
 
 def free_port() -> int:
