@@ -170,12 +170,21 @@ def plan_command(
 @app.command()
 def validate(
     config: Annotated[Path, typer.Argument(help="Pipeline YAML to check.")],
+    deep: Annotated[bool, typer.Option(
+        "--deep", help="Also load the target's config and tokenizer.")] = False,
     set_: SetOption = None,
 ) -> None:
-    """Check a config file (keys, types, constraints) without running anything."""
+    """Check a config and what a run would fail on, without running anything heavy: keys and
+    values, data files, aux layer ids against the target, drafting settings, ports."""
+    from draftsmith.checks import check_config, format_findings
+
     pipeline_config = _load(config, set_)
-    for warning in pipeline_config.warnings():
-        console.print(f"[yellow]warning: {warning}[/yellow]")
+    findings = check_config(pipeline_config, deep=deep)  # config.warnings() among them
+    print("\n".join(format_findings(findings)))
+    if any(f.level == "error" for f in findings):
+        console.print(f"[red]{config}: {sum(f.level == 'error' for f in findings)} problem(s) "
+                      "a run would fail on[/red]")
+        raise typer.Exit(1)
     console.print(f"[green]{config}: valid[/green] (run_root {pipeline_config.run_root}, "
                   f"{len(pipeline_config.data.sources)} data sources)")
 
@@ -286,12 +295,11 @@ FamilyOption = Annotated[str, typer.Option(
 
 
 def _export_errors(action):
-    from draftsmith.export.formats import ExportError
-    from draftsmith.export.layer_ids import LayerIdError
+    from draftsmith.errors import InputError
 
     try:
         return action()
-    except (ExportError, LayerIdError, FileNotFoundError) as err:
+    except (InputError, FileNotFoundError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
 

@@ -15,10 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from draftsmith.errors import InputError
+
 CACHE_KEY = "cache_key"
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A config file or override that cannot be used; the message names the key and the fix."""
 
 
@@ -283,6 +285,24 @@ class ExtractConfig(StrictModel):
     writer_threads: int = operational(2, ge=1)
     sglang: SGLangCaptureConfig = operational(default_factory=SGLangCaptureConfig)
     vllm: VLLMCaptureConfig = operational(default_factory=VLLMCaptureConfig)
+
+    @model_validator(mode="after")
+    def _aux_ids_usable(self) -> ExtractConfig:
+        # Against the target's layer count later (extract, `draftsmith validate`); what needs no
+        # target is refused here, before anything runs.
+        ids = self.aux_layer_ids
+        if ids is None:
+            return self
+        if not ids:
+            raise ValueError("extract.aux_layer_ids=[]: the drafter needs at least one aux layer "
+                             "(EAGLE-3 uses three, e.g. [1, L//2-1, L-4]); remove the key for "
+                             "that default")
+        if min(ids) < 0:
+            raise ValueError(f"extract.aux_layer_ids={ids}: ids count decoder layers from 0 "
+                             "(id i = output of layer i); negative ids are not accepted")
+        if sorted(set(ids)) != ids:
+            raise ValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and ascending")
+        return self
 
     @model_validator(mode="after")
     def _check_parallel(self) -> ExtractConfig:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 
 from draftsmith.artifacts import Descriptor, external_descriptor, hash_json
 from draftsmith.config import TargetConfig
+from draftsmith.errors import CheckpointError, ConfigValueError, MissingFileError
 
 if TYPE_CHECKING:
     import torch
@@ -75,14 +76,20 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
 
 
 def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    if not ids:
+        raise ConfigValueError(
+            f"extract.aux_layer_ids=[]: the drafter needs at least one aux layer; give ids "
+            f"within 0..{num_layers - 1}, or remove the key for the default "
+            f"{default_aux_layer_ids(num_layers)}")
     bad = [i for i in ids if not 0 <= i < num_layers]
     if bad:
-        raise ValueError(
+        raise ConfigValueError(
             f"extract.aux_layer_ids={ids}: ids {bad} are outside 0..{num_layers - 1} "
             f"(id i = output of decoder layer i; this target has {num_layers} layers)"
         )
     if len(set(ids)) != len(ids) or sorted(ids) != ids:
-        raise ValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and ascending")
+        raise ConfigValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and "
+                               "ascending")
     return ids
 
 
@@ -133,13 +140,18 @@ def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor
     else:
         path = Path(cfg.model).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"target.model={cfg.model!r}: no config.json there. Give a local model directory "
                 f"(weights, config.json, tokenizer) or {BUILTIN_TINY!r} for the CPU demo target."
             )
-    model_config = json.loads((path / "config.json").read_text())
+    model_config = read_model_config(path)
     text = text_config_of(model_config)
     family = family_of(model_config) if cfg.family == "auto" else cfg.family
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
+    if missing:
+        raise CheckpointError(f"{path / 'config.json'}: missing {missing}; draftsmith reads the "
+                              "target's shape from there: restore the model's own config.json "
+                              "(re-download it)")
     return external_descriptor(
         "target",
         path.resolve(),
@@ -154,13 +166,34 @@ def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor
     )
 
 
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The target's config.json, or an error naming the file and the fix."""
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err}); the file is damaged: "
+                              "re-download the model's config.json") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: holds a JSON {type(config).__name__}, not an "
+                              "object; re-download the model's config.json")
+    return config
+
+
 def load_tokenizer(target: Descriptor):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target.path)
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError or the tokenizers library's
+        raise CheckpointError(f"{target.path}: the tokenizer cannot be loaded ({err}); the model "
+                              "directory needs its tokenizer files (tokenizer.json or "
+                              "tokenizer.model and tokenizer_config.json): re-download them"
+                              ) from None
     if tokenizer.chat_template is None:
-        raise ValueError(f"{target.path}: the tokenizer has no chat template; draftsmith needs one "
-                         "to tokenise conversations the way the target is served")
+        raise ConfigValueError(f"{target.path}: the tokenizer has no chat template; draftsmith "
+                               "needs one to tokenise conversations the way the target is "
+                               "served")
     return tokenizer
 
 
@@ -202,7 +235,9 @@ def load_target_head_and_embedding(target: Descriptor) -> tuple[torch.Tensor, to
     embed_name = find("embed_tokens.weight")
     head_name = find("lm_head.weight") or embed_name  # tied embeddings
     if embed_name is None:
-        raise KeyError(f"{target.path}: no '*embed_tokens.weight' tensor in the weight files")
+        raise CheckpointError(f"{target.path}: no '*embed_tokens.weight' tensor in the weight "
+                              "files; the drafter shares the target's embedding: check that "
+                              "every weight file (and model.safetensors.index.json) is there")
     tensors = []
     for name in (embed_name, head_name):
         with safe_open(str(files[name]), framework="pt") as handle:

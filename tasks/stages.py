@@ -20,10 +20,10 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from draftsmith import preflight
 from draftsmith import progress as engine_progress
 from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
 from draftsmith.config import PipelineConfig, TargetConfig
+from draftsmith.errors import worth_retrying
 from draftsmith.stages import Inputs, Report, Stage, artifact_key
 
 
@@ -33,15 +33,14 @@ def plan_cache_key(_context, parameters) -> str:
 
 
 def retry_unless_hopeless(_task, _task_run, state) -> bool:
-    """A full disk or a missing GPU fails the same way on every attempt: fail at once with the
-    preflight's message instead of retrying it twice."""
-    from draftsmith.extract.preflight import DiskSpaceError
-
+    """An input error (a bad record or value, a missing file, a full disk, no GPU) fails the
+    same way on every attempt: fail at once with its message. Everything else may pass on a
+    retry (an endpoint down, a crashed worker, GPUs still held) and is retried."""
     try:
         error = state.result(raise_on_failure=False)
     except Exception:  # noqa: BLE001 - no readable result: retry as usual
         return True
-    return not isinstance(error, DiskSpaceError | preflight.PreflightError)
+    return not isinstance(error, BaseException) or worth_retrying(error)
 
 
 @contextmanager

@@ -22,3 +22,12 @@ class JsonHandler(BaseHTTPRequestHandler):
             self.send_header(name, value)
         self.end_headers()
         self.wfile.write(data)
+
+    def send_text(self, code: int, text: str, content_type: str = "application/json") -> None:
+        """A body sent as it is (e.g. JSON cut short, an HTML error page)."""
+        data = text.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)

@@ -2,8 +2,9 @@
 
 `FaultProxy` forwards to it, counts requests in flight and answers per prompt, and injects the
 faults a healthy server does not produce: 429/503 a few times, a hung request, prompts that
-always fail, an outage (every request answered 502, as a gateway does when the server behind it
-is gone), a required API key. A hook runs after each answer (the resume tests use it).
+always fail, a garbled reply (the server's own, cut short or with its content nulled), an outage
+(every request answered 502, as a gateway does when the server behind it is gone), a required
+API key. A hook runs after each answer (the resume tests use it).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class FaultProxy:
             self.down = False  # an outage: the server behind the proxy is gone
             self.after_answer = None
             self.stall_next: deque[float] = deque()  # seconds to hold a request before sending
+            # "truncate" or "null_content": what to do to the next real 200s on their way back.
+            self.garble_next: deque[str] = deque()
+            self.garbled = 0
             self.answers: Counter[str] = Counter()  # prompt -> 200 answers sent
             self.requests = 0
             self.auth_headers: list[str | None] = []
@@ -101,6 +105,15 @@ class FaultProxy:
                         proxy.in_flight[max_tokens] -= 1
                 payload = upstream.json()
                 if upstream.status_code == 200:
+                    with proxy.lock:
+                        garble = proxy.garble_next.popleft() if proxy.garble_next else None
+                        proxy.garbled += garble is not None
+                    if garble == "truncate":
+                        text = json.dumps(payload)
+                        return self.send_text(200, text[: len(text) // 2])
+                    if garble == "null_content":
+                        payload["choices"][0]["message"]["content"] = None
+                        return self.send_json(200, payload)
                     with proxy.lock:
                         proxy.answers[prompt_key(body)] += 1
                         answered = sum(proxy.answers.values())

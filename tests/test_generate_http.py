@@ -161,12 +161,38 @@ def test_429_and_503_are_retried_with_backoff(proxy, served_target, served_targe
     assert sum(proxy.answers.values()) == 4  # no prompt answered twice
 
 
+def test_a_garbled_reply_of_the_real_server_is_retried_without_disturbing_the_batch(
+        proxy, served_target, served_target_dir, tmp_path, caplog):
+    """vLLM's own replies, cut short and with their content nulled on the way back, in the
+    middle of a batch: each is one failed attempt of its request, retried; the stage neither
+    aborts nor stores an empty answer."""
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 8)
+    cfg = generate_cfg(proxy, served_target_dir)
+
+    def garble(answered: int) -> None:
+        if answered == 2:  # two healthy answers are in, more are in flight
+            proxy.garble_next.extend(["truncate", "null_content"])
+
+    proxy.after_answer = garble
+    with caplog.at_level(logging.WARNING, logger="draftsmith"):
+        descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
+    assert proxy.garbled == 2
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert (summary["answered"], summary["failed"], summary["retries_this_attempt"]) == (8, 0, 2)
+    assert "is not JSON" in caplog.text and "content is null" in caplog.text
+    records = records_of(descriptor)
+    assert sorted(r["id"] for r in records) == sorted(f"p/p{i}" for i in range(8))
+    assert all(r["messages"][-1]["content"] for r in records)  # no empty turn stored
+
+
 def test_a_hung_request_times_out_and_is_retried(proxy, served_target, served_target_dir,
                                                  tmp_path, caplog):
-    proxy.stall_next.append(4.0)
+    # The hung request is held far longer than the timeout, and the timeout far longer than
+    # a healthy answer takes on a busy machine, so only the hung one times out.
+    proxy.stall_next.append(120.0)
     data_path = write_prompts(tmp_path / "prompts.jsonl", 2)
     with caplog.at_level(logging.WARNING, logger="draftsmith"):
-        descriptor, _ = run(generate_cfg(proxy, served_target_dir, timeout_s=1.0), data_path,
+        descriptor, _ = run(generate_cfg(proxy, served_target_dir, timeout_s=15.0), data_path,
                             served_target, served_target_dir, tmp_path)
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["answered"] == 2 and summary["retries_this_attempt"] == 1
@@ -298,14 +324,19 @@ def test_server_gone_mid_run_then_back_every_prompt_answered_exactly_once(
 
 
 def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
-        proxy, served_target, served_target_dir, tmp_path):
+        prefect_api, proxy, served_target, served_target_dir, tmp_path):
     """The task layer resolves generate.endpoint.api_key_secret: the key reaches the server,
     and neither the run's logs, task parameters nor artifacts hold it."""
     from prefect import flow
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
     from prefect.logging.handlers import APILogWorker
-    from prefect.testing.utilities import prefect_test_harness
 
     from draftsmith import stages
     from draftsmith.config import PipelineConfig
@@ -324,14 +355,19 @@ def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
     def regenerate():
         return task_for(stages.get("generate"))(plan, config, {"target": served_target})
 
-    with prefect_test_harness(server_startup_timeout=120):
-        Secret(value=secret).save("draftsmith-test-key")
-        descriptor = regenerate()
-        APILogWorker.drain_all(timeout=10)
-        with get_client(sync_client=True) as client:
-            logs = [log.message for log in client.read_logs()]
-            runs = [run.model_dump(mode="json") for run in client.read_task_runs()]
-            artifacts = [a.model_dump(mode="json") for a in client.read_artifacts()]
+    Secret(value=secret).save("draftsmith-test-key", overwrite=True)
+    state = regenerate(return_state=True)
+    descriptor = state.result()
+    APILogWorker.drain_all(timeout=10)
+    # The session's API holds other tests' runs too: read this flow run's.
+    this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        logs = [log.message for log in client.read_logs(log_filter=LogFilter(
+            flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))]
+        runs = [run.model_dump(mode="json") for run in client.read_task_runs(
+            flow_run_filter=this_run)]
+        artifacts = [a.model_dump(mode="json") for a in client.read_artifacts(
+            flow_run_filter=this_run)]
     assert descriptor.counts["generated"] == 3
     assert proxy.auth_headers == [f"Bearer {secret}"] * 3
     assert any(m.startswith("generate summary") for m in logs)  # the logs did arrive

@@ -26,14 +26,6 @@ STAGES = tuple(names())
 
 
 @pytest.fixture(scope="module")
-def prefect_api(tmp_path_factory):
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
-
-
-@pytest.fixture(scope="module")
 def base_raw(tmp_path_factory):
     """examples/tiny.yaml, smaller: fewer records and epochs, data copied so a test can edit it."""
     data_dir = tmp_path_factory.mktemp("data")

@@ -300,7 +300,7 @@ def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypat
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(REPO / "tests" / "train_worker_killed.py"), "8", str(job)])
     out = tmp_path / "killed"
-    with pytest.raises(launch.TrainLaunchError):
+    with pytest.raises(launch.TrainCrashError):  # a crash: transient, the task retries it
         run_in(inputs, out, cfg)
     resume = out / trainer.RESUME_DIR
     assert sorted(p.name for p in resume.iterdir()) == [
@@ -345,13 +345,14 @@ def test_fsdp_misconfiguration_names_the_key_and_the_fix(inputs, tmp_path):
 
 
 def test_torchrun_failure_kills_the_group_and_names_the_cause(inputs, tmp_path):
-    from draftsmith.train.launch import TrainLaunchError, run_torchrun
+    from draftsmith.train.launch import TrainInputError, run_torchrun
 
     cfg = small_cfg(nproc_per_node=2, init_from=str(tmp_path / "no-such-drafter"))
     out = tmp_path / "ddp"
     out.mkdir()
     started = []
-    with pytest.raises(TrainLaunchError, match="no-such-drafter"):
+    # A rank refused its input: an input error in the parent too, never retried.
+    with pytest.raises(TrainInputError, match="no-such-drafter"):
         run_torchrun(cfg, inputs["hidden"], inputs["merged"], inputs["target"], out,
                      on_start=started.append)
     with pytest.raises(ProcessLookupError):

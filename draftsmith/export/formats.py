@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from draftsmith.errors import InputError
 from draftsmith.export.layer_ids import canonical_layer_ids, engine_layer_ids
 from draftsmith.model.eagle3 import Eagle3Config
 
@@ -21,7 +22,7 @@ NATIVE_LAYER_PREFIX = "midlayer."
 OPTIONAL_TENSORS = ("embed_tokens.weight",)
 
 
-class ExportError(ValueError):
+class ExportError(InputError, ValueError):
     pass
 
 
@@ -131,8 +132,19 @@ class Layout:
                       num_layers: int | None) -> list[int]:
         """draftsmith's own exports say their canonical ids; others follow the engine rule."""
         ours = config.get("draftsmith") or {}
-        return ours.get("canonical_aux_layer_ids") or canonical_layer_ids(
-            self.written_layer_ids(config), family, self.engine, num_layers)
+        written = self.written_layer_ids(config)
+        canonical = ours.get("canonical_aux_layer_ids")
+        if not canonical:
+            return canonical_layer_ids(written, family, self.engine, num_layers)
+        # The engine reads the written ids, not ours: an edited file must not pass unnoticed.
+        expected = engine_layer_ids(canonical, ours.get("target_family") or family, self.engine)
+        if written != expected:
+            raise ExportError(
+                f"the aux layer ids the engine reads ({written}) disagree with "
+                f"draftsmith.canonical_aux_layer_ids {canonical}, which a "
+                f"{ours.get('target_family') or family} target needs written as {expected}; "
+                "the config was edited or damaged: export it again with `draftsmith export`")
+        return canonical
 
     def missing_config(self, config: dict[str, Any]) -> list[str]:
         return [f for f in self.required_config if _lookup(config, f) is None]

@@ -15,11 +15,13 @@ list in the drafter's config depends on the engine and, for SGLang, on the targe
 
 from __future__ import annotations
 
+from draftsmith.errors import InputError
+
 FAMILIES = ("llama", "qwen", "deepseek", "gpt-oss")
 ENGINES = ("sglang", "vllm")
 
 
-class LayerIdError(ValueError):
+class LayerIdError(InputError, ValueError):
     pass
 
 

@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.config import ExtractConfig, TargetConfig
+from draftsmith.errors import ConfigValueError, TransientError
 from draftsmith.extract.sglang_dump import (
     ENV_ARCH,
     ENV_DIR,
@@ -46,13 +47,13 @@ EXTERNAL_PACKAGE = "draftsmith.extract.sglang_models"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class CaptureError(RuntimeError):
+class CaptureError(TransientError, RuntimeError):
     pass
 
 
 def check_capturable(aux_ids: list[int], num_layers: int) -> None:
     if max(aux_ids) >= num_layers - 1:
-        raise ValueError(
+        raise ConfigValueError(
             f"extract.aux_layer_ids={aux_ids}: with extract.backend=sglang the largest id is "
             f"{num_layers - 2} (SGLang records the input of layer i+1, and layer {num_layers} "
             "does not exist); the final layer's output is stored as `final` anyway")
@@ -85,10 +86,10 @@ def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_pat
         argv += ["--dtype", target_cfg.dtype]
     for flag in ("--enable-radix-cache", "--chunked-prefill-size"):
         if flag in s.extra_args:
-            raise ValueError(f"extract.sglang.extra_args: {flag} is set by draftsmith for "
+            raise ConfigValueError(f"extract.sglang.extra_args: {flag} is set by draftsmith for "
                              "capture (radix cache off, chunked prefill off)")
     if "--enable-dp-attention" in s.extra_args:  # tokens are split over ranks there
-        raise ValueError("extract.sglang.extra_args: --enable-dp-attention splits a batch's "
+        raise ConfigValueError("extract.sglang.extra_args: --enable-dp-attention splits a batch's "
                          "tokens over the ranks, so no rank holds every request's states; "
                          "capture with plain tensor parallelism")
     argv += s.extra_args
@@ -236,8 +237,8 @@ def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out
     facts = TargetFigures.of(target)
     hidden, architectures = facts.hidden_size, facts.architectures
     if not architectures:
-        raise ValueError(f"{target.path}/config.json: no 'architectures'; SGLang needs one to "
-                         "pick the model class the capture package overrides")
+        raise ConfigValueError(f"{target.path}/config.json: no 'architectures'; SGLang needs one "
+                               "to pick the model class the capture package overrides")
     process = None
     url = s.url
     if url is None:

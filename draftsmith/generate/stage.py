@@ -17,6 +17,7 @@ import concurrent.futures
 import json
 import logging
 import time
+from collections import Counter
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
@@ -33,7 +34,8 @@ from draftsmith.data.formats import Message, Record, SourceStats, load_source
 from draftsmith.generate.openai_client import (
     ERRORS_FILE,
     Answer,
-    GenerateError,
+    EndpointError,
+    GenerateInputError,
     Journal,
     OpenAIRegenerator,
     Request,
@@ -199,7 +201,7 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                 prompt_tokens = len(tokenizer.apply_chat_template(
                     wire, add_generation_prompt=True, tokenize=True, return_dict=False))
             except Exception as err:  # jinja raises what the template's author chose
-                raise GenerateError(
+                raise GenerateInputError(
                     f"record {records[index].id} ({records[index].source}): the target's chat "
                     f"template cannot render its prompt: {type(err).__name__}: {err}") from None
             request_for[index] = Request(
@@ -209,11 +211,12 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
         requests = list(request_for.values())
     done_before = journal.answers()
     # Records repeated with the same id and prompt share one request (and its answer).
-    missing = list({r.key: r for r in requests if r.key not in done_before}.values())
-    answered_before = len({r.key for r in requests} & done_before.keys())
+    unique = {r.key: r for r in requests}
+    missing = [r for key, r in unique.items() if key not in done_before]
+    answered_before = len(unique.keys() & done_before.keys())
     if answered_before:
         log.info("generate: %d of %d prompts answered before (earlier runs or attempts; "
-                 "journals under %s), %d to ask", answered_before, len(requests), journal.dir,
+                 "journals under %s), %d to ask", answered_before, len(unique), journal.dir,
                  len(missing))
     totals = RunTotals()
     if missing and cfg.backend == "openai":
@@ -233,16 +236,24 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
 
     answers = journal.answers()
     failures = {f.key: f for f in journal.failures()}
-    unanswered = [r for r in requests if r.key not in answers]
-    if unanswered and len(unanswered) > cfg.max_failure_rate * len(requests):
+    unanswered = [r for key, r in unique.items() if key not in answers]
+    # Every request is answered (before or now) or failed, exactly once.
+    if answered_before + totals.answered + len(unanswered) != len(unique):
+        raise AssertionError(f"generate: {answered_before} answered before + {totals.answered} "
+                             f"now + {len(unanswered)} failed != {len(unique)} requests")
+    if unanswered and len(unanswered) > cfg.max_failure_rate * len(unique):
         first = failures.get(unanswered[0].key)
-        raise GenerateError(
-            f"generate: {len(unanswered)} of {len(requests)} requests failed after every retry "
-            f"(more than generate.max_failure_rate={cfg.max_failure_rate}); first: "
-            f"{unanswered[0].record_id}: {first.error if first else 'no answer'}. Errors: "
-            f"errors.jsonl of each source's journal under {journal.dir}. The {len(answers)} "
-            "answers so far are kept there; running the stage again asks only for the missing "
-            "ones")
+        # Retrying the stage helps only when some failure may pass (5xx, timeouts, garbage
+        # replies); a server that refuses every request (4xx) refuses it again.
+        kind = (EndpointError if any(f.retryable for f in failures.values()) or
+                len(failures) < len(unanswered) else GenerateInputError)
+        raise kind(
+            f"generate: {len(unanswered)} of {len(unique)} requests failed after every retry "
+            f"(more than generate.max_failure_rate={cfg.max_failure_rate}); causes "
+            f"{_causes(failures.values())}; first: {unanswered[0].record_id}: "
+            f"{first.error if first else 'no answer'}. Errors: errors.jsonl of each source's "
+            f"journal under {journal.dir}. The {len(answers)} answers so far are kept there; "
+            "running the stage again asks only for the missing ones")
 
     kept: list[Record] = []
     answered_keys = set()
@@ -267,11 +278,12 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     cost = cost_usd(cfg.endpoint, prompt_tokens, completion_tokens) if cfg.endpoint else None
     summary = {
         "backend": cfg.backend,
-        "requests": len(requests),
+        "requests": len(unique),
         "answered": len(used),
         "answered_this_attempt": totals.answered,
         "answered_before": answered_before,
         "failed": len(unanswered),
+        "failed_by_cause": _causes(failures[r.key] for r in unanswered if r.key in failures),
         "retries_this_attempt": totals.retries,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
@@ -331,6 +343,10 @@ def per_source_counts(requests: list[Request], source_of: dict[str, str],
         elif key in now:
             counts["answered_this_attempt"] += 1
     return dict(sorted(out.items()))
+
+
+def _causes(failures) -> dict[str, int]:
+    return dict(sorted(Counter(f.cause for f in failures).items()))
 
 
 def read_records(generated: Descriptor) -> list[Record]:

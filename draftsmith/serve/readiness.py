@@ -13,15 +13,19 @@ from typing import Any
 import httpx
 
 from draftsmith.config import DeployConfig
+from draftsmith.errors import TransientError
 from draftsmith.serve.process import ManagedProcess
 
 log = logging.getLogger(__name__)
 
 
-class ReadinessError(RuntimeError):
+class ReadinessError(TransientError, RuntimeError):
     def __init__(self, check: str, why: str):
         super().__init__(f"server not ready: {check} check failed: {why}")
-        self.check = check
+        self.check, self.why = check, why
+
+    def __reduce__(self):  # pickled into Prefect's task state: rebuilt from both arguments
+        return type(self), (self.check, self.why)
 
 
 def port_open(host: str, port: int) -> bool:

@@ -19,12 +19,13 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from draftsmith.config import DeployConfig, TargetConfig
+from draftsmith.errors import InputError
 from draftsmith.export.convert import read_drafter
 
 ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 
 
-class LaunchError(ValueError):
+class LaunchError(InputError, ValueError):
     pass
 
 
