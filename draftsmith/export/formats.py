@@ -58,38 +58,6 @@ def drafter_tensors(cfg: Eagle3Config, optional: bool = False) -> dict[str, Tens
     return specs
 
 
-def _llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    return {
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "tie_word_embeddings": False,
-    }
-
-
-def _config_from_llama_fields(llama: dict[str, Any], **rest: Any) -> Eagle3Config:
-    return Eagle3Config(
-        hidden_size=llama["hidden_size"], intermediate_size=llama["intermediate_size"],
-        num_attention_heads=llama["num_attention_heads"],
-        num_key_value_heads=llama.get("num_key_value_heads") or llama["num_attention_heads"],
-        head_dim=llama.get("head_dim") or llama["hidden_size"] // llama["num_attention_heads"],
-        rms_norm_eps=llama.get("rms_norm_eps", 1e-6), rope_theta=llama.get("rope_theta", 1e4),
-        rope_scaling=llama.get("rope_scaling"),
-        max_position_embeddings=llama["max_position_embeddings"],
-        vocab_size=llama["vocab_size"], hidden_act=llama.get("hidden_act", "silu"), **rest,
-    )
-
-
 @dataclass(frozen=True)
 class Layout:
     """One on-disk drafter layout: names, architecture, required config fields."""
@@ -153,7 +121,7 @@ class SGLangLayout(Layout):
     def build_config(self, cfg, family, dtype, extras):
         return {
             "architectures": [self.architecture],
-            **_llama_fields(cfg),
+            **cfg.hf_fields(),
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
             "torch_dtype": dtype,
@@ -171,7 +139,7 @@ class SGLangLayout(Layout):
         return list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
 
     def parse_config(self, config, family, num_layers=None):
-        return _config_from_llama_fields(
+        return Eagle3Config.from_hf(
             config, draft_vocab_size=config["draft_vocab_size"],
             target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
             aux_layer_ids=self.canonical_ids(config, family, num_layers))
@@ -198,7 +166,7 @@ class SpeculatorsLayout(Layout):
                 "verifier": {"name_or_path": verifier.get("name_or_path", ""),
                              "architectures": verifier.get("architectures", [])},
             },
-            "transformer_layer_config": _llama_fields(cfg),
+            "transformer_layer_config": cfg.hf_fields(),
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
             "norm_before_residual": False,
@@ -224,7 +192,7 @@ class SpeculatorsLayout(Layout):
                 "(false) and cannot run it"
             )
         layer = config["transformer_layer_config"]
-        return _config_from_llama_fields(
+        return Eagle3Config.from_hf(
             layer, draft_vocab_size=config["draft_vocab_size"],
             target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
             aux_layer_ids=self.canonical_ids(config, family, num_layers))

@@ -11,9 +11,18 @@ list in the drafter's config depends on the engine and, for SGLang, on the targe
   c+1 when c[0] >= 2; c[0] == 0 cannot be expressed (refused).
 - SGLang, GPT-OSS: ids used as inputs when max(ids) == num_layers, else +1 -> write c.
 - vLLM (speculators layout): captures the input of layer id for every family -> write c+1.
+
+Which canonical ids a run extracts (the configured list or EAGLE-3's default) is decided here
+too, so the extract stage and the SGLang capture backend ask the same module.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from draftsmith.artifacts import Descriptor
+    from draftsmith.config import ExtractConfig
 
 FAMILIES = ("llama", "qwen", "deepseek", "gpt-oss")
 ENGINES = ("sglang", "vllm")
@@ -21,6 +30,30 @@ ENGINES = ("sglang", "vllm")
 
 class LayerIdError(ValueError):
     pass
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default: outputs of layers 1, L//2-1 and L-4 (canonical convention)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ValueError(
+            f"extract.aux_layer_ids={ids}: ids {bad} are outside 0..{num_layers - 1} "
+            f"(id i = output of decoder layer i; this target has {num_layers} layers)"
+        )
+    if len(set(ids)) != len(ids) or sorted(ids) != ids:
+        raise ValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and ascending")
+    return ids
+
+
+def aux_layer_ids_for(cfg: ExtractConfig, target: Descriptor) -> list[int]:
+    """The canonical aux ids a run extracts: extract.aux_layer_ids, or EAGLE-3's default."""
+    num_layers = target.figures["num_layers"]
+    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
+    return check_aux_layer_ids(list(ids), num_layers)
 
 
 def _check_family(family: str) -> None:

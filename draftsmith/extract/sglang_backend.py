@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from draftsmith.config import load_config
-    from draftsmith.extract.stage import aux_layer_ids_for
+    from draftsmith.export.layer_ids import aux_layer_ids_for
     from draftsmith.target import resolve_target
 
     parser = argparse.ArgumentParser(prog="python -m draftsmith.extract.sglang_backend")
