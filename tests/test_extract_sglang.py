@@ -1,7 +1,9 @@
 """The SGLang capture backend without a GPU SGLang: the capture hook inside a stand-in for
 SGLang's Llama (same calling convention: aux = inputs of `layers_to_capture`, logits processor
-called with every token's final and aux states), a stand-in HTTP server that batches concurrent
-requests in shuffled order, the external-package registration, and the launch command."""
+called with every token's final and aux states, as a list or packed, with or without
+input_ids), a stand-in HTTP server that batches concurrent requests in shuffled order, and the
+launch command. SGLang's own registry loading the capture package is in
+tests/test_sglang_conformance.py."""
 
 from __future__ import annotations
 
@@ -63,10 +65,14 @@ class SGLangStyleDecoder(torch.nn.Module):
 
 class SGLangStyleLlama(torch.nn.Module):
     """What SGLang's LlamaForCausalLM does around the logits processor, on a transformers
-    Llama: a ragged batch of requests, aux = the INPUT of each layer in layers_to_capture."""
+    Llama: a ragged batch of requests, aux = the INPUT of each layer in layers_to_capture.
+    style "packed": aux handed over as one [N, K*H] tensor, as DeepseekV2/V3 do with
+    AuxHiddenStatePacker; "kimi": also input_ids=None, the tokens in forward_batch.input_ids,
+    as Kimi-K2.5 calls its DeepSeek model through mm_utils."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, style: str = "list"):
         super().__init__()
+        self.style = style
         self.model = SGLangStyleDecoder(hf_model)
         self.lm_head = hf_model.lm_head
         self.logits_processor = LastTokenLogits()
@@ -88,7 +94,8 @@ class SGLangStyleLlama(torch.nn.Module):
                     h.remove()
             finals.append(out.last_hidden_state[0])  # [T, H] after the final norm
             auxes.append([seen[j][0] for j in self.model.layers_to_capture])
-        batch = types.SimpleNamespace(forward_mode=ForwardMode(True),
+        tokens = torch.tensor([t for r in requests for t in r])  # [N]
+        batch = types.SimpleNamespace(forward_mode=ForwardMode(True), input_ids=tokens,
                                       extend_seq_lens_cpu=[len(r) for r in requests],
                                       extend_prefix_lens_cpu=[0] * len(requests))
         if rids is not None:
@@ -96,7 +103,9 @@ class SGLangStyleLlama(torch.nn.Module):
         aux = None
         if self.capture_aux_hidden_states:
             aux = [torch.cat([a[k] for a in auxes]) for k in range(len(auxes[0]))]  # K x [N, H]
-        return self.logits_processor(torch.tensor([t for r in requests for t in r]),
+            if self.style in ("packed", "kimi"):
+                aux = torch.cat(aux, dim=-1)  # [N, K*H]
+        return self.logits_processor(None if self.style == "kimi" else tokens,
                                      torch.cat(finals), self.lm_head, batch, aux)
 
 
@@ -108,9 +117,10 @@ class LastTokenLogits(torch.nn.Module):
         return hidden_states[ends] @ lm_head.weight.T  # [B, V]
 
 
+@pytest.mark.parametrize("style", ["list", "packed", "kimi"])
 def test_capture_hook_dumps_the_same_states_as_the_transformers_backend(
-        tmp_path, random_target_model, random_target):
-    model = SGLangStyleLlama(random_target_model)
+        tmp_path, random_target_model, random_target, style):
+    model = SGLangStyleLlama(random_target_model, style)
     writer = install_capture(model, AUX_IDS, tmp_path)
     assert model.model.layers_to_capture == [2, 4, 5]  # inputs of i+1 = outputs of i
     assert isinstance(model.logits_processor, CaptureLogitsProcessor)
@@ -288,35 +298,6 @@ def test_capture_launch_turns_off_radix_cache_and_chunked_prefill(tmp_path, rand
     dp = ExtractConfig(backend="sglang", sglang={"extra_args": ["--enable-dp-attention"]})
     with pytest.raises(ValueError, match="dp-attention"):
         build_capture_launch(dp, target_cfg, random_target.path, "X", [1], tmp_path)
-
-
-def test_external_package_overrides_the_architecture_with_a_capturing_class(
-        tmp_path, monkeypatch, random_target_model):
-    """What SGLang's registry does with SGLANG_EXTERNAL_MODEL_PACKAGE: import the module and
-    register EntryClass under its __name__, replacing SGLang's own class."""
-    import importlib
-
-    registry = types.ModuleType("sglang.srt.models.registry")
-    registry.ModelRegistry = types.SimpleNamespace(models={"LlamaForCausalLM": SGLangStyleLlama})
-    for name in ("sglang", "sglang.srt", "sglang.srt.models"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.models.registry", registry)
-    monkeypatch.setenv(ENV_ARCH, "LlamaForCausalLM")
-    monkeypatch.setenv(ENV_LAYERS, "1,3,4")
-    monkeypatch.setenv(ENV_DIR, str(tmp_path))
-    sys.modules.pop(f"{EXTERNAL_PACKAGE}.capture_model", None)
-    module = importlib.import_module(f"{EXTERNAL_PACKAGE}.capture_model")
-    try:
-        (cls,) = module.EntryClass
-        assert cls.__name__ == "LlamaForCausalLM" and issubclass(cls, SGLangStyleLlama)
-        model = cls(random_target_model)
-        assert model.model.layers_to_capture == [2, 4, 5]
-        assert isinstance(model.logits_processor, CaptureLogitsProcessor)
-        model([[5, 6, 7]], ["x"])
-        model.logits_processor.writer.close()
-        assert (tmp_path / "rid-x.safetensors").is_file()
-    finally:
-        sys.modules.pop(f"{EXTERNAL_PACKAGE}.capture_model", None)
 
 
 def test_capture_command_is_printed_for_a_config(tmp_path, random_target_dir, capsys):
