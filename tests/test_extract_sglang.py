@@ -169,12 +169,17 @@ class StandInServer:
         self.pending: list[tuple[dict, threading.Event]] = []
         self.lock = threading.Lock()
         self.batch_sizes: list[int] = []
+        self.info = {"version": "0.5.23", "attn_dp_size": 1, "disable_radix_cache": True,
+                     "chunked_prefill_size": -1}
         server = self
 
         class Handler(JsonHandler):
 
             def do_GET(self):
-                self.send_json(200 if self.path == "/health" else 404, {})
+                if self.path == "/server_info":  # the fields SGLang 0.5.23 reports
+                    self.send_json(200, server.info)
+                else:
+                    self.send_json(200 if self.path == "/health" else 404, {})
 
             def do_POST(self):
                 body = self.read_json()
@@ -295,9 +300,26 @@ def test_capture_launch_turns_off_radix_cache_and_chunked_prefill(tmp_path, rand
                                                                  "8192"]})
     with pytest.raises(ValueError, match="chunked-prefill-size"):
         build_capture_launch(bad, target_cfg, random_target.path, "X", [1], tmp_path)
-    dp = ExtractConfig(backend="sglang", sglang={"extra_args": ["--enable-dp-attention"]})
-    with pytest.raises(ValueError, match="dp-attention"):
+    # No CUDA graphs, spelled as 0.5.23 wants (--disable-cuda-graph is its deprecated alias).
+    assert "--disable-cuda-graph" not in argv
+    assert argv[argv.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    assert argv[argv.index("--cuda-graph-backend-decode") + 1] == "disabled"
+
+
+@pytest.mark.parametrize("extra_args", [
+    ["--enable-dp-attention"], ["--attn-dp-size", "8"], ["--attn-dp-size=8"],
+    ["--attention-data-parallel-size", "2"], ["--dp-size", "8", "--enable-dp-attention"]])
+def test_capture_refuses_attention_data_parallel_in_each_spelling(tmp_path, random_target,
+                                                                  extra_args):
+    """Each attention-DP rank takes its own requests and only rank 0 writes: the others'
+    dumps would never come. 0.5.23 spells it --attn-dp-size N (--enable-dp-attention is its
+    deprecated form)."""
+    target_cfg = TargetConfig(model=random_target.path, tp_size=8)
+    dp = ExtractConfig(backend="sglang", sglang={"extra_args": extra_args})
+    with pytest.raises(ValueError, match="attention data parallel"):
         build_capture_launch(dp, target_cfg, random_target.path, "X", [1], tmp_path)
+    width_one = ExtractConfig(backend="sglang", sglang={"extra_args": ["--attn-dp-size", "1"]})
+    build_capture_launch(width_one, target_cfg, random_target.path, "X", [1], tmp_path)
 
 
 def test_capture_command_is_printed_for_a_config(tmp_path, random_target_dir, capsys):

@@ -25,7 +25,7 @@ import httpx
 import torch
 from safetensors import safe_open
 
-from draftsmith.config import ExtractConfig, TargetConfig
+from draftsmith.config import ExtractConfig, TargetConfig, sglang_flag
 from draftsmith.extract.sglang_dump import (
     ENV_ARCH,
     ENV_DIR,
@@ -57,6 +57,19 @@ def check_capturable(aux_ids: list[int], num_layers: int) -> None:
             "does not exist); the final layer's output is stored as `final` anyway")
 
 
+def check_no_attention_dp(extra_args: list[str]) -> None:
+    """Attention data parallelism hands each attention-DP rank its own requests, and only
+    tensor-parallel rank 0 writes dumps: the other ranks' requests would never be dumped."""
+    width = sglang_flag(extra_args, "--attn-dp-size", "--attention-data-parallel-size")
+    if "--enable-dp-attention" in extra_args or (width is not None and width != "1"):
+        spelled = ("--enable-dp-attention" if "--enable-dp-attention" in extra_args
+                   else f"--attn-dp-size {width}")
+        raise ValueError(f"extract.sglang.extra_args: {spelled} runs attention data parallel: "
+                         "each DP rank takes its own requests and only rank 0 writes dumps, so "
+                         "the others would time out; capture with plain tensor parallelism "
+                         "(--tp-size only)")
+
+
 def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_path: str,
                          architecture: str, aux_ids: list[int], dump_dir: str | Path
                          ) -> SGLangLaunch:
@@ -74,7 +87,10 @@ def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_pat
         "--port", str(s.port),
         "--disable-radix-cache",  # a cached prefix would be skipped, its states missing
         "--chunked-prefill-size", "-1",  # one prefill per request, never pieces
-        "--disable-cuda-graph",  # capture runs prefill only; graphs would only cost startup
+        # No CUDA graphs: a captured prefill graph would replay without the dump hook, and
+        # decode graphs only cost startup (0.5.23 deprecates --disable-cuda-graph for these).
+        "--cuda-graph-backend-decode", "disabled",
+        "--cuda-graph-backend-prefill", "disabled",
     ]
     if target_cfg.context_length:
         argv += ["--context-length", str(target_cfg.context_length)]
@@ -86,10 +102,7 @@ def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_pat
         if flag in s.extra_args:
             raise ValueError(f"extract.sglang.extra_args: {flag} is set by draftsmith for "
                              "capture (radix cache off, chunked prefill off)")
-    if "--enable-dp-attention" in s.extra_args:  # tokens are split over ranks there
-        raise ValueError("extract.sglang.extra_args: --enable-dp-attention splits a batch's "
-                         "tokens over the ranks, so no rank holds every request's states; "
-                         "capture with plain tensor parallelism")
+    check_no_attention_dp(s.extra_args)
     argv += s.extra_args
     launch = SGLangLaunch(argv=argv, env=env, host=s.host, port=s.port, drafter_dir=None)
     check_with_sglang_parser(launch)
