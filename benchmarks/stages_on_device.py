@@ -12,8 +12,8 @@ import logging
 import time
 from pathlib import Path
 
-from draftsmith.artifacts import plan_stage
 from draftsmith.config import load_config
+from draftsmith.plan import run_in_process
 from draftsmith.target import resolve_target
 
 REPO = Path(__file__).resolve().parent.parent
@@ -31,40 +31,16 @@ def main() -> None:
         f"run_root={args.out}", f"target.device={args.device}", f"target.dtype={args.dtype}",
         f"extract.dtype={args.dtype}", f"train.device={args.device}", f"train.dtype={train_dtype}",
     ])
-    from draftsmith.bench.benchmark import run_benchmark
-    from draftsmith.data.merge import run_merge
-    from draftsmith.export.fix_keys import run_fix_keys
-    from draftsmith.extract.stage import run_extract
-    from draftsmith.generate.stage import run_generate
-    from draftsmith.serve.deploy import run_deploy
-    from draftsmith.train.trainer import run_train
-
     timings: dict[str, float] = {}
     started = time.perf_counter()
     target = resolve_target(config.target)
     timings["target"] = time.perf_counter() - started
-    c, out = config, {}
 
-    def stage(name, fn, *inputs):
-        t0 = time.perf_counter()
-        plan = plan_stage(c.run_root, name, {"device_run": args.device}, list(inputs))
-        out[name] = fn(plan)
-        timings[name] = time.perf_counter() - t0
-        print(f"== {name}: {timings[name]:.1f}s {out[name].counts} {out[name].figures}",
-              flush=True)
+    def timed(name: str, descriptor, seconds: float) -> None:
+        timings[name] = seconds
+        print(f"== {name}: {seconds:.1f}s {descriptor.counts} {descriptor.figures}", flush=True)
 
-    stage("generate", lambda p: run_generate(c.generate, c.data, c.target, target, p), target)
-    stage("merge", lambda p: run_merge(c.merge, out["generate"], target, p), out["generate"])
-    stage("extract", lambda p: run_extract(c.extract, c.target, out["merge"], target, p),
-          out["merge"])
-    stage("train", lambda p: run_train(c.train, out["extract"], out["merge"], target, p),
-          out["extract"])
-    stage("fix_keys", lambda p: run_fix_keys(c.fix_keys, c.target, out["train"], target, p),
-          out["train"])
-    stage("deploy", lambda p: run_deploy(c.deploy, c.target, out["fix_keys"], out["merge"],
-                                         target, p), out["fix_keys"])
-    stage("benchmark", lambda p: run_benchmark(c.benchmark, c.target, out["deploy"],
-                                               out["merge"], target, p), out["deploy"])
+    out = run_in_process(config, target, after=timed).outputs
     print(json.dumps({"device": args.device, "dtype": args.dtype,
                       "seconds": {k: round(v, 1) for k, v in timings.items()},
                       "benchmark": out["benchmark"].figures}, indent=2))

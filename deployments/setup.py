@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from draftsmith.artifacts import sha256_file
 from draftsmith.config import PipelineConfig
 
 log = logging.getLogger("draftsmith.setup")
@@ -197,7 +197,7 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None) -> dict[s
         parameters={"config": config.model_dump(mode="json")},
         job_variables={"env": dict(LOG_ENV)},
         schedules=schedules, triggers=[trigger], entrypoint_type=EntrypointType.MODULE_PATH,
-        description="draftsmith: generate -> merge -> extract -> train -> fix-keys -> deploy "
+        description="draftsmith: generate -> merge -> extract -> train -> export -> deploy "
                     "-> benchmark; GPU stages run on the gpu pool",
         tags=["draftsmith"])
     ids[f"{pipeline.name}/{PIPELINE_DEPLOYMENT}"] = str(deployment.apply())
@@ -218,15 +218,11 @@ def dataset_event(path: str | Path, source: str | None = None) -> dict:
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such dataset file")
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
     name = source or path.stem
     return {"event": DATASET_EVENT,
             "resource": {"prefect.resource.id": f"draftsmith.dataset.{name}",
                          "prefect.resource.name": name},
-            "payload": {"source": name, "path": str(path), "sha256": digest.hexdigest()}}
+            "payload": {"source": name, "path": str(path), "sha256": sha256_file(path)}}
 
 
 def notify_new_data(path: str | Path, source: str | None = None) -> str:

@@ -96,11 +96,15 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 class StagePlan(BaseModel):
-    """Where a stage will write, decided before it runs (the Prefect cache key is `key`)."""
+    """Where a stage will write, decided before it runs (the Prefect cache key is `key`).
+    `material` and `input_fingerprints` are what the key hashes, kept in the manifest so that
+    `draftsmith plan` can say what changed since an earlier output."""
 
     stage: str
     key: str
     path: str
+    material: dict[str, Any] | None = None
+    input_fingerprints: dict[str, Any] | None = None
 
     @property
     def dir(self) -> Path:
@@ -175,10 +179,10 @@ def finish_stage(
         counts=counts or {},
         figures=figures or {},
     )
-    atomic_write_json(
-        plan.dir / MANIFEST,
-        {"descriptor": descriptor.model_dump(mode="json"), "files": files, **(extra or {})},
-    )
+    record = {"descriptor": descriptor.model_dump(mode="json"), "files": files, **(extra or {})}
+    if plan.material is not None:
+        record["key_material"] = {"config": plan.material, "inputs": plan.input_fingerprints}
+    atomic_write_json(plan.dir / MANIFEST, record)
     return descriptor
 
 

@@ -1,8 +1,10 @@
 """The `draftsmith` command.
 
-The CLI is the one place in the engine package that reaches up into the orchestration layer:
-`run` and `demo` execute the Prefect flow (imported lazily, so `draftsmith --help` and config
-checks stay fast and Prefect-free).
+The CLI sits on top of every layer. It is the one module under draftsmith/ that may import
+the orchestration layer, and only inside the commands that need it: `run` and `demo` execute
+the Prefect flow, `prefect ...` reaches deployments/ (so `draftsmith --help`, `validate`, `plan`
+and the drafter commands stay fast and Prefect-free; tests/test_import_boundaries.py checks
+both).
 """
 
 from __future__ import annotations
@@ -15,12 +17,14 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from draftsmith.config import STAGES, ConfigError, PipelineConfig, load_config
+from draftsmith import stages
+from draftsmith.artifacts import Descriptor
+from draftsmith.config import ConfigError, PipelineConfig, load_config
 from draftsmith.plan import select_stages
 
 app = typer.Typer(
     help="Train EAGLE-3 drafters for a target LLM and ship them to SGLang.\n\n"
-    "Stages: generate -> merge -> extract -> train -> fix-keys -> deploy -> benchmark.",
+    "Stages: generate -> merge -> extract -> train -> export (fix-keys) -> deploy -> benchmark.",
     no_args_is_help=True,
     add_completion=False,
 )
@@ -48,75 +52,39 @@ def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
         raise typer.Exit(2) from None
 
 
-def _run_flow(config: PipelineConfig, stages: list[str]) -> dict[str, dict]:
+def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
     _prepare_environment()
+    from flows.local import start_temporary_api
     from flows.pipeline import pipeline
 
-    return pipeline(config, stages)
+    start_temporary_api()  # guarded: it dies with this process, even under kill -9
+    return pipeline(config, selected)
 
 
-def _summary(results: dict[str, dict]) -> tuple[Table, bool]:
+def _summary(results: dict[str, dict]) -> tuple[Table, list[str]]:
+    """The run's summary table (each stage's state and result, as the stage table describes
+    it) and the problems that must fail the command."""
     table = Table(title="draftsmith run", show_header=True)
     table.add_column("stage")
     table.add_column("state")
     table.add_column("result", overflow="fold")
-    lossless = True
-    for stage in STAGES:
-        if stage not in results:
+    problems = []
+    for stage in stages.STAGES:
+        if stage.name not in results:
             continue
-        d = results[stage]["descriptor"]
-        counts, figures = d["counts"], d["figures"]
-        if stage == "generate":
-            text = f"{counts['records']} records, {counts['generated']} answered by the target"
-            if counts.get("failed"):
-                text += f", {counts['failed']} failed (errors.jsonl)"
-            if counts.get("with_reasoning"):
-                text += f", {counts['with_reasoning']} with reasoning"
-            if figures.get("cost_usd") is not None:
-                cost = figures["cost_usd"]
-                text += f", cost ${cost:.2f}" if cost >= 1 else f", cost ${cost:.4f}"
-        elif stage == "merge":
-            text = (f"{counts['train_records']} train / {counts['validation_records']} validation "
-                    f"records, {counts['train_tokens']} train tokens, draft vocab covers "
-                    f"{100 * figures['draft_vocab_coverage']:.1f}%")
-        elif stage == "extract":
-            text = f"{counts['tokens']} tokens, aux layers {figures['aux_layer_ids']}"
-        elif stage == "train":
-            steps = sorted(k for k in figures if k.startswith("full_acc_"))
-            accs = ", ".join(f"{figures[k]:.3f}" for k in steps)
-            text = (f"validation full_acc per step [{accs}], loss_0 {figures['loss_0']:.3f}, "
-                    f"simulated tau {figures['tau']:.2f}")
-            if "acceptance_replayed" in figures:  # what greedy chain decoding would measure
-                text += f", acceptance replayed {figures['acceptance_replayed']:.2f}"
-        elif stage == "fix_keys":
-            text = f"{figures['format']} drafter validated: {figures['drafter_dir']}"
-        elif stage == "deploy":
-            text = f"{figures['engine']} engine, {figures['num_steps']} draft steps"
-            if figures.get("url"):
-                text += f", serving at {figures['url']}"
-        elif figures["engine"] == "sglang":
-            text = (f"{figures['url']}: measured acceptance length "
-                    f"{figures['acceptance_length']:.2f}, {figures['single_stream_tokens_per_s']} "
-                    f"tok/s single stream\n{figures['verdict']}\nreport: {figures['report']}")
-        else:
-            # Reduced precision rounds a multi-token verify differently (see deploy.py).
-            lossless = (figures["lossless"] is not False
-                        or figures.get("target_dtype", "float32") != "float32")
-            text = (f"measured acceptance length {figures['acceptance_length']:.2f}, "
-                    f"{figures['speculative_tokens_per_s']} vs {figures['greedy_tokens_per_s']} "
-                    f"tok/s, identical to greedy decoding: "
-                    f"{figures.get('identical_outputs', figures['lossless'])}\n"
-                    f"{figures['verdict']}\n"
-                    f"report: {figures['report']}")
-        table.add_row(stage.replace("_", "-"), results[stage]["state"], text)
-    return table, lossless
+        descriptor = Descriptor.model_validate(results[stage.name]["descriptor"])
+        table.add_row(stage.label, results[stage.name]["state"], stage.describe(descriptor))
+        if problem := stage.problem(descriptor):
+            problems.append(problem)
+    return table, problems
 
 
 def _finish(results: dict[str, dict]) -> None:
-    table, lossless = _summary(results)
+    table, problems = _summary(results)
     Console().print(table)
-    if not lossless:
-        console.print("[red]speculative outputs differ from greedy decoding: this is a bug[/red]")
+    for problem in problems:
+        console.print(f"[red]{problem}[/red]")
+    if problems:
         raise typer.Exit(1)
 
 
@@ -132,7 +100,7 @@ def demo(
     """
     overrides = [f"run_root={run_root.resolve()}", *(set_ or [])]
     config = _load(EXAMPLES / "tiny.yaml", overrides)
-    _finish(_run_flow(config, list(STAGES)))
+    _finish(_run_flow(config, stages.names()))
 
 
 @app.command()
@@ -149,12 +117,51 @@ def run(
     read from disk.
     """
     pipeline_config = _load(config, set_)
+    selected = _select(only, from_, to)
+    _finish(_run_flow(pipeline_config, selected))
+
+
+def _select(only: str | None, from_: str | None, to: str | None) -> list[str]:
     try:
-        stages = select_stages(only, from_, to)
+        return select_stages(only, from_, to)
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
-    _finish(_run_flow(pipeline_config, stages))
+
+
+@app.command("plan")
+def plan_command(
+    config: Annotated[Path, typer.Argument(help="Pipeline YAML, e.g. examples/tiny.yaml.")],
+    only: Annotated[str | None, typer.Option(help="Plan this one stage.")] = None,
+    from_: Annotated[str | None, typer.Option("--from", help="Start at this stage.")] = None,
+    to: Annotated[str | None, typer.Option(help="Stop after this stage.")] = None,
+    set_: SetOption = None,
+) -> None:
+    """Print what `draftsmith run` would do now: each stage, its cache key, and whether it is
+    cached or runs, and why. Runs nothing (the target is resolved, and the data files hashed)."""
+    from draftsmith.plan import RunPlan
+    from draftsmith.target import resolve_target
+
+    pipeline_config = _load(config, set_)
+    selected = _select(only, from_, to)
+    for warning in pipeline_config.warnings():
+        console.print(f"[yellow]warning: {warning}[/yellow]")
+    try:
+        target = resolve_target(pipeline_config.target)
+        rows = RunPlan(pipeline_config, target, selected).preview()
+    except (ConfigError, FileNotFoundError) as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    table = Table(title=f"draftsmith plan: {config}", show_header=True)
+    for column in ("stage", "key", "status", "why"):
+        table.add_column(column, overflow="fold")
+    colours = {"cached": "green", "reused": "green", "pruned": "cyan", "to run": "yellow",
+               "missing": "red"}
+    for row in rows:
+        colour = colours.get(row.status, "white")
+        table.add_row(row.stage, row.key or "-", f"[{colour}]{row.status}[/{colour}]",
+                      row.reason)
+    Console(width=160).print(table)
 
 
 @app.command()
@@ -164,6 +171,8 @@ def validate(
 ) -> None:
     """Check a config file (keys, types, constraints) without running anything."""
     pipeline_config = _load(config, set_)
+    for warning in pipeline_config.warnings():
+        console.print(f"[yellow]warning: {warning}[/yellow]")
     console.print(f"[green]{config}: valid[/green] (run_root {pipeline_config.run_root}, "
                   f"{len(pipeline_config.data.sources)} data sources)")
 
@@ -172,7 +181,7 @@ def validate(
 def deploy(
     config: Annotated[Path, typer.Argument(help="Pipeline YAML with deploy.engine: sglang.")],
     drafter: Annotated[Path | None, typer.Option(
-        help="Drafter directory (SGLang layout); default: this config's fix-keys output.")] = None,
+        help="Drafter directory (SGLang layout); default: this config's export output.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the exact command and environment; start nothing.")] = False,
     set_: SetOption = None,
@@ -185,6 +194,7 @@ def deploy(
     import json
     import time
 
+    from draftsmith.figures import ExportFigures, TargetFigures
     from draftsmith.plan import finished_outputs
     from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
     from draftsmith.serve.process import ManagedProcess
@@ -196,9 +206,9 @@ def deploy(
     family, model_path = pipeline_config.target.family, None
     if drafter is None:
         target = _export_errors(lambda: resolve_target(pipeline_config.target))
-        outputs = _export_errors(lambda: finished_outputs(pipeline_config, target, "fix_keys"))
-        drafter = Path(outputs["fix_keys"].figures["drafter_dir"])
-        family, model_path = target.figures["family"], target.path
+        outputs = _export_errors(lambda: finished_outputs(pipeline_config, target, "export"))
+        drafter = Path(ExportFigures.of(outputs["export"]).drafter_dir)
+        family, model_path = TargetFigures.of(target).family, target.path
     family = "llama" if family == "auto" else family
     try:
         launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family,

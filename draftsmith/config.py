@@ -11,12 +11,46 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import PydanticUndefined
 
-STAGES = ("generate", "merge", "extract", "train", "fix_keys", "deploy", "benchmark")
+CACHE_KEY = "cache_key"
 
 
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key and the fix."""
+
+
+def keyed(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+    """A setting that changes what its stage produces: it is part of the stage's cache key, so
+    changing it runs the stage again."""
+    return Field(default, json_schema_extra={CACHE_KEY: True}, **kwargs)
+
+
+def operational(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+    """A setting that decides how a stage runs but not what it produces (devices, concurrency,
+    timeouts, retries, failure thresholds, log cadence): left out of the cache key, so changing
+    it never redoes finished work."""
+    return Field(default, json_schema_extra={CACHE_KEY: False}, **kwargs)
+
+
+def is_keyed(field: FieldInfo) -> bool | None:
+    """True (keyed), False (operational) or None (not marked: a test refuses that)."""
+    extra = field.json_schema_extra
+    return extra.get(CACHE_KEY) if isinstance(extra, dict) else None
+
+
+def key_settings(value: Any) -> Any:
+    """The keyed part of a config value: a model's keyed fields (recursively), lists and dicts
+    element by element, plain values as they are. What a stage's cache key hashes."""
+    if isinstance(value, BaseModel):
+        return {name: key_settings(getattr(value, name))
+                for name, field in type(value).model_fields.items() if is_keyed(field)}
+    if isinstance(value, list | tuple):
+        return [key_settings(v) for v in value]
+    if isinstance(value, dict):
+        return {k: key_settings(v) for k, v in value.items()}
+    return value
 
 
 class StrictModel(BaseModel):
@@ -26,18 +60,18 @@ class StrictModel(BaseModel):
 class TargetConfig(StrictModel):
     """The model the drafter is trained for."""
 
-    model: str = Field(
+    model: str = operational(
         "builtin:tiny",
         description="Local directory with config.json + weights + tokenizer, or 'builtin:tiny' "
         "for the CPU demo target that draftsmith builds and caches locally.",
     )
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    family: Literal["auto", "llama", "qwen", "deepseek", "gpt-oss"] = Field(
+    device: str = operational("cpu")
+    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
+    family: Literal["auto", "llama", "qwen", "deepseek", "gpt-oss"] = keyed(
         "auto", description="Decides how SGLang reads aux layer ids (REFERENCE.md section 1)."
     )
-    tp_size: int = Field(1, ge=1, description="Tensor-parallel GPUs when served by SGLang.")
-    context_length: int | None = Field(None, ge=1)
+    tp_size: int = operational(1, ge=1, description="Tensor-parallel GPUs when served by SGLang.")
+    context_length: int | None = keyed(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -51,18 +85,18 @@ class TargetConfig(StrictModel):
 
 
 class DataSource(StrictModel):
-    name: str = Field(..., min_length=1)
-    path: str | None = Field(None, description="Local JSON/JSONL/Parquet file.")
-    hub: str | None = Field(None, description=(
+    name: str = keyed(..., min_length=1)
+    path: str | None = operational(None, description="Local JSON/JSONL/Parquet file.")
+    hub: str | None = keyed(None, description=(
         "A Hugging Face dataset: a hub name the user has access to, or a local dataset "
         "directory; read with datasets.load_dataset."))
-    hub_config: str | None = Field(None, description="The hub dataset's configuration (subset).")
-    split: str = Field("train", description="The hub dataset's split.")
-    revision: str | None = Field(None, description=(
+    hub_config: str | None = keyed(None, description="The hub dataset's configuration (subset).")
+    split: str = keyed("train", description="The hub dataset's split.")
+    revision: str | None = keyed(None, description=(
         "Pin the hub dataset's revision: the generate key covers it, so new hub data is picked "
         "up only when the revision changes."))
-    format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = "auto"
-    limit: int | None = Field(None, ge=1, description="Read at most this many records.")
+    format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = keyed("auto")
+    limit: int | None = keyed(None, ge=1, description="Read at most this many records.")
 
     @model_validator(mode="after")
     def _one_location(self) -> DataSource:
@@ -73,8 +107,8 @@ class DataSource(StrictModel):
 
 
 class DataConfig(StrictModel):
-    sources: list[DataSource] = Field(..., min_length=1)
-    max_drop_rate: float = Field(0.05, ge=0.0, le=1.0, description=(
+    sources: list[DataSource] = keyed(..., min_length=1)
+    max_drop_rate: float = operational(0.05, ge=0.0, le=1.0, description=(
         "A source that drops a larger share of its records fails the run, naming why."))
 
     @model_validator(mode="after")
@@ -92,9 +126,9 @@ class Partition(StrictModel):
     """Prompts up to max_prompt_tokens share a concurrency limit and a completion budget:
     long prompts hold a server's KV cache longer, so they get fewer requests in flight."""
 
-    max_prompt_tokens: int = Field(..., ge=1)
-    concurrency: int = Field(..., ge=1)
-    max_tokens: int = Field(..., ge=1, description="Completion tokens per request.")
+    max_prompt_tokens: int = keyed(..., ge=1)
+    concurrency: int = operational(..., ge=1)
+    max_tokens: int = keyed(..., ge=1, description="Completion tokens per request.")
 
 
 class EndpointConfig(StrictModel):
@@ -102,21 +136,21 @@ class EndpointConfig(StrictModel):
     serve). The API key comes from an environment variable or a Prefect Secret block, never
     from this file."""
 
-    base_url: str = Field(..., min_length=1, description="e.g. http://host:30000/v1")
-    model: str = Field(..., min_length=1)
-    api_key_env: str | None = Field(None, description="Name of the env var holding the key.")
-    api_key_secret: str | None = Field(None, description=(
+    base_url: str = operational(..., min_length=1, description="e.g. http://host:30000/v1")
+    model: str = keyed(..., min_length=1)
+    api_key_env: str | None = operational(None, description="Name of the env var holding the key.")
+    api_key_secret: str | None = operational(None, description=(
         "Name of a Prefect Secret block holding the key (resolved by the Prefect task)."))
-    timeout_s: float = Field(600.0, gt=0, description="Per request.")
-    max_retries: int = Field(6, ge=0, description="On 429, 5xx, timeouts, connection errors.")
-    partitions: list[Partition] = Field(
+    timeout_s: float = operational(600.0, gt=0, description="Per request.")
+    max_retries: int = operational(6, ge=0, description="On 429, 5xx, timeouts, connection errors.")
+    partitions: list[Partition] = keyed(
         default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64,
                                            max_tokens=2048),
                                  Partition(max_prompt_tokens=32768, concurrency=8,
                                            max_tokens=4096)],
         min_length=1)
-    price_per_1m_prompt_tokens: float | None = Field(None, ge=0.0)
-    price_per_1m_completion_tokens: float | None = Field(None, ge=0.0)
+    price_per_1m_prompt_tokens: float | None = operational(None, ge=0.0)
+    price_per_1m_completion_tokens: float | None = operational(None, ge=0.0)
 
     @model_validator(mode="before")
     @classmethod
@@ -141,20 +175,20 @@ class EndpointConfig(StrictModel):
 class GenerateConfig(StrictModel):
     """Answer prompts with the target itself, so the drafter learns the target's distribution."""
 
-    backend: Literal["transformers", "openai"] = "transformers"
-    regenerate: Literal["missing", "all", "none"] = Field(
+    backend: Literal["transformers", "openai"] = keyed("transformers")
+    regenerate: Literal["missing", "all", "none"] = keyed(
         "missing",
         description="missing: answer records whose last turn is not the assistant's; "
         "all: re-answer every record; none: keep records as they are.",
     )
-    max_new_tokens: int = Field(128, ge=1)
-    temperature: float = Field(0.0, ge=0.0, description="0 means greedy.")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    batch_size: int = Field(16, ge=1)
-    seed: int = 0
-    endpoint: EndpointConfig | None = Field(None, description=(
+    max_new_tokens: int = keyed(128, ge=1)
+    temperature: float = keyed(0.0, ge=0.0, description="0 means greedy.")
+    top_p: float = keyed(1.0, gt=0.0, le=1.0)
+    batch_size: int = keyed(16, ge=1)
+    seed: int = keyed(0)
+    endpoint: EndpointConfig | None = keyed(None, description=(
         "The OpenAI-compatible server that answers (backend: openai only)."))
-    max_failure_rate: float = Field(0.0, ge=0.0, le=1.0, description=(
+    max_failure_rate: float = operational(0.0, ge=0.0, le=1.0, description=(
         "Requests that fail after every retry go to errors.jsonl, never into the data; a "
         "larger share than this fails the stage (a rerun retries only those)."))
 
@@ -169,60 +203,60 @@ class GenerateConfig(StrictModel):
 
 
 class MergeConfig(StrictModel):
-    seed: int = 0
-    max_length: int = Field(2048, ge=16)
-    validation_fraction: float = Field(0.1, ge=0.0, lt=1.0)
-    dedup: bool = True
-    near_dedup: bool = Field(True, description=(
+    seed: int = keyed(0)
+    max_length: int = keyed(2048, ge=16)
+    validation_fraction: float = keyed(0.1, ge=0.0, lt=1.0)
+    dedup: bool = keyed(True)
+    near_dedup: bool = keyed(True, description=(
         "Also drop records whose text matches another's after case, whitespace and "
         "punctuation are normalised."))
-    draft_vocab_size: int = Field(32000, ge=2)
+    draft_vocab_size: int = keyed(32000, ge=2)
 
 
 class SGLangCaptureConfig(StrictModel):
     """The capture server for extract.backend=sglang (targets only SGLang can serve)."""
 
-    host: str = "127.0.0.1"
-    port: int = Field(30100, ge=1, le=65535)
-    url: str | None = Field(None, description=(
+    host: str = operational("127.0.0.1")
+    port: int = operational(30100, ge=1, le=65535)
+    url: str | None = operational(None, description=(
         "Use a capture server that is already running (started with the launch command "
         "`draftsmith` prints) instead of starting one."))
-    concurrency: int = Field(8, ge=1, description="Requests in flight.")
-    dump_dir: str | None = Field(None, description=(
+    concurrency: int = operational(8, ge=1, description="Requests in flight.")
+    dump_dir: str | None = operational(None, description=(
         "Where the server writes per-request dumps; must be local to the server and to this "
         "process. Default: <extract output>/dumps."))
-    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
-    extra_args: list[str] = Field(default_factory=list, description="Passed to SGLang as is.")
-    env: dict[str, str] = Field(default_factory=dict)
-    sglang_command: list[str] | None = None
-    startup_timeout_s: float = Field(1800.0, gt=0)
-    dump_timeout_s: float = Field(120.0, gt=0, description=(
+    mem_fraction_static: float | None = operational(None, gt=0.0, lt=1.0)
+    extra_args: list[str] = operational(default_factory=list, description="Passed to SGLang as is.")
+    env: dict[str, str] = operational(default_factory=dict)
+    sglang_command: list[str] | None = operational(None)
+    startup_timeout_s: float = operational(1800.0, gt=0)
+    dump_timeout_s: float = operational(120.0, gt=0, description=(
         "How long to wait for a request's dump after its response."))
 
 
 class ExtractConfig(StrictModel):
-    backend: Literal["transformers", "sglang"] = "transformers"
-    aux_layer_ids: list[int] | None = Field(
+    backend: Literal["transformers", "sglang"] = keyed("transformers")
+    aux_layer_ids: list[int] | None = keyed(
         None,
         description="Canonical ids (output of decoder layer i). Default [1, L//2-1, L-4].",
     )
-    batch_size: int = Field(8, ge=1)
-    batch_tokens: int | None = Field(None, ge=1, description=(
+    batch_size: int = keyed(8, ge=1)
+    batch_tokens: int | None = keyed(None, ge=1, description=(
         "Cap on padded tokens (samples x longest) per forward pass; samples are bucketed by "
         "length, so batches pad little. null: batch_size alone decides."))
-    shard_tokens: int = Field(1 << 16, ge=1, description=(
+    shard_tokens: int = keyed(1 << 16, ge=1, description=(
         "Tokens per safetensors shard (65536 tokens of a Llama-8B target are ~2 GiB; host "
         "memory holds about writer_queue + writer_threads shards)."))
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    data_parallel: int = Field(1, ge=1, description=(
+    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
+    data_parallel: int = operational(1, ge=1, description=(
         "Processes, one per GPU, each extracting its share of the shards (spawned here; under "
         "torchrun the world comes from its environment instead)."))
-    device_map: str | None = Field(None, description=(
+    device_map: str | None = operational(None, description=(
         "transformers device_map (e.g. 'auto') for a target that does not fit one GPU; "
         "exclusive with data_parallel > 1."))
-    writer_queue: int = Field(2, ge=1, description="Shards waiting for the disk writers.")
-    writer_threads: int = Field(2, ge=1)
-    sglang: SGLangCaptureConfig = Field(default_factory=SGLangCaptureConfig)
+    writer_queue: int = operational(2, ge=1, description="Shards waiting for the disk writers.")
+    writer_threads: int = operational(2, ge=1)
+    sglang: SGLangCaptureConfig = operational(default_factory=SGLangCaptureConfig)
 
     @model_validator(mode="after")
     def _check_parallel(self) -> ExtractConfig:
@@ -235,36 +269,36 @@ class ExtractConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    ttt_steps: int = Field(3, ge=1, le=16)
-    step_weight_decay: float = Field(0.8, gt=0.0, le=1.0, description="Loss weight of step j.")
-    lr: float = Field(3e-5, gt=0.0)
-    scheduler: Literal["cosine", "constant"] = "cosine"
-    warmup_ratio: float = Field(0.02, ge=0.0, lt=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    epochs: int = Field(5, ge=1)
-    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimiser steps.")
-    batch_tokens: int = Field(8192, ge=16, description="Tokens per packed row.")
-    grad_clip: float = Field(1.0, gt=0.0)
-    lm_head_init: Literal["target", "random"] = "target"
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    seed: int = 0
-    log_every: int = Field(10, ge=1)
-    step_weights: list[float] | None = Field(
+    ttt_steps: int = keyed(3, ge=1, le=16)
+    step_weight_decay: float = keyed(0.8, gt=0.0, le=1.0, description="Loss weight of step j.")
+    lr: float = keyed(3e-5, gt=0.0)
+    scheduler: Literal["cosine", "constant"] = keyed("cosine")
+    warmup_ratio: float = keyed(0.02, ge=0.0, lt=1.0)
+    weight_decay: float = keyed(0.0, ge=0.0)
+    epochs: int = keyed(5, ge=1)
+    max_steps: int | None = keyed(None, ge=1, description="Stop after this many optimiser steps.")
+    batch_tokens: int = keyed(8192, ge=16, description="Tokens per packed row.")
+    grad_clip: float = keyed(1.0, gt=0.0)
+    lm_head_init: Literal["target", "random"] = keyed("target")
+    device: str = operational("cpu")
+    dtype: Literal["float32", "bfloat16"] = keyed("float32")
+    seed: int = keyed(0)
+    log_every: int = operational(10, ge=1)
+    step_weights: list[float] | None = keyed(
         None, description="Loss weight per TTT step (one per step); default step_weight_decay**j.")
-    aux_noise_std: float = Field(0.0, ge=0.0, description="Gaussian noise on the aux inputs, "
+    aux_noise_std: float = keyed(0.0, ge=0.0, description="Gaussian noise on the aux inputs, "
                                  "relative to each position's RMS.")
-    freeze_lm_head: bool = Field(False, description="Keep lm_head at its initial weights.")
-    init_from: str | None = Field(None, description="Fine-tune this drafter (native, SGLang, "
+    freeze_lm_head: bool = keyed(False, description="Keep lm_head at its initial weights.")
+    init_from: str | None = keyed(None, description="Fine-tune this drafter (native, SGLang, "
                                   "SpecForge or speculators layout) instead of starting fresh.")
-    init_family: str = Field("llama", description="Target family init_from's layer ids follow.")
-    attention: Literal["auto", "flex", "sdpa"] = Field(
+    init_family: str = keyed("llama", description="Target family init_from's layer ids follow.")
+    attention: Literal["auto", "flex", "sdpa"] = keyed(
         "auto", description="auto: compiled flex_attention block masks on CUDA, SDPA on CPU.")
-    compile: bool = Field(True, description="torch.compile the decoder layer on CUDA.")
-    checkpoint_every: int = Field(0, ge=0, description="Also checkpoint every N steps (0: only "
-                                  "at epoch ends).")
-    nproc_per_node: int = Field(1, ge=1, description="Processes (GPUs) under torchrun.")
-    parallel: Literal["ddp", "fsdp"] = Field(
+    compile: bool = keyed(True, description="torch.compile the decoder layer on CUDA.")
+    checkpoint_every: int = operational(0, ge=0, description=(
+        "Also checkpoint every N steps (0: only at epoch ends)."))
+    nproc_per_node: int = keyed(1, ge=1, description="Processes (GPUs) under torchrun.")
+    parallel: Literal["ddp", "fsdp"] = keyed(
         "ddp", description="ddp: every process holds the whole drafter, gradients all-reduced; "
         "fsdp: parameters, gradients and AdamW state sharded over the processes (big drafters).")
 
@@ -290,10 +324,25 @@ class TrainConfig(StrictModel):
         return self
 
 
-class FixKeysConfig(StrictModel):
-    format: Literal["sglang", "speculators"] = Field(
+class ExportConfig(StrictModel):
+    """The export stage (fix-keys): the drafter in the serving engine's layout."""
+
+    format: Literal["sglang", "speculators"] = keyed(
         "sglang", description="sglang: SGLang / EAGLE / SpecForge layout; speculators: vLLM.")
-    speculative_tokens: int = Field(3, ge=1, description="Written into a speculators config.")
+    speculative_tokens: int = keyed(3, ge=1, description="Written into a speculators config.")
+
+
+FixKeysConfig = ExportConfig  # the stage's old name, kept for code that imports it
+
+# The export stage's config section, and the old spellings users know it by.
+EXPORT_SECTION = "export"
+EXPORT_ALIASES = ("fix_keys", "fix-keys")
+
+
+def draft_token_budget(num_steps: int, eagle_topk: int) -> int:
+    """The most tokens a tree of num_steps levels, topk wide, can hold besides its root: topk at
+    the first level, then topk^2 candidates at each later one (SGLang's EAGLE rule)."""
+    return eagle_topk + (num_steps - 1) * eagle_topk**2
 
 
 def check_drafting(where: str, num_steps: int, eagle_topk: int, num_draft_tokens: int) -> None:
@@ -303,7 +352,7 @@ def check_drafting(where: str, num_steps: int, eagle_topk: int, num_draft_tokens
             f"{where}.num_draft_tokens={num_draft_tokens} with eagle_topk=1: chain "
             f"drafting needs num_draft_tokens = num_steps + 1 = {num_steps + 1}."
         )
-    budget = eagle_topk + (num_steps - 1) * eagle_topk**2
+    budget = draft_token_budget(num_steps, eagle_topk)
     if num_draft_tokens - 1 > budget:
         raise ValueError(
             f"{where}.num_draft_tokens={num_draft_tokens}: at most {budget + 1} with "
@@ -357,9 +406,9 @@ def check_tree_attention(where: str, eagle_topk: int, extra_args: list[str]) -> 
 class DraftingPoint(StrictModel):
     """One drafting config of a benchmark sweep (SGLang's three speculative flags)."""
 
-    num_steps: int = Field(ge=1)
-    eagle_topk: int = Field(ge=1)
-    num_draft_tokens: int = Field(ge=2)
+    num_steps: int = keyed(ge=1)
+    eagle_topk: int = keyed(ge=1)
+    num_draft_tokens: int = keyed(ge=2)
 
     @model_validator(mode="after")
     def _check(self) -> DraftingPoint:
@@ -375,29 +424,30 @@ class DraftingPoint(StrictModel):
 
 
 class DeployConfig(StrictModel):
-    engine: Literal["embedded", "sglang"] = "embedded"
-    speculative_algorithm: Literal["EAGLE3", "EAGLE"] = "EAGLE3"
+    engine: Literal["embedded", "sglang"] = keyed("embedded")
+    speculative_algorithm: Literal["EAGLE3", "EAGLE"] = keyed("EAGLE3")
     # All three or none (none: SGLang picks); SGLang fails obscurely on a partial set.
-    num_steps: int | None = Field(3, ge=1)
-    eagle_topk: int | None = Field(1, ge=1)
-    num_draft_tokens: int | None = Field(4, ge=2)
-    host: str = "127.0.0.1"
-    port: int = Field(30000, ge=1, le=65535)
-    mem_fraction_static: float | None = Field(None, gt=0.0, lt=1.0)
-    cuda_graph_max_bs_decode: int | None = Field(None, ge=1)
-    max_running_requests: int | None = Field(None, ge=1, description=(  # keyed
+    num_steps: int | None = keyed(3, ge=1)
+    eagle_topk: int | None = keyed(1, ge=1)
+    num_draft_tokens: int | None = keyed(4, ge=2)
+    host: str = keyed("127.0.0.1")
+    port: int = keyed(30000, ge=1, le=65535)
+    mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0)
+    cuda_graph_max_bs_decode: int | None = keyed(None, ge=1)
+    max_running_requests: int | None = keyed(None, ge=1, description=(
         "Requests SGLang runs at once, passed to the speculative server and to the "
         "benchmark's baseline alike; default 48, what SGLang gives an EAGLE server when it "
         "is unset (a plain server is uncapped, which would understate the speedup)."))
-    enable_metrics: bool = True
-    allow_shorter_draft_context: bool = False
-    extra_args: list[str] = Field(default_factory=list, description="Passed to SGLang as is.")
-    env: dict[str, str] = Field(default_factory=dict, description="e.g. NCCL settings.")
-    sglang_command: list[str] | None = Field(
+    enable_metrics: bool = keyed(True)
+    allow_shorter_draft_context: bool = keyed(False)
+    extra_args: list[str] = keyed(default_factory=list, description="Passed to SGLang as is.")
+    env: dict[str, str] = keyed(default_factory=dict, description="e.g. NCCL settings.")
+    sglang_command: list[str] | None = keyed(
         None, description="Program that starts the server; default: python -m "
         "sglang.launch_server with this interpreter.")
-    startup_timeout_s: float = Field(1800.0, gt=0, description="Big targets need 15+ minutes.")
-    keep_serving: bool = False
+    startup_timeout_s: float = operational(1800.0, gt=0, description=(
+        "Big targets need 15+ minutes."))
+    keep_serving: bool = operational(False)
 
     @model_validator(mode="after")
     def _check_eagle3(self) -> DeployConfig:
@@ -434,24 +484,24 @@ class DeployConfig(StrictModel):
 
 
 class BenchmarkConfig(StrictModel):
-    prompts_file: str | None = Field(None, description=(
+    prompts_file: str | None = operational(None, description=(
         "Held-out prompts from a file in any data format (ShareGPT, OpenAI messages, "
         "trajectories, prompt-only); default: the validation split of the merged data."))
-    num_prompts: int = Field(16, ge=1)
-    max_new_tokens: int = Field(64, ge=1)
-    warmup_prompts: int = Field(1, ge=0)
-    concurrency: list[int] = Field(default_factory=lambda: [1], min_length=1,
+    num_prompts: int = keyed(16, ge=1)
+    max_new_tokens: int = keyed(64, ge=1)
+    warmup_prompts: int = keyed(1, ge=0)
+    concurrency: list[int] = keyed(default_factory=lambda: [1], min_length=1,
                                    description="Served endpoints: requests in flight, a sweep.")
-    temperature: float = Field(0.0, ge=0.0, description=(
+    temperature: float = keyed(0.0, ge=0.0, description=(
         "0: greedy, and the embedded engine's outputs must equal plain greedy decoding; "
         ">0: sampled (speculative sampling keeps the target's distribution)."))
-    sampled_temperature: float | None = Field(None, gt=0.0, description=(
+    sampled_temperature: float | None = keyed(None, gt=0.0, description=(
         "Also measure the deployed config sampled at this temperature (e.g. 0.7), next to the "
         "greedy run: acceptance usually drops when sampling."))
-    baseline: bool = Field(True, description=(
+    baseline: bool = keyed(True, description=(
         "Served endpoints: also measure the target without speculation on the same GPUs "
         "(stops the speculative server first)."))
-    sweep: list[DraftingPoint] = Field(default_factory=list, description=(
+    sweep: list[DraftingPoint] = keyed(default_factory=list, description=(
         "More drafting configs to compare with the deployed one, e.g. num_draft_tokens "
         "16/10/5 and topk 1 vs 4. Each point gets its own deploy and its own cached result, so "
         "an interrupted sweep resumes at the first point not yet measured."))
@@ -460,18 +510,18 @@ class BenchmarkConfig(StrictModel):
 class OrchestrationConfig(StrictModel):
     """Where the stages run. Changes no stage's output, so no cache key covers it."""
 
-    mode: Literal["local", "distributed"] = Field("local", description=(
+    mode: Literal["local", "distributed"] = operational("local", description=(
         "local: every stage in this process; distributed: GPU stages run as deployments on the "
         "gpu work pool (draftsmith prefect setup creates them), the rest here."))
-    gpu_deployment: str = Field("gpu", description=(
+    gpu_deployment: str = operational("gpu", description=(
         "Deployment name of the GPU stage flows (draftsmith-<stage>/<name>)."))
-    gpu_host: str = Field("gpu-host", description=(
+    gpu_host: str = operational("gpu-host", description=(
         "GPU host block: its GPUs size the concurrency limit GPU stages take."))
-    stage_timeout_s: float | None = Field(None, gt=0, description=(
+    stage_timeout_s: float | None = operational(None, gt=0, description=(
         "Fail a GPU stage whose child run has not finished after this long (e.g. its worker "
         "died); none waits for ever."))
-    poll_interval_s: float = Field(2.0, gt=0, description="How often to poll a child run.")
-    endpoint_block: str | None = Field(None, description=(
+    poll_interval_s: float = operational(2.0, gt=0, description="How often to poll a child run.")
+    endpoint_block: str | None = operational(None, description=(
         "Inference endpoint block that fills generate.endpoint (base URL, model, API key)."))
 
 
@@ -479,8 +529,8 @@ class RetentionConfig(StrictModel):
     """Big intermediate outputs to delete once the next stage no longer needs them. A later run
     that needs deleted files recomputes them."""
 
-    delete_generations_after_merge: bool = False
-    delete_hidden_states_after_train: bool = Field(False, description=(
+    delete_generations_after_merge: bool = operational(False)
+    delete_hidden_states_after_train: bool = operational(False, description=(
         "Hidden-state stores run to terabytes on real targets."))
 
 
@@ -494,11 +544,37 @@ class PipelineConfig(StrictModel):
     merge: MergeConfig = Field(default_factory=MergeConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
-    fix_keys: FixKeysConfig = Field(default_factory=FixKeysConfig)
+    export: ExportConfig = Field(default_factory=ExportConfig, description=(
+        "The export stage, also known as fix-keys (`fix_keys:` is read as `export:`)."))
     deploy: DeployConfig = Field(default_factory=DeployConfig)
     benchmark: BenchmarkConfig = Field(default_factory=BenchmarkConfig)
     orchestration: OrchestrationConfig = Field(default_factory=OrchestrationConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _export_spellings(cls, data: Any) -> Any:
+        return normalise_sections(data) if isinstance(data, dict) else data
+
+    @property
+    def fix_keys(self) -> ExportConfig:
+        """The export section under the stage's old name."""
+        return self.export
+
+    def warnings(self) -> list[str]:
+        """Settings that are valid but probably not what the user wants."""
+        out = []
+        trained = self.train.ttt_steps
+        drafting = [("deploy.num_steps", self.deploy.num_steps),
+                    ("export.speculative_tokens", self.export.speculative_tokens),
+                    *((f"benchmark.sweep[{i}].num_steps", p.num_steps)
+                      for i, p in enumerate(self.benchmark.sweep))]
+        for where, steps in drafting:
+            if steps is not None and steps > trained:
+                out.append(f"{where}={steps} exceeds train.ttt_steps={trained}: the drafter "
+                           f"was trained for {trained} drafting steps, and the later ones are "
+                           "rarely accepted; raise train.ttt_steps or draft fewer steps")
+        return out
 
     @model_validator(mode="after")
     def _endpoint_given(self) -> PipelineConfig:
@@ -519,14 +595,31 @@ class PipelineConfig(StrictModel):
         return self
 
 
+def normalise_sections(raw: dict[str, Any]) -> dict[str, Any]:
+    """Read the export stage's old section names (`fix_keys`, `fix-keys`) as `export`."""
+    found = [name for name in EXPORT_ALIASES if name in raw]
+    if not found:
+        return raw
+    if len(found) > 1 or EXPORT_SECTION in raw:
+        raise ConfigError(f"{' and '.join([*found, EXPORT_SECTION][:2])} are the same section "
+                         f"(the export stage, once called fix-keys); keep only "
+                         f"{EXPORT_SECTION}:")
+    raw = dict(raw)
+    raw[EXPORT_SECTION] = raw.pop(found[0])
+    return raw
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=c` overrides; values are parsed as YAML so `x=3`, `x=[1,2]`, `x=true` work."""
+    raw = normalise_sections(raw)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.epochs=2")
         node = raw
         parts = key.split(".")
+        if parts[0] in EXPORT_ALIASES:
+            parts[0] = EXPORT_SECTION
         for part in parts[:-1]:
             child = node.get(part)
             if child is None:

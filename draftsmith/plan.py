@@ -1,156 +1,342 @@
-"""Which settings each stage's cache key covers, and which stages a run executes.
+"""The run plan: for each stage, its cache key and directory, and whether it runs, is reused,
+was pruned, or has to be recomputed first. Decided here, in the engine, once per run; the
+Prefect flow (flows/pipeline.py) and `draftsmith run` are loops over it, and `draftsmith plan
+CONFIG` prints it.
 
-A stage's key covers exactly the settings that change its output, so changing the benchmark
-settings re-runs only the benchmark, and new data re-runs everything from generate on. Device
-choices are left out on purpose: moving a run to another device must not redo finished work.
+A stage's key hashes its section's `keyed` settings (draftsmith/config.py), the extra settings
+its table entry names (draftsmith/stages.py), the content fingerprints of what it reads, and the
+format version. So changing the benchmark settings re-runs only the benchmark, and new data
+re-runs everything from generate on. Operational settings (devices, concurrency, timeouts,
+thresholds) are left out: moving a run or driving it harder never redoes finished work.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
+import json
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
+from draftsmith import retention, stages
 from draftsmith.artifacts import (
+    MANIFEST,
     Descriptor,
     StagePlan,
-    external_descriptor,
-    hash_json,
     load_descriptor,
     plan_stage,
-    sha256_file,
+    read_descriptor,
 )
-from draftsmith.config import STAGES, ConfigError, DataSource, PipelineConfig
+from draftsmith.config import ConfigError, PipelineConfig, key_settings
+from draftsmith.fingerprints import data_descriptors
+from draftsmith.stages import DATA, Inputs, Stage
+
+log = logging.getLogger(__name__)
+
+__all__ = ["RunPlan", "Step", "data_descriptors", "finished_outputs", "key_material",
+           "run_in_process", "select_stages", "stage_plan"]
 
 
-def key_material(config: PipelineConfig, stage: str) -> dict[str, Any]:
-    dtype = config.target.dtype
-    if stage == "generate":
-        # Where the server is, how hard it is driven and what it costs change no answer.
-        endpoint_operational = {"base_url", "api_key_env", "api_key_secret", "timeout_s",
-                                "max_retries", "price_per_1m_prompt_tokens",
-                                "price_per_1m_completion_tokens"}
-        generate = config.generate.model_dump(exclude={"endpoint": endpoint_operational})
-        if generate["endpoint"]:
-            for partition in generate["endpoint"]["partitions"]:
-                partition.pop("concurrency")
-        return {"generate": generate, "target_dtype": dtype,
-                "sources": [s.model_dump(exclude={"path"}) for s in config.data.sources]}
-    if stage == "merge":
-        return {"merge": config.merge.model_dump()}
-    if stage == "extract":
-        # How many processes, GPUs, writer threads or which server compute the shards does
-        # not change their bytes (each shard is computed from the same batches).
-        return {"extract": config.extract.model_dump(exclude={
-            "data_parallel", "device_map", "writer_queue", "writer_threads", "sglang"}),
-                "target_dtype": dtype}
-    if stage == "train":
-        material = {"train": config.train.model_dump(
-            exclude={"device", "log_every", "checkpoint_every"})}
-        if config.train.init_from:  # the drafter's content, not just its path
-            material["init_from_files"] = drafter_fingerprint(config.train.init_from)
-        return material
-    if stage == "fix_keys":
-        return {"fix_keys": config.fix_keys.model_dump(),
-                "context_length": config.target.context_length}
-    if stage == "deploy":  # how long to wait and whether to keep serving change no output
-        return {"deploy": config.deploy.model_dump(exclude={"startup_timeout_s", "keep_serving"}),
-                "target_dtype": dtype}
-    if stage == "benchmark":
-        material = {"benchmark": config.benchmark.model_dump(exclude={"prompts_file"}),
-                    "target_dtype": dtype}
-        if config.benchmark.prompts_file:  # its content, not where it lies
-            material["prompts"] = file_fingerprint("benchmark.prompts_file",
-                                                   config.benchmark.prompts_file)
-        return material
-    raise ValueError(f"unknown stage {stage!r}")
+def key_material(config: PipelineConfig, stage_name: str) -> dict[str, Any]:
+    """The settings `stage_name`'s key covers: its section's keyed fields, then its extras."""
+    stage = stages.get(stage_name)
+    if stage.name != stage_name:
+        raise ValueError(f"unknown stage {stage_name!r}: key_material takes the stage's name, "
+                         f"{stage.name!r}")
+    material: dict[str, Any] = {}
+    if stage.section:
+        material[stage.section] = key_settings(getattr(config, stage.section))
+    material.update(stage.key_extras(config))
+    return material
 
 
-def drafter_fingerprint(path: str) -> dict[str, str]:
-    """sha256 of every file of a drafter to fine-tune from (a drafter is small enough)."""
-    directory = Path(path)
-    if not directory.is_dir():
-        raise ConfigError(f"train.init_from={path}: no such directory (a drafter in the native, "
-                          "SGLang, SpecForge or speculators layout)")
-    return {f.name: sha256_file(f) for f in sorted(directory.iterdir()) if f.is_file()}
-
-
-def file_fingerprint(what: str, path: str) -> str:
-    """Content hash of an input file; `what` names the setting in the error."""
-    try:
-        return sha256_file(path)[:16]
-    except FileNotFoundError:
-        raise ConfigError(f"{what}={path}: file not found") from None
-
-
-def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
-    """Content fingerprints of the source files: new data means new keys downstream."""
-    out = []
-    for source in config.data.sources:
-        if source.hub is not None:
-            out.append(external_descriptor("data", source.hub, hub_fingerprint(source)))
-            continue
-        fingerprint = file_fingerprint(f"data.sources[{source.name}].path", source.path)
-        out.append(external_descriptor("data", source.path, fingerprint))
-    return out
-
-
-def hub_fingerprint(source: DataSource) -> str:
-    """A local dataset directory is fingerprinted by its files' content; a hub dataset by its
-    name, configuration, split and revision (pin the revision to pick up new hub data)."""
-    where = Path(source.hub)
-    if where.is_dir():
-        files = {str(p.relative_to(where)): sha256_file(p)
-                 for p in sorted(where.rglob("*")) if p.is_file()}
-        return hash_json(files)[:16]
-    return hash_json(source.model_dump(include={"hub", "hub_config", "split",
-                                                "revision"}))[:16]
+def stage_plan(config: PipelineConfig, stage_name: str, outputs: Inputs,
+               data: list[Descriptor] | None = None) -> StagePlan:
+    """Where `stage_name` writes, given the descriptors of what it reads. `data`: the data
+    files' fingerprints (hashed here when not given)."""
+    stage = stages.get(stage_name)
+    named: dict[str, Any] = {}
+    inputs: list[Descriptor] = []
+    for name in stage.inputs:
+        if name == DATA:
+            files = data if data is not None else data_descriptors(config)
+            inputs += files
+            named[DATA] = [d.fingerprint for d in files]
+        else:
+            inputs.append(outputs[name])
+            named[name] = outputs[name].fingerprint
+    material = key_material(config, stage.name)
+    plan = plan_stage(config.run_root, stage.name, material, inputs)
+    return plan.model_copy(update={"material": material, "input_fingerprints": named})
 
 
 def select_stages(only: str | None = None, start: str | None = None,
                   stop: str | None = None) -> list[str]:
+    """The stages a run executes, from --only / --from / --to (either spelling of a name)."""
+    order = stages.names()
+
     def index(flag: str, name: str) -> int:
-        normalised = name.replace("-", "_")
-        if normalised not in STAGES:
+        try:
+            return order.index(stages.get(name).name)
+        except ConfigError:
             raise ConfigError(f"{flag} {name}: unknown stage; choose from "
-                              + ", ".join(s.replace("_", "-") for s in STAGES))
-        return STAGES.index(normalised)
+                              + ", ".join(s.label for s in stages.STAGES)) from None
 
     if only and (start or stop):
         raise ConfigError("--only cannot be combined with --from/--to")
     if only:
-        return [STAGES[index("--only", only)]]
+        return [order[index("--only", only)]]
     first = index("--from", start) if start else 0
-    last = index("--to", stop) if stop else len(STAGES) - 1
+    last = index("--to", stop) if stop else len(order) - 1
     if first > last:
         raise ConfigError(f"--from {start} comes after --to {stop}")
-    return list(STAGES[first : last + 1])
+    return order[first : last + 1]
 
 
-# The outputs each stage reads ("target" is the resolved target model).
-STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    "generate": ("target",),
-    "merge": ("generate", "target"),
-    "extract": ("merge", "target"),
-    "train": ("extract", "merge", "target"),
-    "fix_keys": ("train", "target"),
-    "deploy": ("fix_keys", "merge", "target"),
-    "benchmark": ("deploy", "merge", "target"),
-}
+@dataclass
+class Step:
+    """A stage to execute: its plan, what it reads, and the stages that must run with it in one
+    process (a served deploy and the benchmark that measures its live server)."""
+
+    stage: Stage
+    plan: StagePlan
+    inputs: Inputs
+    reason: str
+    group: list[str] = field(default_factory=list)
+
+    @property
+    def name(self) -> str:
+        return self.stage.name
 
 
-def stage_plan(config: PipelineConfig, stage: str, outputs: dict[str, Descriptor]) -> StagePlan:
-    """Where `stage` writes, given the descriptors of what it reads."""
-    inputs = [outputs[name] for name in STAGE_INPUTS[stage]]
-    if stage == "generate":
-        inputs += data_descriptors(config)
-    return plan_stage(config.run_root, stage, key_material(config, stage), inputs)
+@dataclass
+class PreviewRow:
+    stage: str
+    key: str | None
+    status: str  # cached, reused, pruned, to run, missing
+    reason: str
+
+
+class RunPlan:
+    """One run of the pipeline over the selected stages (all by default).
+
+    Iterate `steps()` and execute each step's stage (in this process or on a GPU worker), then
+    `record()` what it wrote: the plan decides the next step from the recorded outputs. Stages
+    that are not selected are read from disk; outputs deleted by retention are recomputed only
+    when a stage that reads them has to run; retention is applied as stages finish."""
+
+    def __init__(self, config: PipelineConfig, target: Descriptor,
+                 selected: list[str] | None = None):
+        self.config = config
+        order = stages.names()
+        self.selected = [stages.get(s).name for s in (selected or order)]
+        last = max(order.index(s) for s in self.selected)
+        self.order: list[Stage] = list(stages.STAGES[: last + 1])
+        self.outputs: Inputs = {stages.TARGET: target}
+        self.results: dict[str, dict[str, Any]] = {}
+        self._pruned: set[str] = set()
+        self._data: list[Descriptor] | None = None
+        self._plans: dict[tuple[str, ...], StagePlan] = {}
+        for warning in config.warnings():
+            log.warning("config: %s", warning)
+
+    # -- keys -----------------------------------------------------------------------------
+
+    def data(self) -> list[Descriptor]:
+        """The data files' fingerprints, hashed once per run."""
+        if self._data is None:
+            self._data = data_descriptors(self.config)
+        return self._data
+
+    def plan_for(self, name: str) -> StagePlan:
+        """The stage's plan on the outputs recorded so far, computed once for each set of
+        input fingerprints (keys hash file contents: fine-tuning drafters, prompt files)."""
+        stage = stages.get(name)
+        memo = (stage.name, *(self.outputs[i].fingerprint for i in stage.stage_inputs()))
+        if memo not in self._plans:
+            data = self.data() if DATA in stage.inputs else None
+            self._plans[memo] = stage_plan(self.config, stage.name, self.outputs, data)
+        return self._plans[memo]
+
+    def inputs_of(self, stage: Stage) -> Inputs:
+        return {name: self.outputs[name] for name in stage.stage_inputs()}
+
+    def group_of(self, stage: Stage) -> list[str]:
+        """The stages one execution of `stage` runs: itself, and the stage after it when its
+        output is a live server that stage measures."""
+        index = self.order.index(stage)
+        after = self.order[index + 1] if index + 1 < len(self.order) else None
+        if stage.live(self.config) and after is not None and after.name in self.selected:
+            return [stage.name, after.name]
+        return [stage.name]
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    def steps(self) -> Iterator[Step]:
+        last = self.order[-1].name
+        for stage in self.order:
+            name = stage.name
+            if name in self.results and self.results[name]["state"] != "Pruned":
+                continue  # it ran with the stage before it (a served deploy's benchmark)
+            plan = self.plan_for(name)
+            recorded = retention.pruned_descriptor(plan)
+            if recorded is not None and name != last:
+                self._pruned.add(name)
+                self._set(name, "Pruned", recorded)
+                log.info("stage %s: deleted by retention after use (%s)", name, plan.dir)
+                continue
+            if name not in self.selected:
+                self._set(name, "Reused", load_descriptor(plan))
+                continue
+            if not plan.is_complete():
+                for needed in stage.stage_inputs():
+                    if needed in self._pruned:  # its files were deleted: this stage reads them
+                        self._pruned.discard(needed)
+                        log.info("stage %s reads %s, deleted by retention; recomputing it",
+                                 name, needed)
+                        needed_stage = stages.get(needed)
+                        yield Step(needed_stage, self.plan_for(needed),
+                                   self.inputs_of(needed_stage),
+                                   f"deleted by retention; {name} reads it", [needed])
+                plan = self.plan_for(name)
+            reason = ("complete output found" if plan.is_complete()
+                      else self.why_it_runs(stage, plan))
+            yield Step(stage, plan, self.inputs_of(stage), reason, self.group_of(stage))
+
+    def record(self, name: str, state: str, descriptor: Descriptor) -> None:
+        """What a stage's execution returned (Completed, Cached, ...); applies retention."""
+        self._set(name, state, descriptor)
+        for stage in stages.STAGES:
+            if stage.retention is None or stage.name != name:
+                continue
+            deletes, setting = stage.retention
+            if getattr(self.config.retention, setting) and deletes in self.outputs:
+                retention.prune(self.plan_for(deletes),
+                                f"(retention.{setting}: {name} has finished)")
+
+    def _set(self, name: str, state: str, descriptor: Descriptor) -> None:
+        self.outputs[name] = descriptor
+        self.results[name] = {"state": state, "descriptor": descriptor.model_dump()}
+
+    # -- explaining it ------------------------------------------------------------------------
+
+    def why_it_runs(self, stage: Stage, plan: StagePlan) -> str:
+        """Why a stage has no complete output for its key: the settings or inputs that differ
+        from the closest complete output of the same stage, or that there is none."""
+        best: tuple[int, list[str]] | None = None
+        for manifest in sorted(plan.dir.parent.glob(f"*/{MANIFEST}")):
+            try:
+                before = json.loads(manifest.read_text()).get("key_material")
+            except (OSError, ValueError):
+                continue
+            if not before:
+                continue
+            changes = differences({"settings": before.get("config"),
+                                    "inputs": before.get("inputs")},
+                                   {"settings": plan.material,
+                                    "inputs": plan.input_fingerprints})
+            if best is None or len(changes) < best[0]:
+                best = (len(changes), changes)
+        if best is None:
+            return "no complete output of this stage yet"
+        shown = ", ".join(best[1][:4]) + (", ..." if len(best[1]) > 4 else "")
+        return f"changed since the closest finished output: {shown}"
+
+    def preview(self) -> list[PreviewRow]:
+        """What a run would do now, without running anything: each stage, its key (unknown
+        while a stage it reads has yet to run), and cached / to run / reused and why."""
+        rows: list[PreviewRow] = []
+        pending: dict[str, str] = {}  # stages whose output is not known yet -> the first cause
+        blocked: set[str] = set()  # ... because a stage it needs is neither selected nor done
+        for stage in self.order:
+            name, selected = stage.name, stage.name in self.selected
+            waiting = [i for i in stage.stage_inputs() if i in pending]
+            if waiting:
+                pending[name] = pending[waiting[0]]
+                if not selected or any(i in blocked for i in waiting):
+                    blocked.add(name)
+                    rows.append(PreviewRow(stage.label, None, "missing",
+                                           f"needs {pending[name]}, which is not selected and "
+                                           f"not complete (--to {pending[name]} first)"))
+                else:
+                    rows.append(PreviewRow(stage.label, None, "to run",
+                                           f"after {pending[name]}: its key follows that "
+                                           "output"))
+                continue
+            plan = self.plan_for(name)
+            recorded = retention.pruned_descriptor(plan)
+            if plan.is_complete():
+                self.outputs[name] = read_descriptor(plan)
+                rows.append(PreviewRow(stage.label, plan.key,
+                                       "cached" if selected else "reused",
+                                       f"complete output at {plan.dir}"))
+            elif recorded is not None:
+                self.outputs[name] = recorded
+                rows.append(PreviewRow(stage.label, plan.key, "pruned",
+                                       "deleted by retention after use; recomputed only when a "
+                                       "stage that reads it runs"))
+            else:
+                pending[name] = stage.label
+                if selected:
+                    rows.append(PreviewRow(stage.label, plan.key, "to run",
+                                           self.why_it_runs(stage, plan)))
+                else:
+                    blocked.add(name)
+                    rows.append(PreviewRow(stage.label, plan.key, "missing",
+                                           "not selected and not complete: run it first "
+                                           f"(--to {stage.label})"))
+        return rows
+
+
+def differences(before: Any, now: Any) -> list[str]:
+    """Dotted paths where two JSON-like values differ, with both values for short leaves."""
+    return _differences(json.loads(json.dumps(before, default=str)),
+                        json.loads(json.dumps(now, default=str)), "")
+
+
+def _differences(before: Any, now: Any, path: str) -> list[str]:
+    if isinstance(before, dict) and isinstance(now, dict):
+        out = []
+        for key in sorted(set(before) | set(now)):
+            out += _differences(before.get(key), now.get(key), f"{path}.{key}" if path else key)
+        return out
+    if before == now:
+        return []
+    if isinstance(before, list) or isinstance(now, list) or len(repr(now)) > 40:
+        return [path]
+    return [f"{path} {before!r} -> {now!r}"]
+
+
+def run_in_process(config: PipelineConfig, target: Descriptor,
+                   selected: list[str] | None = None,
+                   after: Callable[[str, Descriptor, float], None] | None = None) -> RunPlan:
+    """Execute the plan in this process with no orchestration (scripts and benchmarks that
+    time the stages): each step's preflight, then its engine function. after(stage,
+    descriptor, seconds) runs after each stage that ran or was complete."""
+    run = RunPlan(config, target, selected)
+    for step in run.steps():
+        started = time.monotonic()
+        if step.plan.is_complete() and not step.stage.live(config):
+            descriptor, state = read_descriptor(step.plan), "Cached"
+        else:
+            step.stage.preflight(config, step.inputs, step.plan)
+            descriptor, state = step.stage.run(config, step.inputs, step.plan, None), "Completed"
+        run.record(step.name, state, descriptor)
+        seconds = time.monotonic() - started
+        log.info("stage %s: %s in %.1fs (%s)", step.name, state, seconds, descriptor.path)
+        if after:
+            after(step.name, descriptor, seconds)
+    return run
 
 
 def finished_outputs(config: PipelineConfig, target: Descriptor,
                      upto: str) -> dict[str, Descriptor]:
     """Descriptors of the finished stages up to `upto`, read from disk; the error names the
     first stage that is not complete for this config."""
-    outputs = {"target": target}
-    for stage in STAGES[: STAGES.index(upto) + 1]:
-        outputs[stage] = load_descriptor(stage_plan(config, stage, outputs))
-    return outputs
+    upto = stages.get(upto).name
+    run = RunPlan(config, target, [upto])
+    for stage in run.order:
+        run.outputs[stage.name] = load_descriptor(run.plan_for(stage.name))
+    return dict(run.outputs)
+

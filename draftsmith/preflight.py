@@ -15,6 +15,7 @@ from pathlib import Path
 from draftsmith.artifacts import Descriptor, StagePlan
 from draftsmith.config import GenerateConfig
 from draftsmith.extract.preflight import free_bytes
+from draftsmith.figures import TargetFigures
 from draftsmith.serve.gpus import GpusBusyError, gpu_processes
 
 # Room a stage needs beyond its estimate: logs, temp files written before a rename.
@@ -79,6 +80,6 @@ def generate_bytes(cfg: GenerateConfig, source_paths: list[str]) -> int:
 
 def train_bytes(target: Descriptor, draft_vocab_size: int) -> int:
     """Drafter checkpoints (best and last) in float32: one decoder layer, fc, head."""
-    hidden = target.figures["hidden_size"]
+    hidden = TargetFigures.of(target).hidden_size
     params = 16 * hidden * hidden + draft_vocab_size * hidden
     return 2 * 4 * params

@@ -1,7 +1,8 @@
-"""One flow per GPU stage, deployed to the gpu work pool (deployments/setup.py). The pipeline
-flow dispatches them with run_deployment in distributed mode and passes the descriptors of what
-they read. Each takes the GPU host's concurrency slots for the GPUs it uses (strict: a missing
-limit is an error, never a silent free-for-all), so two runs never share a GPU."""
+"""One flow per stage that can use GPUs (the stage table says which), deployed to the gpu work
+pool (deployments/setup.py). The pipeline flow dispatches them with run_deployment in
+distributed mode and passes the descriptors of what they read. Each takes the GPU host's
+concurrency slots for the GPUs it uses (strict: a missing limit is an error, never a silent
+free-for-all), so two runs never share a GPU."""
 
 from __future__ import annotations
 
@@ -12,16 +13,19 @@ from pathlib import Path
 # Engine logs ("draftsmith.*") go to the Prefect run log too; must be set before Prefect loads.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
 
-from prefect import flow, get_run_logger  # noqa: E402
+from prefect import Flow, flow, get_run_logger  # noqa: E402
 from prefect.concurrency.sync import concurrency  # noqa: E402
 
 from blocks.gpu_host import GpuHost, concurrency_limit_name  # noqa: E402
-from draftsmith.artifacts import Descriptor  # noqa: E402
+from draftsmith import stages  # noqa: E402
+from draftsmith.artifacts import Descriptor, StagePlan  # noqa: E402
 from draftsmith.config import PipelineConfig  # noqa: E402
 from draftsmith.logs import configure_logging  # noqa: E402
 from draftsmith.plan import stage_plan  # noqa: E402
 from draftsmith.serve import process as child_processes  # noqa: E402
 from draftsmith.serve import servers  # noqa: E402
+from draftsmith.stages import Stage  # noqa: E402
+from flows.dispatch import flow_name  # noqa: E402
 from flows.pipeline import run_stage_task  # noqa: E402
 
 
@@ -34,8 +38,10 @@ def gpus_in_use(host: GpuHost) -> int:
     return max(1, len([g for g in visible.split(",") if g.strip() and g.strip() != "-1"]))
 
 
-def run_gpu_stages(stages: list[str], config: PipelineConfig,
-                   inputs: dict[str, Descriptor]) -> dict[str, dict]:
+def run_gpu_stages(names: list[str], config: PipelineConfig, inputs: dict[str, Descriptor],
+                   plan: StagePlan | None = None) -> dict[str, dict]:
+    """Run `names` in order in this flow run; `plan`: the parent's plan of the first (the
+    others are planned here, on the outputs before them)."""
     configure_logging(log_file=Path(config.run_root) / "draftsmith.log", console=False)
     logger = get_run_logger()
     host = GpuHost.load(config.orchestration.gpu_host)
@@ -45,15 +51,18 @@ def run_gpu_stages(stages: list[str], config: PipelineConfig,
     limit = concurrency_limit_name(config.orchestration.gpu_host)
     out = dict(inputs)
     results: dict[str, dict] = {}
-    logger.info("%s: waiting for %d GPU slot(s) of %s", "+".join(stages), slots, limit)
+    logger.info("%s: waiting for %d GPU slot(s) of %s", "+".join(names), slots, limit)
     try:
         with concurrency(limit, occupy=slots, strict=True) if slots else nullcontext():
-            for stage in stages:
-                plan = stage_plan(config, stage, out)
-                state = run_stage_task(config, stage, plan, out)
-                out[stage] = state.result()
-                results[stage] = {"state": state.name, "descriptor": out[stage].model_dump()}
-                logger.info("stage %s: %s (%s)", stage, state.name, out[stage].path)
+            for index, name in enumerate(names):
+                stage = stages.get(name)
+                planned = plan if index == 0 and plan is not None else \
+                    stage_plan(config, name, out)
+                state = run_stage_task(config, stage, planned,
+                                       {n: out[n] for n in stage.stage_inputs()})
+                out[name] = state.result()
+                results[name] = {"state": state.name, "descriptor": out[name].model_dump()}
+                logger.info("stage %s: %s (%s)", name, state.name, out[name].path)
     except BaseException:
         if stopped := child_processes.stop_started():
             logger.warning("stopped %d child process(es) this run started", stopped)
@@ -65,38 +74,25 @@ def run_gpu_stages(stages: list[str], config: PipelineConfig,
     return results
 
 
-@flow(name="draftsmith-generate")
-def generate_flow(config: PipelineConfig, inputs: dict[str, Descriptor]) -> dict[str, dict]:
-    """generate on the GPU host: the target answers prompts in process."""
-    return run_gpu_stages(["generate"], config, inputs)
+def stage_flow(stage: Stage) -> Flow:
+    """The GPU flow of one stage. `with_next` runs the stage after it in the same flow run (it
+    measures this stage's live server, which lives in this process)."""
+    index = stages.names().index(stage.name)
+
+    def body(config: PipelineConfig, inputs: dict[str, Descriptor],
+             plan: StagePlan | None = None, with_next: bool = False) -> dict[str, dict]:
+        names = stages.names()[index: index + 2] if with_next else [stage.name]
+        return run_gpu_stages(names, config, inputs, plan)
+
+    body.__name__ = body.__qualname__ = f"{stage.name}_flow"
+    body.__module__ = __name__
+    body.__doc__ = f"{stage.name} on the GPU host: {stage.what}."
+    return flow(body, name=flow_name(stage))
 
 
-@flow(name="draftsmith-extract")
-def extract_flow(config: PipelineConfig, inputs: dict[str, Descriptor]) -> dict[str, dict]:
-    """extract on the GPU host: the target's aux and final hidden states into shards."""
-    return run_gpu_stages(["extract"], config, inputs)
-
-
-@flow(name="draftsmith-train")
-def train_flow(config: PipelineConfig, inputs: dict[str, Descriptor]) -> dict[str, dict]:
-    """train on the GPU host: the EAGLE-3 drafter on the hidden-state store."""
-    return run_gpu_stages(["train"], config, inputs)
-
-
-@flow(name="draftsmith-deploy")
-def deploy_flow(config: PipelineConfig, inputs: dict[str, Descriptor],
-                then_benchmark: bool = False) -> dict[str, dict]:
-    """deploy on the GPU host; with then_benchmark, the benchmark too, against the server this
-    run started (a served deploy lives in the process that launched it)."""
-    return run_gpu_stages(["deploy", "benchmark"] if then_benchmark else ["deploy"], config,
-                          inputs)
-
-
-@flow(name="draftsmith-benchmark")
-def benchmark_flow(config: PipelineConfig, inputs: dict[str, Descriptor]) -> dict[str, dict]:
-    """benchmark on the GPU host."""
-    return run_gpu_stages(["benchmark"], config, inputs)
-
-
-STAGE_FLOWS = {"generate": generate_flow, "extract": extract_flow, "train": train_flow,
-               "deploy": deploy_flow, "benchmark": benchmark_flow}
+# One module-level flow per GPU stage, so that a deployment's entrypoint
+# (flows.gpu_stages.<stage>_flow) imports it.
+STAGE_FLOWS: dict[str, Flow] = {}
+for _stage in stages.STAGES:
+    if _stage.can_use_gpu:
+        STAGE_FLOWS[_stage.name] = globals()[f"{_stage.name}_flow"] = stage_flow(_stage)

@@ -66,7 +66,7 @@ def main() -> None:
         from draftsmith.serve.embedded import (
             EmbeddedSpeculativeEngine,
             TargetRunner,
-            greedy_generate,
+            plain_generate,
         )
         from draftsmith.target import load_target_model
 
@@ -78,7 +78,7 @@ def main() -> None:
                 num_draft_tokens=args.speculative_num_draft_tokens)
         else:  # served without speculation: plain greedy decoding
             runner = TargetRunner(model, [0])
-            plain = lambda ids, n: greedy_generate(runner, ids, n, eos)  # noqa: E731
+            plain = lambda ids, n: plain_generate(runner, ids, n, eos)  # noqa: E731
         eos = model.generation_config.eos_token_id
         from transformers import AutoTokenizer
 

@@ -25,7 +25,7 @@ def text(result) -> str:
 def test_help_lists_every_command():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    for command in ("demo", "run", "validate", "export", "import", "inspect"):
+    for command in ("demo", "run", "plan", "validate", "export", "import", "inspect"):
         assert command in result.output
 
 
@@ -40,6 +40,27 @@ def test_validate_names_a_bad_key_and_exits_2():
                                  "--set", "train.epoch=3"])
     assert result.exit_code == 2
     assert "train.epoch" in text(result) and "unknown key" in text(result)
+
+
+def test_plan_prints_every_stage_with_its_status_and_runs_nothing(tmp_path, random_target_dir):
+    import yaml
+
+    raw = yaml.safe_load((REPO / "examples/tiny.yaml").read_text())
+    for source in raw["data"]["sources"]:
+        source["path"] = str(REPO / "examples" / source["path"])
+    raw["target"]["model"] = str(random_target_dir)
+    raw["run_root"] = str(tmp_path / "runs")
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(raw))
+    result = runner.invoke(app, ["plan", str(config), "--set", "deploy.num_steps=4",
+                                 "--set", "deploy.num_draft_tokens=5"])
+    assert result.exit_code == 0, result.output
+    out = text(result)
+    for stage in ("generate", "merge", "extract", "train", "export", "deploy", "benchmark"):
+        assert stage in out
+    assert "no complete output of this stage yet" in out and "after generate" in out
+    assert "deploy.num_steps=4 exceeds train.ttt_steps=3" in out
+    assert not (tmp_path / "runs").exists()  # planned, not run
 
 
 def test_run_refuses_an_unknown_stage():

@@ -312,3 +312,36 @@ def test_a_local_dataset_directory_resolves_against_the_config_file(tmp_path):
     config = load_config(path)
     assert config.data.sources[0].hub == str(tmp_path / "datasets" / "mine")
     assert config.data.sources[1].hub == "owner/name"  # a hub name stays a name
+
+
+# --- the export stage's old name, and drafting beyond the trained steps ------------------------
+
+
+@pytest.mark.parametrize("section", ["fix_keys", "fix-keys", "export"])
+def test_the_export_section_is_read_under_either_name(tmp_path, section):
+    path = write_config(tmp_path, minimal_raw(**{section: {"format": "speculators"}}))
+    config = load_config(path)
+    assert config.export.format == "speculators" and config.fix_keys is config.export
+
+
+def test_an_override_under_the_old_name_reaches_the_export_section(tmp_path):
+    path = write_config(tmp_path, minimal_raw(export={"speculative_tokens": 2}))
+    config = load_config(path, ["fix_keys.format=speculators"])
+    assert (config.export.format, config.export.speculative_tokens) == ("speculators", 2)
+
+
+def test_both_names_at_once_are_refused(tmp_path):
+    path = write_config(tmp_path, minimal_raw(export={}, fix_keys={"format": "speculators"}))
+    with pytest.raises(ConfigError, match="fix_keys and export are the same section"):
+        load_config(path)
+
+
+def test_drafting_more_steps_than_trained_is_warned_about():
+    config = parse_config(minimal_raw(train={"ttt_steps": 2},
+                                      deploy={"num_steps": 3, "num_draft_tokens": 4},
+                                      export={"speculative_tokens": 3}))
+    warnings = config.warnings()
+    assert len(warnings) == 2
+    assert warnings[0].startswith("deploy.num_steps=3 exceeds train.ttt_steps=2")
+    assert warnings[1].startswith("export.speculative_tokens=3 exceeds train.ttt_steps=2")
+    assert parse_config(minimal_raw()).warnings() == []  # the defaults draft what they train

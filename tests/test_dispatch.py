@@ -25,7 +25,7 @@ def test_local_mode_runs_everything_in_process():
 
 def test_distributed_mode_sends_the_gpu_stages_to_the_gpu_pool():
     cfg = config(orchestration={"mode": "distributed"})
-    remote = [s for s in ("generate", "merge", "extract", "train", "fix_keys", "deploy",
+    remote = [s for s in ("generate", "merge", "extract", "train", "export", "deploy",
                           "benchmark") if dispatch.is_remote(cfg, s)]
     assert remote == ["generate", "extract", "train", "deploy", "benchmark"]
     assert dispatch.deployment_name(cfg, "extract") == "draftsmith-extract/gpu"
@@ -36,12 +36,20 @@ def test_distributed_mode_sends_the_gpu_stages_to_the_gpu_pool():
 
 
 def test_a_served_deploy_and_its_benchmark_run_in_one_child_run():
-    every = {"deploy", "benchmark"}
+    from draftsmith.artifacts import external_descriptor
+    from draftsmith.plan import RunPlan
+    from draftsmith.stages import get
+
+    def group(cfg, selected):
+        target = external_descriptor("target", "/t", "f")
+        return RunPlan(cfg, target, selected).group_of(get("deploy"))
+
+    every = ["deploy", "benchmark"]
     served = config(orchestration={"mode": "distributed"}, deploy={"engine": "sglang"})
-    assert dispatch.remote_group(served, "deploy", every) == ["deploy", "benchmark"]
-    assert dispatch.remote_group(served, "deploy", {"deploy"}) == ["deploy"]
+    assert group(served, every) == ["deploy", "benchmark"]
+    assert group(served, ["deploy"]) == ["deploy"]
     embedded = config(orchestration={"mode": "distributed"})
-    assert dispatch.remote_group(embedded, "deploy", every) == ["deploy"]
+    assert group(embedded, every) == ["deploy"]
 
 
 def test_new_data_replaces_a_named_source_or_adds_one():

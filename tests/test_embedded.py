@@ -19,7 +19,7 @@ from draftsmith.serve.embedded import (
     EmbeddedSpeculativeEngine,
     Generation,
     Sampling,
-    greedy_generate,
+    plain_generate,
 )
 from draftsmith.target import load_target_head_and_embedding, load_target_model
 
@@ -81,7 +81,7 @@ def test_engine_loads_the_exported_drafter(engine, drafter):
 @pytest.mark.parametrize("max_new_tokens", [1, 2, 7, 24])
 def test_generate_is_lossless(engine, prompts, max_new_tokens):
     for prompt in prompts:
-        expected = greedy_generate(engine.runner, prompt, max_new_tokens, None)
+        expected = plain_generate(engine.runner, prompt, max_new_tokens, None)
         got = engine.generate(prompt, max_new_tokens, None)
         assert len(expected.tokens) == max_new_tokens
         assert got.tokens == expected.tokens
@@ -90,14 +90,14 @@ def test_generate_is_lossless(engine, prompts, max_new_tokens):
 
 def test_eos_stops_generation(engine, prompts):
     prompt = prompts[0]
-    reference = greedy_generate(engine.runner, prompt, 20, None).tokens
+    reference = plain_generate(engine.runner, prompt, 20, None).tokens
     for index in (0, 1, 5, 11):
         eos = reference[index]
         first = reference.index(eos)
         got = engine.generate(prompt, 20, eos)
         assert got.tokens == reference[: first + 1]
         assert got.tokens[-1] == eos and eos not in got.tokens[:-1]
-        assert got.tokens == greedy_generate(engine.runner, prompt, 20, eos).tokens
+        assert got.tokens == plain_generate(engine.runner, prompt, 20, eos).tokens
         check_bookkeeping(got)
 
 
@@ -121,7 +121,7 @@ def oracle(engine, reference: list[int], prompt_len: int, wrong_at: int | None, 
 @pytest.mark.parametrize(("wrong_at", "per_round"), [(None, NUM_STEPS + 1), (1, 2), (0, 1)])
 def test_acceptance_with_drafts_that_agree(engine, prompts, monkeypatch, wrong_at, per_round):
     prompt, max_new = prompts[1], 22
-    reference = greedy_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
+    reference = plain_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
     calls: list = []
     monkeypatch.setattr(engine, "_draft", oracle(engine, reference, len(prompt), wrong_at, calls))
     got = engine.generate(prompt, max_new, None)
@@ -162,7 +162,7 @@ def test_drafts_equal_drafting_from_scratch(engine, drafter, target_model, promp
     """The engine's incremental state (aux states kept from verify forwards, the drafter's
     step-0 cache, target cache crops) gives the drafts a from-scratch computation gives."""
     prompt, max_new = prompts[2], 16
-    reference = greedy_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
+    reference = plain_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
     calls: list = []
     monkeypatch.setattr(engine, "_draft", oracle(engine, reference, len(prompt), wrong_at, calls))
     engine.generate(prompt, max_new, None)
@@ -204,7 +204,7 @@ def aux_before_last(engine, prompt: list[int]) -> torch.Tensor:
 def test_tree_generate_is_lossless(target_model, exported_drafter, prompts, steps, topk, budget):
     with tree_engine(target_model, exported_drafter, steps, topk, budget) as engine:
         for prompt in prompts:
-            expected = greedy_generate(engine.runner, prompt, 20, None)
+            expected = plain_generate(engine.runner, prompt, 20, None)
             got = engine.generate(prompt, 20, None)
             assert got.tokens == expected.tokens
             check_bookkeeping(got, steps)
@@ -302,7 +302,7 @@ def test_tree_accepts_the_true_branch(target_model, exported_drafter, prompts, m
     steps, max_new = 3, 21
     with tree_engine(target_model, exported_drafter, steps, 2, 7) as engine:
         prompt = prompts[1]
-        reference = greedy_generate(engine.runner, prompt, max_new + steps, None).tokens
+        reference = plain_generate(engine.runner, prompt, max_new + steps, None).tokens
         monkeypatch.setattr(engine, "_draft_tree",
                             oracle_tree(engine, reference, len(prompt), true_branch))
         got = engine.generate(prompt, max_new, None)

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.config import STAGES, parse_config
+from draftsmith.config import parse_config
+from draftsmith.stages import names
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.e2e
+STAGES = tuple(names())
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +141,36 @@ def test_cli_runs_one_stage_from_finished_outputs(first_run, base_raw, tmp_path)
     assert "fix-keys" in proc.stdout and "drafter validated" in proc.stdout
 
 
+def test_a_stage_added_to_the_table_alone_runs_in_the_flow(prefect_api, base_raw, tmp_path,
+                                                            monkeypatch):
+    """Adding a stage is one table entry plus its function: the flow runs it as a task, caches
+    it, and the CLI's summary shows it."""
+    from draftsmith import stages
+    from draftsmith.artifacts import finish_stage, stage_output
+    from draftsmith.cli import _summary
+    from draftsmith.figures import Figures
+
+    def census(config, inputs, plan, _secret=None):
+        with stage_output(plan) as out:
+            (out / "sources.txt").write_text("\n".join(s.name for s in config.data.sources))
+        return finish_stage(plan, counts={"sources": len(config.data.sources)},
+                            figures={"target": inputs["target"].path})
+
+    toy = stages.Stage("census", "counts the data sources", "tests/test_pipeline_e2e.py",
+                       census, inputs=(stages.TARGET, stages.DATA), section=None,
+                       figures=Figures, describe=lambda d: f"{d.counts['sources']} sources")
+    monkeypatch.setattr(stages, "STAGES", [toy, *stages.STAGES])
+    raw = json.loads(json.dumps(base_raw))
+    raw["run_root"] = str(tmp_path / "census")
+    first = run_pipeline(raw, ["census"])
+    assert states(first) == {"census": "Completed"}
+    written = Path(first["census"]["descriptor"]["path"]) / "sources.txt"
+    assert written.read_text() == "stdlib-sharegpt\nstdlib-openai"
+    assert states(run_pipeline(raw, ["census"])) == {"census": "Cached"}
+    table, problems = _summary(first)
+    assert problems == [] and table.columns[2]._cells == ["2 sources"]
+
+
 def test_only_a_stage_whose_inputs_are_missing_names_the_stage_to_run(prefect_api, base_raw,
                                                                       tmp_path):
     raw = json.loads(json.dumps(base_raw))
@@ -161,7 +193,7 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
     raw["benchmark"].update(concurrency=[1, 2], baseline=False)
     results = run_pipeline(raw)
     try:
-        assert results["fix_keys"]["state"] == "Cached"
+        assert results["export"]["state"] == "Cached"
         assert results["deploy"]["state"] == "Completed"
         bench = results["benchmark"]["descriptor"]["figures"]
         assert bench["engine"] == "sglang" and bench["acceptance_length"] > 1.5

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from draftsmith.config import STAGES, ConfigError, PipelineConfig
+from draftsmith.config import ConfigError, PipelineConfig
 from draftsmith.plan import data_descriptors, key_material, select_stages
+from draftsmith.stages import names
+
+STAGES = tuple(names())
 
 
 def make_config(tmp_path, **sections) -> PipelineConfig:
@@ -27,19 +30,19 @@ def all_material(config: PipelineConfig) -> dict:
 
 def test_default_is_every_stage_in_order():
     assert select_stages() == list(STAGES)
-    assert STAGES == ("generate", "merge", "extract", "train", "fix_keys", "deploy", "benchmark")
+    assert STAGES == ("generate", "merge", "extract", "train", "export", "deploy", "benchmark")
 
 
-@pytest.mark.parametrize("name", ["fix-keys", "fix_keys"])
+@pytest.mark.parametrize("name", ["export", "fix-keys", "fix_keys"])
 def test_only_accepts_both_spellings(name):
-    assert select_stages(only=name) == ["fix_keys"]
+    assert select_stages(only=name) == ["export"]
 
 
 def test_from_and_to():
-    assert select_stages(start="train") == ["train", "fix_keys", "deploy", "benchmark"]
+    assert select_stages(start="train") == ["train", "export", "deploy", "benchmark"]
     assert select_stages(stop="merge") == ["generate", "merge"]
-    assert select_stages(start="extract", stop="fix-keys") == ["extract", "train", "fix_keys"]
-    assert select_stages(start="fix-keys", stop="fix_keys") == ["fix_keys"]
+    assert select_stages(start="extract", stop="fix-keys") == ["extract", "train", "export"]
+    assert select_stages(start="fix-keys", stop="export") == ["export"]
     assert select_stages(start="generate", stop="benchmark") == list(STAGES)
 
 
@@ -53,7 +56,7 @@ def test_unknown_stage_is_named_with_choices(kwargs, flag):
         select_stages(**kwargs)
     message = str(err.value)
     assert message.startswith(f"{flag}: unknown stage")
-    assert "generate, merge, extract, train, fix-keys, deploy, benchmark" in message
+    assert "generate, merge, extract, train, export, deploy, benchmark" in message
 
 
 def test_bad_combinations():
@@ -84,6 +87,14 @@ def test_benchmark_settings_change_only_benchmark_material(tmp_path):
     [
         ({"train": {"device": "cuda:1"}}, []),
         ({"train": {"log_every": 1}}, []),
+        # Failure thresholds decide whether a stage passes, not what it writes: raising one
+        # after a failure finishes from the journal under the same key.
+        ({"generate": {"max_failure_rate": 0.5}}, []),
+        ({"extract": {"writer_threads": 4, "data_parallel": 2}}, []),
+        ({"deploy": {"startup_timeout_s": 5.0, "keep_serving": True}}, []),
+        ({"export": {"format": "speculators"}}, ["export"]),
+        ({"fix_keys": {"format": "speculators"}}, ["export"]),
+        ({"target": {"context_length": 8192}}, ["export"]),
         ({"target": {"device": "cuda"}}, []),
         ({"train": {"lr": 1e-3}}, ["train"]),
         ({"merge": {"max_length": 64}}, ["merge"]),

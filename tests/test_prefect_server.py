@@ -23,11 +23,12 @@ import httpx
 import pytest
 import yaml
 
-from draftsmith.config import STAGES
+from draftsmith.stages import names
 from tests.conftest import REPO
 from tests.test_sglang_launch import free_port
 
 pytestmark = pytest.mark.e2e
+STAGES = tuple(names())
 
 BIN = Path(sys.executable).parent
 GPU_STAGES = ["generate", "extract", "train", "deploy", "benchmark"]
@@ -271,7 +272,7 @@ def test_a_run_started_from_the_ui_completes_with_gpu_stages_on_the_gpu_worker(s
     states = stage_states(server, run)
     assert {s: states[s][0] for s in states} == {
         "generate": "Completed", "merge": "Completed", "extract": "Completed",
-        "train": "Completed", "fix_keys": "Completed", "deploy": "Completed",
+        "train": "Completed", "export": "Completed", "deploy": "Completed",
         "benchmark": "Completed"}
     gpu_log, cpu_log = server.log("worker-gpu"), server.log("worker-cpu")
     for stage in GPU_STAGES:
@@ -279,7 +280,7 @@ def test_a_run_started_from_the_ui_completes_with_gpu_stages_on_the_gpu_worker(s
         assert child["id"] != run["id"] and child["work_pool_name"] == "gpu", stage
         assert f"submitting flow run '{child['id']}'" in gpu_log
         assert child["id"] not in cpu_log
-    for stage in ("merge", "fix_keys"):
+    for stage in ("merge", "export"):
         assert states[stage][1]["id"] == run["id"]  # CPU stages stay in the pipeline's run
     assert f"submitting flow run '{run['id']}'" in cpu_log
 
@@ -348,7 +349,7 @@ def test_cancelling_a_run_stops_the_server_it_started(server, first_run, config_
     from draftsmith.target import resolve_target
 
     config = load_config(config_file)
-    outputs = finished_outputs(config, resolve_target(config.target), "fix_keys")
+    outputs = finished_outputs(config, resolve_target(config.target), "export")
     raw = config.model_dump(mode="json")
     raw["orchestration"]["mode"] = "distributed"
     raw["deploy"].update(engine="sglang", port=free_port(), startup_timeout_s=600,
@@ -356,7 +357,7 @@ def test_cancelling_a_run_stops_the_server_it_started(server, first_run, config_
     deployment = server.deployment("draftsmith-deploy/gpu")
     response = server.api.post(f"/deployments/{deployment['id']}/create_flow_run", json={
         "parameters": {"config": raw, "inputs": {
-            name: outputs[name].model_dump(mode="json") for name in ("fix_keys", "merge",
+            name: outputs[name].model_dump(mode="json") for name in ("export", "merge",
                                                                       "target")}}})
     response.raise_for_status()
     run_id = response.json()["id"]

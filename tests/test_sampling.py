@@ -13,7 +13,7 @@ from draftsmith.serve.embedded import (
     EmbeddedSpeculativeEngine,
     Sampling,
     acceptance_probability,
-    greedy_generate,
+    plain_generate,
     residual_distribution,
 )
 from draftsmith.target import load_target_model
@@ -94,9 +94,9 @@ def test_sampled_speculation_matches_plain_sampling(peaked_engine, prompts,  # n
         gen = peaked_engine.generate(prompt, 3, None, Sampling(1.0, seed=i))
         spec[tuple(gen.tokens[1:3])] += 1
         accepted_drafts += sum(gen.round_tokens) - len(gen.round_tokens)
-        plain[tuple(greedy_generate(peaked_engine.runner, prompt, 3, None,
+        plain[tuple(plain_generate(peaked_engine.runner, prompt, 3, None,
                                     Sampling(1.0, seed=n + i)).tokens[1:3])] += 1
-        plain_again[tuple(greedy_generate(peaked_engine.runner, prompt, 3, None,
+        plain_again[tuple(plain_generate(peaked_engine.runner, prompt, 3, None,
                                           Sampling(1.0, seed=3 * n + i)).tokens[1:3])] += 1
     noise = total_variation(plain, plain_again)  # two samples of the same distribution
     assert 0.2 * n < accepted_drafts < 2 * n  # both acceptance and rejection happened

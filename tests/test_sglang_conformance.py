@@ -23,7 +23,6 @@ import pytest
 
 from draftsmith.config import DraftingPoint, load_config
 from draftsmith.export.convert import export_drafter
-from draftsmith.export.layer_ids import aux_layer_ids_for
 from draftsmith.extract.sglang_backend import EXTERNAL_PACKAGE, build_capture_launch
 from draftsmith.extract.sglang_dump import ENV_ARCH, ENV_DIR, ENV_LAYERS
 from draftsmith.serve.sglang_launch import SGLangLaunch, build_launch
@@ -147,11 +146,10 @@ def kimi_launches(tmp_path_factory, random_target_dir) -> dict[str, SGLangLaunch
     export_drafter(drafter.state_dict(), drafter.config, "sglang", "deepseek", drafter_dir,
                    context_length=config.target.context_length)
     family, model = config.target.family, config.target.model
-    target = type("Target", (), {"figures": {"num_layers": 61}})()
     launches = {
         "capture": build_capture_launch(
             config.extract, config.target, model, "KimiK25ForConditionalGeneration",
-            aux_layer_ids_for(config.extract, target), tmp / "dumps"),
+            config.extract.aux_layer_ids, tmp / "dumps"),
         "speculative": build_launch(config.deploy, config.target, drafter_dir, family, model),
         "baseline": build_launch(config.deploy, config.target, None, family, model),
     }

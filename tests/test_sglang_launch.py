@@ -108,7 +108,7 @@ def test_a_served_context_longer_than_the_drafter_is_refused_or_allowed(drafter_
 
 
 def test_a_speculators_layout_drafter_is_refused(drafter_dir):
-    with pytest.raises(LaunchError, match="fix_keys.format=sglang"):
+    with pytest.raises(LaunchError, match="export.format=sglang"):
         build_launch(deploy(), TARGET, drafter_dir.parent / "speculators")
 
 
@@ -294,7 +294,7 @@ def test_client_measures_a_server_running_the_embedded_engine(random_target, ran
     import asyncio
 
     from draftsmith.bench.client import run_load, summarize
-    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, greedy_generate
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate
     from draftsmith.target import load_target_model
 
     target = TargetConfig(model=random_target.path)
@@ -319,7 +319,7 @@ def test_client_measures_a_server_running_the_embedded_engine(random_target, ran
     expected_tokens = expected_rounds = all_tokens = 0
     for prompt, result in zip(prompts, results, strict=True):
         local = engine.generate(prompt, 12, eos)
-        assert result.output_ids == local.tokens == greedy_generate(engine.runner, prompt, 12,
+        assert result.output_ids == local.tokens == plain_generate(engine.runner, prompt, 12,
                                                                     eos).tokens
         assert result.meta_info.get("spec_verify_ct", 0) == local.verify_rounds
         assert result.ttft_s <= result.latency_s
@@ -338,7 +338,7 @@ def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, 
     from draftsmith.artifacts import Descriptor, plan_stage
     from draftsmith.serve.deploy import run_deploy_sglang
 
-    exported = Descriptor(stage="fix_keys", path=str(tmp_path), key="k", fingerprint="f",
+    exported = Descriptor(stage="export", path=str(tmp_path), key="k", fingerprint="f",
                           figures={"drafter_dir": str(drafter_dir)})
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))

@@ -18,8 +18,8 @@ from draftsmith.config import (
     BenchmarkConfig,
     DataConfig,
     DeployConfig,
+    ExportConfig,
     ExtractConfig,
-    FixKeysConfig,
     GenerateConfig,
     MergeConfig,
     TargetConfig,
@@ -33,7 +33,7 @@ def chain(tmp_path_factory, random_target, random_target_dir):
     """Run generate..benchmark once; tests inspect the descriptors."""
     from draftsmith.bench.benchmark import run_benchmark
     from draftsmith.data.merge import run_merge
-    from draftsmith.export.fix_keys import run_fix_keys
+    from draftsmith.export.stage import run_export
     from draftsmith.extract.stage import run_extract
     from draftsmith.generate.stage import run_generate
     from draftsmith.serve.deploy import run_deploy
@@ -60,11 +60,11 @@ def chain(tmp_path_factory, random_target, random_target_dir):
     train_cfg = TrainConfig(ttt_steps=2, lr=1e-3, epochs=2, batch_tokens=256, log_every=1)
     out["train"] = run_train(train_cfg, out["extract"], out["merge"], t,
                              plan("train", {}, out["extract"]))
-    out["fix_keys"] = run_fix_keys(FixKeysConfig(), target_cfg, out["train"], t,
-                                   plan("fix_keys", {}, out["train"]))
+    out["export"] = run_export(ExportConfig(), target_cfg, out["train"], t,
+                               plan("export", {}, out["train"]))
     deploy_cfg = DeployConfig(num_steps=2, num_draft_tokens=3)
-    out["deploy"] = run_deploy(deploy_cfg, target_cfg, out["fix_keys"], out["merge"], t,
-                               plan("deploy", {}, out["fix_keys"]))
+    out["deploy"] = run_deploy(deploy_cfg, target_cfg, out["export"], out["merge"], t,
+                               plan("deploy", {}, out["export"]))
     out["benchmark"] = run_benchmark(BenchmarkConfig(num_prompts=3, max_new_tokens=10),
                                      target_cfg, out["deploy"], out["merge"], t,
                                      plan("benchmark", {}, out["deploy"]))
@@ -133,27 +133,27 @@ def test_train_logs_metrics_and_keeps_the_best_checkpoint(chain):
     assert all(torch.isfinite(v.float()).all() for v in state.values())
 
 
-def test_fix_keys_exports_a_validated_sglang_drafter(chain):
+def test_export_writes_a_validated_sglang_drafter(chain):
     from draftsmith.export.convert import detect_layout, read_drafter
 
-    drafter_dir = chain["fix_keys"].figures["drafter_dir"]
+    drafter_dir = chain["export"].figures["drafter_dir"]
     assert detect_layout(drafter_dir) == "sglang"
     checkpoint = read_drafter(drafter_dir)  # validates keys, shapes, dtypes, config, d2t/t2d
     assert checkpoint.raw_config["architectures"] == ["LlamaForCausalLMEagle3"]
     assert checkpoint.config.draft_vocab_size == 128
 
 
-def test_fix_keys_to_speculators_serves_from_the_vllm_layout(chain, random_target,
+def test_export_to_speculators_serves_from_the_vllm_layout(chain, random_target,
                                                              random_target_dir, tmp_path):
     from draftsmith.export.convert import detect_layout
-    from draftsmith.export.fix_keys import run_fix_keys
-    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, greedy_generate
+    from draftsmith.export.stage import run_export
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate
     from draftsmith.target import load_target_model
 
-    exported = run_fix_keys(FixKeysConfig(format="speculators"),
-                            TargetConfig(model=str(random_target_dir), context_length=4096),
-                            chain["train"], random_target,
-                            plan_stage(tmp_path, "fix_keys", {}, [chain["train"]]))
+    exported = run_export(ExportConfig(format="speculators"),
+                          TargetConfig(model=str(random_target_dir), context_length=4096),
+                          chain["train"], random_target,
+                          plan_stage(tmp_path, "export", {}, [chain["train"]]))
     drafter_dir = exported.figures["drafter_dir"]
     assert detect_layout(drafter_dir) == "speculators"
     config = json.loads((exported.dir / "drafter" / "config.json").read_text())
@@ -162,7 +162,7 @@ def test_fix_keys_to_speculators_serves_from_the_vllm_layout(chain, random_targe
     engine = EmbeddedSpeculativeEngine.load(load_target_model(random_target.path), drafter_dir,
                                             num_steps=2)
     prompt = list(range(5, 25))
-    assert engine.generate(prompt, 12, None).tokens == greedy_generate(
+    assert engine.generate(prompt, 12, None).tokens == plain_generate(
         engine.runner, prompt, 12, None).tokens
 
 
@@ -186,12 +186,12 @@ def test_deploy_smoke_demands_identical_tokens_only_in_float32(chain, random_tar
     from draftsmith.serve import deploy as deploy_module
     from draftsmith.serve.embedded import Generation
 
-    monkeypatch.setattr(deploy_module, "greedy_generate",
+    monkeypatch.setattr(deploy_module, "plain_generate",
                         lambda *a, **k: Generation(tokens=[7, 7, 7], seconds=0.0))
     target_cfg = TargetConfig(model=str(random_target_dir), dtype=dtype)
-    plan = plan_stage(tmp_path, "deploy", {}, [chain["fix_keys"]])
+    plan = plan_stage(tmp_path, "deploy", {}, [chain["export"]])
     run = lambda: deploy_module.run_deploy(  # noqa: E731
-        DeployConfig(num_steps=2, num_draft_tokens=3), target_cfg, chain["fix_keys"],
+        DeployConfig(num_steps=2, num_draft_tokens=3), target_cfg, chain["export"],
         chain["merge"], random_target, plan)
     if fails:
         with pytest.raises(RuntimeError, match="does not match plain greedy decoding"):

@@ -41,8 +41,9 @@ import torch
 
 from draftsmith.artifacts import Descriptor, atomic_write_json
 from draftsmith.config import PipelineConfig
+from draftsmith.figures import TrainFigures
 from draftsmith.logs import configure_logging
-from draftsmith.plan import stage_plan
+from draftsmith.plan import run_in_process
 from draftsmith.target import resolve_target
 from draftsmith.tiny_target import function_chat, python_functions, train_tokenizer
 
@@ -212,38 +213,20 @@ def pipeline_config(root: Path, target_dir: Path, prompts: Path, size: dict, dev
 
 def run_stages(config: PipelineConfig, target: Descriptor,
                after=None) -> tuple[dict, dict]:
-    """The pipeline's engine functions in order (what the Prefect flow's tasks call);
-    after(stage, outputs, seconds), if given, runs after each stage."""
-    from draftsmith.bench.benchmark import run_benchmark
-    from draftsmith.data.merge import run_merge
-    from draftsmith.export.fix_keys import run_fix_keys
-    from draftsmith.extract.stage import run_extract
-    from draftsmith.generate.stage import run_generate
-    from draftsmith.serve.deploy import run_deploy
-    from draftsmith.train.trainer import run_train
+    """The pipeline's stages in order, in this process (draftsmith.plan.run_in_process: the
+    plan the Prefect flow loops over, without Prefect); after(stage, outputs, seconds), if
+    given, runs after each stage."""
+    seconds: dict[str, float] = {}
+    outputs: dict[str, Descriptor] = {}
 
-    c = config
-    calls = {
-        "generate": lambda o, p: run_generate(c.generate, c.data, c.target, target, p),
-        "merge": lambda o, p: run_merge(c.merge, o["generate"], target, p),
-        "extract": lambda o, p: run_extract(c.extract, c.target, o["merge"], target, p),
-        "train": lambda o, p: run_train(c.train, o["extract"], o["merge"], target, p),
-        "fix_keys": lambda o, p: run_fix_keys(c.fix_keys, c.target, o["train"], target, p),
-        "deploy": lambda o, p: run_deploy(c.deploy, c.target, o["fix_keys"], o["merge"],
-                                          target, p),
-        "benchmark": lambda o, p: run_benchmark(c.benchmark, c.target, o["deploy"], o["merge"],
-                                                target, p, c.deploy),
-    }
-    outputs: dict[str, Descriptor] = {"target": target}
-    seconds = {}
-    for stage, call in calls.items():
-        started = time.monotonic()
-        outputs[stage] = call(outputs, stage_plan(config, stage, outputs))
-        seconds[stage] = round(time.monotonic() - started, 1)
-        log.info("stage %s done in %.1fs", stage, seconds[stage])
+    def each(stage: str, descriptor: Descriptor, took: float) -> None:
+        outputs[stage] = descriptor
+        seconds[stage] = round(took, 1)
         if after:
-            after(stage, outputs, seconds)
-    return outputs, seconds
+            after(stage, {"target": target, **outputs}, seconds)
+
+    run = run_in_process(config, target, after=each)
+    return dict(run.outputs), seconds
 
 
 # --------------------------------------------------------------------------- tau by position
@@ -322,7 +305,7 @@ def tau_by_position(config: PipelineConfig, outputs: dict, windows: list[int]) -
     result: dict = {"tau": {"all": tau_of(None)}}
     for window in windows:
         result["tau"][f"first_{window}"] = tau_of(window)
-    train_tau = outputs["train"].figures["tau"]
+    train_tau = TrainFigures.of(outputs["train"]).tau
     result["train_stage_tau"] = train_tau
     result["cross_check_diff"] = round(result["tau"]["all"]["tau"] - train_tau, 4)
 

@@ -23,13 +23,14 @@ from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
 from draftsmith.data.formats import load_source
 from draftsmith.data.merge import read_split
+from draftsmith.figures import DeployFigures, TargetFigures
 from draftsmith.progress import Progress
 from draftsmith.serve.deploy import drafting_label, load_embedded_engine, prompt_ids
 from draftsmith.serve.embedded import (
     EmbeddedSpeculativeEngine,
     Generation,
     Sampling,
-    greedy_generate,
+    plain_generate,
 )
 from draftsmith.target import load_tokenizer
 
@@ -57,8 +58,8 @@ def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
     """The baseline: every prompt decoded without speculation, at cfg.temperature (measured
     once per temperature and shared by every drafting config)."""
     for prompt in prompts[: cfg.warmup_prompts]:
-        greedy_generate(runner, prompt, cfg.max_new_tokens, eos)
-    return [greedy_generate(runner, prompt, cfg.max_new_tokens, eos,
+        plain_generate(runner, prompt, cfg.max_new_tokens, eos)
+    return [plain_generate(runner, prompt, cfg.max_new_tokens, eos,
                             Sampling(cfg.temperature, seed=i)) for i, prompt in enumerate(prompts)]
 
 
@@ -115,7 +116,7 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
 def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
                   merged: Descriptor, target: Descriptor, plan: StagePlan,
                   deploy_cfg: DeployConfig | None = None) -> Descriptor:
-    if deployment.figures["engine"] == "sglang":
+    if DeployFigures.of(deployment).engine == "sglang":
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)
     engine, spec = load_embedded_engine(deployment, target_cfg)
@@ -223,7 +224,7 @@ def _serve_and_measure(deploy_cfg: DeployConfig, target_cfg: TargetConfig,
     from draftsmith.serve.readiness import wait_until_ready
     from draftsmith.serve.sglang_launch import build_launch
 
-    launch = build_launch(deploy_cfg, target_cfg, drafter_dir, target.figures["family"],
+    launch = build_launch(deploy_cfg, target_cfg, drafter_dir, TargetFigures.of(target).family,
                           target.path)
     with ManagedProcess(launch.argv, log_path, launch.env, name=name) as process:
         wait_until_ready(launch.url, deploy_cfg, drafter_dir, process)
@@ -235,8 +236,8 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
                            target: Descriptor, plan: StagePlan) -> Descriptor:
     from draftsmith.serve import servers
 
-    url = deployment.figures["url"]
-    drafter_dir = deployment.figures["drafter_dir"]
+    deployed = DeployFigures.of(deployment)
+    url, drafter_dir = deployed.url, deployed.drafter_dir
     prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
     deployed = drafting_label(deploy_cfg.num_steps, deploy_cfg.eagle_topk,
                               deploy_cfg.num_draft_tokens)

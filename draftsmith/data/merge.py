@@ -19,6 +19,7 @@ from draftsmith.config import MergeConfig
 from draftsmith.data.formats import Record
 from draftsmith.data.tokenize import check_special_tokens, tokenize_record
 from draftsmith.data.vocab import build_vocab_map
+from draftsmith.figures import TargetFigures
 from draftsmith.generate.stage import read_records
 from draftsmith.target import load_tokenizer
 
@@ -140,7 +141,7 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
     masked_ids = (t for row in rows["train"]
                   for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m)
     # The model's vocab (not the tokenizer's length: configs often round it up) sizes t2d.
-    model_vocab = target.figures["vocab_size"]
+    model_vocab = TargetFigures.of(target).vocab_size
     d2t, t2d, coverage = build_vocab_map(masked_ids, model_vocab, cfg.draft_vocab_size)
     covered = _coverage(rows, t2d)
     validation_coverage = _share(v for (_, split), v in covered.items() if split == "validation")

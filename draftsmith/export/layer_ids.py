@@ -51,7 +51,9 @@ def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
 
 def aux_layer_ids_for(cfg: ExtractConfig, target: Descriptor) -> list[int]:
     """The canonical aux ids a run extracts: extract.aux_layer_ids, or EAGLE-3's default."""
-    num_layers = target.figures["num_layers"]
+    from draftsmith.figures import TargetFigures
+
+    num_layers = TargetFigures.of(target).num_layers
     ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
     return check_aux_layer_ids(list(ids), num_layers)
 

@@ -24,16 +24,47 @@ def decoder_of(model):
     return base
 
 
-class HiddenStateCapture:
-    def __init__(self, model, aux_layer_ids: list[int]):
-        self.model, self.aux_layer_ids = model, aux_layer_ids
-        self.decoder = decoder_of(model)
+class AuxLayerHooks:
+    """Forward hooks on exactly the aux layers of a decoder: after a forward pass, `take()`
+    returns their outputs side by side. The extract capture puts them on for one call; the
+    embedded speculative engine keeps them for the life of its runner."""
+
+    def __init__(self, decoder, aux_layer_ids: list[int]):
+        self.aux_layer_ids = list(aux_layer_ids)
         self._captured: dict[int, torch.Tensor] = {}
+        self._handles = [decoder.layers[i].register_forward_hook(self._hook(i))
+                         for i in self.aux_layer_ids]
 
     def _hook(self, layer_id: int):
         def hook(_module, _inputs, output):
             self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
         return hook
+
+    def take(self, device: torch.device | None = None) -> torch.Tensor:
+        """The last forward's aux outputs [B, T, K*H] (on `device`: with device_map the layers
+        live on several GPUs)."""
+        aux = torch.cat([self._captured[i].to(device) if device is not None else self._captured[i]
+                         for i in self.aux_layer_ids], dim=-1)  # [B, T, K*H]
+        self._captured.clear()
+        return aux
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._captured.clear()
+
+    def __enter__(self) -> AuxLayerHooks:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.remove()
+
+
+class HiddenStateCapture:
+    def __init__(self, model, aux_layer_ids: list[int]):
+        self.model, self.aux_layer_ids = model, aux_layer_ids
+        self.decoder = decoder_of(model)
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
@@ -43,19 +74,10 @@ class HiddenStateCapture:
         sees the tokens before it, all real, so its states equal an unpadded run's, and the
         padding rows are dropped by the caller. Without a mask SDPA takes its fused causal
         (flash) kernel instead of a masked kernel that computes every (query, key) pair."""
-        handles = [self.decoder.layers[i].register_forward_hook(self._hook(i))
-                   for i in self.aux_layer_ids]
-        try:
-            self._captured.clear()
+        with AuxLayerHooks(self.decoder, self.aux_layer_ids) as hooks:
             out = self.decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
             final = out.last_hidden_state  # [B, T, H], after model.norm
-            # With device_map the layers live on several GPUs: gather on the last one.
-            aux = torch.cat([self._captured[i].to(final.device) for i in self.aux_layer_ids],
-                            dim=-1)  # [B, T, K*H]
-        finally:
-            for h in handles:
-                h.remove()
-            self._captured.clear()
+            aux = hooks.take(final.device)  # [B, T, K*H], gathered where final is
         return aux, final
 
     @torch.inference_mode()

@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from draftsmith.artifacts import Descriptor
 from draftsmith.config import ExtractConfig
+from draftsmith.figures import TargetFigures
 
 log = logging.getLogger(__name__)
 
@@ -79,16 +80,17 @@ def check_extract_disk(cfg: ExtractConfig, merged: Descriptor, target: Descripto
     """Estimate the store's size and compare it with the free space at `destination`; raise
     DiskSpaceError, before any forward pass, when it will not fit."""
     tokens = merged_tokens(merged)
-    per_token = bytes_per_token(target.figures["hidden_size"], len(aux_layer_ids), cfg.dtype)
+    hidden = TargetFigures.of(target).hidden_size
+    per_token = bytes_per_token(hidden, len(aux_layer_ids), cfg.dtype)
     estimate = DiskEstimate(
         tokens=tokens, bytes_per_token=per_token,
-        needed_bytes=estimate_store_bytes(tokens, target.figures["hidden_size"],
+        needed_bytes=estimate_store_bytes(tokens, hidden,
                                           len(aux_layer_ids), cfg.dtype),
         free_bytes=free_bytes(destination), destination=str(destination))
     gib = 1 << 30
     log.info("extract preflight: %d tokens x %d bytes/token (%d aux layers + final, hidden %d, "
              "%s) = %.2f GiB needed, %.2f GiB free at %s", tokens, per_token,
-             len(aux_layer_ids), target.figures["hidden_size"], cfg.dtype,
+             len(aux_layer_ids), hidden, cfg.dtype,
              estimate.needed_bytes / gib, estimate.free_bytes / gib, destination)
     if not estimate.fits:
         smaller = (" or store bfloat16 (extract.dtype: bfloat16 halves it)"
@@ -96,7 +98,7 @@ def check_extract_disk(cfg: ExtractConfig, merged: Descriptor, target: Descripto
         raise DiskSpaceError(
             f"extract will not fit: the hidden-state store needs about "
             f"{estimate.needed_bytes / gib:.1f} GiB ({tokens} tokens x {per_token} bytes/token: "
-            f"{len(aux_layer_ids)} aux layers + the final state of {target.figures['hidden_size']}"
+            f"{len(aux_layer_ids)} aux layers + the final state of {hidden}"
             f" values in {cfg.dtype}, plus ids and mask) but {destination} has "
             f"{estimate.free_bytes / gib:.1f} GiB free. Free space, point run_root at a larger "
             f"disk{smaller}, or cut the data (data.sources[].limit, merge.max_length)")

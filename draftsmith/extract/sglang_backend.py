@@ -34,6 +34,7 @@ from draftsmith.extract.sglang_dump import (
     dump_name,
 )
 from draftsmith.extract.store import AsyncShardWriter, ShardSpec, finished_shard, free_disk_bytes
+from draftsmith.figures import TargetFigures
 from draftsmith.progress import Progress
 from draftsmith.serve.process import ManagedProcess
 from draftsmith.serve.readiness import wait_for_port
@@ -241,12 +242,12 @@ def wait_for_capture_server(url: str, host: str, port: int, process: ManagedProc
 def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: Path,
                        specs: list[ShardSpec], rows: dict[str, list[dict]],
                        aux_ids: list[int]) -> dict[str, Any]:
-    check_capturable(aux_ids, target.figures["num_layers"])
+    check_capturable(aux_ids, TargetFigures.of(target).num_layers)
     s = cfg.sglang
     dump_dir = Path(s.dump_dir) if s.dump_dir else default_dump_dir(out)
     dump_dir.mkdir(parents=True, exist_ok=True)
-    hidden = target.figures["hidden_size"]
-    architectures = target.figures.get("architectures") or []
+    facts = TargetFigures.of(target)
+    hidden, architectures = facts.hidden_size, facts.architectures
     if not architectures:
         raise ValueError(f"{target.path}/config.json: no 'architectures'; SGLang needs one to "
                          "pick the model class the capture package overrides")
@@ -292,13 +293,13 @@ def main(argv: list[str] | None = None) -> None:
     config = load_config(args.config, args.overrides)
     target = resolve_target(config.target)
     aux_ids = aux_layer_ids_for(config.extract, target)
-    check_capturable(aux_ids, target.figures["num_layers"])
+    check_capturable(aux_ids, TargetFigures.of(target).num_layers)
     dump_dir = config.extract.sglang.dump_dir
     if dump_dir is None:
         raise SystemExit("set extract.sglang.dump_dir: a server you start yourself and this "
                          "pipeline must agree on where the dumps go")
     launch = build_capture_launch(config.extract, config.target, target.path,
-                                  target.figures["architectures"][0], aux_ids, dump_dir)
+                                  TargetFigures.of(target).architectures[0], aux_ids, dump_dir)
     print(launch.shell())
 
 

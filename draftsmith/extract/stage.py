@@ -31,6 +31,7 @@ from draftsmith.extract.store import (
     remove_partial_files,
     write_index,
 )
+from draftsmith.figures import TargetFigures
 from draftsmith.progress import Progress
 from draftsmith.target import DTYPES
 
@@ -264,7 +265,7 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
         log.info("extract: resuming, %d of %d shards already complete",
                  len(specs) - len(pending), len(specs))
     meta = {"target_fingerprint": target.fingerprint, "aux_layer_ids": aux_ids,
-            "hidden_size": target.figures["hidden_size"], "dtype": cfg.dtype,
+            "hidden_size": TargetFigures.of(target).hidden_size, "dtype": cfg.dtype,
             "backend": cfg.backend, "layer_id_convention": LAYER_ID_CONVENTION}
     if cfg.backend == "sglang":
         from draftsmith.extract.sglang_backend import run_sglang_capture

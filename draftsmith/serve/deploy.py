@@ -24,7 +24,8 @@ from draftsmith.artifacts import (
 )
 from draftsmith.config import DeployConfig, TargetConfig
 from draftsmith.data.merge import read_split
-from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, greedy_generate
+from draftsmith.figures import ExportFigures, TargetFigures
+from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate
 from draftsmith.target import load_target_model, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -55,8 +56,8 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
     if cfg.engine == "sglang":
         return run_deploy_sglang(cfg, target_cfg, exported, target, plan)
     spec = {"engine": "embedded", "target_path": target.path,
-            "drafter_dir": exported.figures["drafter_dir"], "num_steps": cfg.num_steps,
-            "target_family": target.figures["family"],
+            "drafter_dir": ExportFigures.of(exported).drafter_dir, "num_steps": cfg.num_steps,
+            "target_family": TargetFigures.of(target).family,
             "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens}
     model = load_target_model(target.path, target_cfg.device, target_cfg.dtype)
     engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], cfg.num_steps,
@@ -66,7 +67,7 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
     rows = read_split(merged, "validation") or read_split(merged, "train")
     prompt = prompt_ids(tokenizer, rows[0]["messages"])
     speculative = engine.generate(prompt, 32, tokenizer.eos_token_id)
-    greedy = greedy_generate(engine.runner, prompt, 32, tokenizer.eos_token_id)
+    greedy = plain_generate(engine.runner, prompt, 32, tokenizer.eos_token_id)
     if not speculative.tokens:
         raise RuntimeError("deploy: the speculative engine generated nothing")
     if speculative.tokens != greedy.tokens and target_cfg.dtype != "float32":
@@ -105,8 +106,9 @@ def run_deploy_sglang(cfg: DeployConfig, target_cfg: TargetConfig, exported: Des
     from draftsmith.serve.readiness import ReadinessError, port_open, wait_until_ready
     from draftsmith.serve.sglang_launch import build_launch
 
-    drafter_dir = exported.figures["drafter_dir"]
-    launch = build_launch(cfg, target_cfg, drafter_dir, target.figures["family"], target.path)
+    drafter_dir = ExportFigures.of(exported).drafter_dir
+    family = TargetFigures.of(target).family
+    launch = build_launch(cfg, target_cfg, drafter_dir, family, target.path)
     if plan.is_complete():
         try:
             wait_until_ready(launch.url, cfg, drafter_dir, timeout_s=5)
@@ -135,7 +137,7 @@ def run_deploy_sglang(cfg: DeployConfig, target_cfg: TargetConfig, exported: Des
             "engine": "sglang", "url": launch.url, "drafter_dir": drafter_dir,
             "target_path": target.path, "num_steps": cfg.num_steps,
             "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens,
-            "command": launch.argv, "target_family": target.figures["family"],
+            "command": launch.argv, "target_family": family,
         })
         # Volatile facts stay out of the fingerprint (hidden files are not checksummed).
         atomic_write_json(out / ".server.json", {"pid": process.pid,

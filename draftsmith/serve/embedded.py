@@ -31,8 +31,9 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
-from draftsmith.extract.capture import decoder_of
+from draftsmith.extract.capture import AuxLayerHooks, decoder_of
 from draftsmith.model.eagle3 import Eagle3Drafter
 
 
@@ -98,20 +99,11 @@ class TargetRunner:
         # transformers renamed `past_key_values` to `cache` in 5.x; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._captured: dict[int, torch.Tensor] = {}
-        layers = decoder_of(model).layers
-        self._handles = [layers[i].register_forward_hook(self._hook(i)) for i in aux_layer_ids]
+        self._aux = AuxLayerHooks(decoder_of(model), aux_layer_ids)
 
     def close(self) -> None:
         """Take the hooks off the target, so the model can be reused by another runner."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def _hook(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
+        self._aux.remove()
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], cache: DynamicCache,
@@ -125,7 +117,7 @@ class TargetRunner:
                                                  "attention_mask": attention_mask}
         logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
                             **extra).logits
-        aux = torch.cat([self._captured[i] for i in self.aux_layer_ids], dim=-1)  # [1, T, K*H]
+        aux = self._aux.take()  # [1, T, K*H]
         return logits[0], aux  # [T, V], [1, T, K*H]
 
 
@@ -164,7 +156,7 @@ class EmbeddedSpeculativeEngine:
                  num_draft_tokens: int | None = None):
         if topk < 1 or num_steps < 1:
             raise ValueError(f"num_steps={num_steps} and topk={topk} must be at least 1")
-        budget = topk + (num_steps - 1) * topk**2
+        budget = draft_token_budget(num_steps, topk)
         num_draft_tokens = num_draft_tokens or (num_steps + 1 if topk == 1 else budget + 1)
         if not 2 <= num_draft_tokens <= budget + 1:
             raise ValueError(f"num_draft_tokens={num_draft_tokens}: between 2 and {budget + 1} "
@@ -397,10 +389,10 @@ def _keep_cache_positions(cache: DynamicCache, keep: list[int]) -> None:
         layer.values = layer.values[..., index, :]
 
 
-def greedy_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
-                    eos_id: int | None, sampling: Sampling | None = None) -> Generation:
-    """Plain decoding with the same target and KV cache, one token per forward: the baseline
-    (greedy by default, or sampled)."""
+def plain_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
+                   eos_id: int | None, sampling: Sampling | None = None) -> Generation:
+    """The baseline: the target alone, one token per forward, with the same KV cache. Greedy
+    without `sampling` (or at temperature 0), sampled at its temperature otherwise."""
     sampling = sampling or Sampling()
     started = time.perf_counter()
     cache = DynamicCache()

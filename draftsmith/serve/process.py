@@ -1,8 +1,9 @@
 """Child servers in their own process group, their output streamed line by line.
 
 A server (SGLang, or torchrun later) is started with start_new_session, so stopping it stops
-every process it spawned (tensor-parallel workers, schedulers). Its output goes to a file and
-to the "draftsmith.child" logger as it arrives, never block-buffered.
+every process it spawned (tensor-parallel workers, schedulers), and a watchdog
+(draftsmith/serve/watchdog.py) stops it if the run dies without stopping it (kill -9). Its
+output goes to a file and to the "draftsmith.child" logger as it arrives, never block-buffered.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ import subprocess
 import threading
 from collections import deque
 from pathlib import Path
+
+from draftsmith.serve import watchdog
 
 log = logging.getLogger("draftsmith.child")
 
@@ -40,6 +43,7 @@ class ManagedProcess:
             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
         )
         _started.append(self)
+        watchdog.guard(self.process.pid, group=True)  # dies with us, even under kill -9
         log.info("%s: started pid %d: %s", self.name, self.process.pid, " ".join(self.argv))
         self._reader = threading.Thread(target=self._stream, daemon=True)
         self._reader.start()
@@ -83,6 +87,7 @@ class ManagedProcess:
         with contextlib.suppress(ProcessLookupError):  # stragglers, even if the leader exited
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        watchdog.release(self.process.pid, group=True)
         if self._reader:
             self._reader.join(timeout=5)
         log.info("%s: stopped (exit code %s)", self.name, self.process.returncode)

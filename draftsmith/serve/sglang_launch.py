@@ -121,7 +121,7 @@ def _speculative_arguments(cfg: DeployConfig, target_cfg: TargetConfig, drafter_
     if drafter.layout not in ("sglang", "specforge"):
         raise LaunchError(
             f"{drafter_dir}: a {drafter.layout}-layout drafter; SGLang needs the SGLang layout "
-            "(set fix_keys.format=sglang, or: draftsmith export DIR --to sglang --out NEW)"
+            "(set export.format=sglang, or: draftsmith export DIR --to sglang --out NEW)"
         )
     context = target_cfg.context_length
     draft_context = drafter.config.max_position_embeddings

@@ -156,7 +156,7 @@ def resolve_attention(cfg: TrainConfig) -> str:
 def build_drafter(cfg: TrainConfig, drafter_cfg: Eagle3Config, embed: torch.Tensor,
                   head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
     """From scratch (lm_head from the target head's draft rows unless lm_head_init is random)
-    or fine-tuned from an existing drafter in any layout fix-keys reads."""
+    or fine-tuned from an existing drafter in any layout export reads."""
     drafter = Eagle3Drafter(drafter_cfg)
     drafter.load_target_parts(embed, d2t, t2d, head if cfg.lm_head_init == "target" else None)
     if cfg.init_from:

@@ -1,0 +1,456 @@
+"""Every stage of the pipeline, described once.
+
+    generate -> merge -> extract -> train -> export -> deploy -> benchmark
+
+Each entry says what a stage is: its config section, what it reads, whether it needs a GPU,
+the engine function that runs it, what enters its cache key beyond the section's `keyed`
+settings, what it checks before it starts, and how its result reads in a summary and in
+reports. The run plan (draftsmith/plan.py), the Prefect flow and tasks (flows/, tasks/), the GPU
+stage flows and their deployments, and the CLI all read this table. Adding a stage is one entry
+here plus the module that does the work.
+
+Engine modules are imported when a stage runs, not when this table is read: `draftsmith --help`
+and `draftsmith plan` stay fast.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from draftsmith.artifacts import Descriptor, StagePlan
+from draftsmith.config import ConfigError, PipelineConfig, key_settings
+from draftsmith.figures import (
+    BenchmarkFigures,
+    DeployFigures,
+    ExportFigures,
+    ExtractFigures,
+    Figures,
+    GenerateFigures,
+    MergeFigures,
+    TargetFigures,
+    TrainFigures,
+)
+from draftsmith.fingerprints import drafter_fingerprint, file_fingerprint
+
+Inputs = dict[str, Descriptor]  # what a stage reads, by name ("target": the resolved target)
+RunStage = Callable[[PipelineConfig, Inputs, StagePlan, "str | None"], Descriptor]
+
+# Inputs that are not stage outputs: the resolved target model, and the data source files
+# (content fingerprints; generate's key covers them, so new data re-runs from generate on).
+TARGET, DATA = "target", "data"
+
+
+@dataclass(frozen=True)
+class Report:
+    """Something a stage shows about its output: a table or a markdown page (a Prefect
+    artifact under flows) and the lines it adds to the run log."""
+
+    kind: Literal["table", "markdown", "log"]
+    description: str = ""
+    key: str | None = None
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    text: str = ""
+    log_lines: list[str] = field(default_factory=list)
+
+
+def _never(_config: PipelineConfig) -> bool:
+    return False
+
+
+def _always(_config: PipelineConfig) -> bool:
+    return True
+
+
+def _no_extras(_config: PipelineConfig) -> dict[str, Any]:
+    return {}
+
+
+def _no_preflight(_config: PipelineConfig, _inputs: Inputs, _plan: StagePlan) -> None:
+    return None
+
+
+def _no_reports(_descriptor: Descriptor) -> list[Report]:
+    return []
+
+
+def _no_secret(_config: PipelineConfig) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    what: str  # one line: what the stage does
+    module: str  # where its work is done
+    run: RunStage  # (config, inputs, plan, secret) -> descriptor of what it wrote
+    inputs: tuple[str, ...]
+    section: str | None  # the config section whose `keyed` settings form its key
+    figures: type[Figures]
+    describe: Callable[[Descriptor], str]  # one cell of the run summary
+    gpu: Callable[[PipelineConfig], bool] = _never
+    key_extras: Callable[[PipelineConfig], dict[str, Any]] = _no_extras
+    preflight: Callable[[PipelineConfig, Inputs, StagePlan], None] = _no_preflight
+    reports: Callable[[Descriptor], list[Report]] = _no_reports
+    progress: bool = False  # long work: a progress bar / Prefect progress artifact
+    retries: int = 2
+    # A live output (a running server) is never taken from the cache, and the stage after it
+    # runs in the same process, since the server lives there.
+    live: Callable[[PipelineConfig], bool] = _never
+    # (input stage, retention setting): delete that input's output once this stage finished.
+    retention: tuple[str, str] | None = None
+    # The name of a Prefect Secret block whose value the stage needs (resolved by the task).
+    secret: Callable[[PipelineConfig], str | None] = _no_secret
+    aliases: tuple[str, ...] = ()  # other names users know the stage by
+    # A result the run must not pass silently (a lossless engine that was not): the message.
+    problem: Callable[[Descriptor], str | None] = lambda _d: None
+
+    @property
+    def can_use_gpu(self) -> bool:
+        """Whether the stage may run on a GPU for some config (it gets a GPU flow)."""
+        return self.gpu is not _never
+
+    @property
+    def label(self) -> str:
+        """The name users type and read (underscores as dashes)."""
+        return self.name.replace("_", "-")
+
+    def stage_inputs(self) -> tuple[str, ...]:
+        """The stage outputs (and the target) the engine function reads."""
+        return tuple(name for name in self.inputs if name != DATA)
+
+
+# --------------------------------------------------------------------------- generate
+
+
+def _run_generate(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                  secret: str | None = None) -> Descriptor:
+    from draftsmith.generate.stage import run_generate
+
+    return run_generate(config.generate, config.data, config.target, inputs[TARGET], plan,
+                        api_key=secret)
+
+
+def _generate_key(config: PipelineConfig) -> dict[str, Any]:
+    # Source content enters through the data input's fingerprints, not through the paths.
+    return {"target_dtype": config.target.dtype,
+            "sources": [key_settings(s) for s in config.data.sources]}
+
+
+def _generate_preflight(config: PipelineConfig, _inputs: Inputs, plan: StagePlan) -> None:
+    from draftsmith import preflight
+
+    preflight.check_stage(plan, config.target.device, preflight.generate_bytes(
+        config.generate, [s.path for s in config.data.sources if s.path]))
+
+
+def _generate_reports(descriptor: Descriptor) -> list[Report]:
+    from draftsmith.generate.stage import GENERATION_FILE
+
+    sources = json.loads((descriptor.dir / "stats.json").read_text())
+    rows = [{"source": s["source"], "read": s["read"], "kept": s["kept"],
+             "dropped": sum(s["dropped"].values()),
+             "drop reasons": "; ".join(f"{r} ({n})" for r, n in s["dropped"].items()) or "-",
+             "notes": "; ".join(f"{r} ({n})" for r, n in s.get("notes", {}).items()) or "-"}
+            for s in sources]
+    reports = [Report("table", "generate: records read, kept and dropped per source",
+                      key="draftsmith-generate-sources", rows=rows,
+                      log_lines=[f"generate source {row}" for row in rows])]
+    summary_file = descriptor.dir / GENERATION_FILE
+    if summary_file.is_file():  # absent from outputs of a draftsmith before the HTTP backend
+        summary = json.loads(summary_file.read_text())
+        flat = {k: v for k, v in summary.items() if k != "per_partition"}
+        reports.append(Report("table", "generate: requests, tokens, throughput, cost",
+                              key="draftsmith-generate-summary",
+                              rows=[{"figure": k, "value": str(v)} for k, v in flat.items()],
+                              log_lines=[f"generate summary {flat}"]))
+    return reports
+
+
+def _describe_generate(descriptor: Descriptor) -> str:
+    counts, figures = descriptor.counts, GenerateFigures.of(descriptor)
+    text = f"{counts['records']} records, {counts['generated']} answered by the target"
+    if counts.get("failed"):
+        text += f", {counts['failed']} failed (errors.jsonl)"
+    if counts.get("with_reasoning"):
+        text += f", {counts['with_reasoning']} with reasoning"
+    if figures.cost_usd is not None:
+        cost = figures.cost_usd
+        text += f", cost ${cost:.2f}" if cost >= 1 else f", cost ${cost:.4f}"
+    return text
+
+
+def _endpoint_secret(config: PipelineConfig) -> str | None:
+    endpoint = config.generate.endpoint
+    return endpoint.api_key_secret if endpoint is not None else None
+
+
+# --------------------------------------------------------------------------- merge
+
+
+def _run_merge(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+               _secret: str | None = None) -> Descriptor:
+    from draftsmith.data.merge import run_merge
+
+    return run_merge(config.merge, inputs["generate"], inputs[TARGET], plan)
+
+
+def _merge_reports(descriptor: Descriptor) -> list[Report]:
+    from draftsmith.data.merge import COVERAGE_FILE
+
+    stats = json.loads((descriptor.dir / "stats.json").read_text())
+    rows = [{"source": s, **c} for s, c in stats.items()]
+    reports = [Report("table", "merge: records, tokens, masked tokens, mean length, duplicates "
+                      "and truncations per source", key="draftsmith-merge-sources", rows=rows,
+                      log_lines=[f"merge source {row}" for row in rows])]
+    if (descriptor.dir / COVERAGE_FILE).is_file():  # absent from older merge outputs
+        coverage = json.loads((descriptor.dir / COVERAGE_FILE).read_text())
+        reports.append(Report("table", "merge: draft vocab coverage of loss-masked tokens",
+                              key="draftsmith-merge-vocab",
+                              rows=[{"figure": k, "value": str(v)} for k, v in coverage.items()],
+                              log_lines=[f"merge draft vocab {coverage}"]))
+    return reports
+
+
+def _describe_merge(descriptor: Descriptor) -> str:
+    counts, figures = descriptor.counts, MergeFigures.of(descriptor)
+    return (f"{counts['train_records']} train / {counts['validation_records']} validation "
+            f"records, {counts['train_tokens']} train tokens, draft vocab covers "
+            f"{100 * figures.draft_vocab_coverage:.1f}%")
+
+
+# --------------------------------------------------------------------------- extract
+
+
+def _run_extract(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                 _secret: str | None = None) -> Descriptor:
+    from draftsmith.extract.stage import run_extract
+
+    return run_extract(config.extract, config.target, inputs["merge"], inputs[TARGET], plan)
+
+
+def _extract_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) -> None:
+    """On the machine that writes the store (a GPU worker in distributed mode), before any
+    GPU is taken or shard written."""
+    from draftsmith import preflight
+    from draftsmith.extract.preflight import check_extract_disk
+    from draftsmith.extract.stage import aux_layer_ids_for
+
+    preflight.check_stage(plan, config.target.device)
+    check_extract_disk(config.extract, inputs["merge"], inputs[TARGET], plan.dir,
+                       aux_layer_ids_for(config.extract, inputs[TARGET]))
+
+
+def _describe_extract(descriptor: Descriptor) -> str:
+    figures = ExtractFigures.of(descriptor)
+    return f"{descriptor.counts['tokens']} tokens, aux layers {figures.aux_layer_ids}"
+
+
+# --------------------------------------------------------------------------- train
+
+
+def _run_train(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+               _secret: str | None = None) -> Descriptor:
+    from draftsmith.train.trainer import run_train
+
+    return run_train(config.train, inputs["extract"], inputs["merge"], inputs[TARGET], plan)
+
+
+def _train_key(config: PipelineConfig) -> dict[str, Any]:
+    if not config.train.init_from:
+        return {}
+    return {"init_from_files": drafter_fingerprint(config.train.init_from)}  # content, not path
+
+
+def _train_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) -> None:
+    from draftsmith import preflight
+
+    preflight.check_stage(plan, config.train.device, preflight.train_bytes(
+        inputs[TARGET], MergeFigures.of(inputs["merge"]).draft_vocab_size))
+
+
+def _train_reports(descriptor: Descriptor) -> list[Report]:
+    from draftsmith.train.trainer import METRICS_FILE
+
+    figures = TrainFigures.of(descriptor)
+    rows = [json.loads(line) for line in (descriptor.dir / METRICS_FILE).read_text().splitlines()]
+    replayed = figures.acceptance_replayed
+    return [
+        Report("table", "train: validation metrics per epoch",
+               rows=[r for r in rows if r["split"] == "validation"]),
+        Report("markdown", "train: summary", text=(
+            f"# training\n\nbest validation tau **{figures.tau:.3f}**, acceptance replayed over "
+            "the validation answers (greedy chain decoding) "
+            f"**{replayed if replayed is not None else float('nan'):.3f}**\n\n"
+            f"charts: `{descriptor.dir / 'training.png'}`, `{descriptor.dir / 'training.svg'}`")),
+    ]
+
+
+def _describe_train(descriptor: Descriptor) -> str:
+    figures = TrainFigures.of(descriptor)
+    accs = ", ".join(f"{a:.3f}" for a in figures.full_acc)
+    text = (f"validation full_acc per step [{accs}], loss_0 {figures.extra('loss_0'):.3f}, "
+            f"simulated tau {figures.tau:.2f}")
+    if figures.acceptance_replayed is not None:  # what greedy chain decoding would measure
+        text += f", acceptance replayed {figures.acceptance_replayed:.2f}"
+    return text
+
+
+# --------------------------------------------------------------------------- export
+
+
+def _run_export(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                _secret: str | None = None) -> Descriptor:
+    from draftsmith.export.stage import run_export
+
+    return run_export(config.export, config.target, inputs["train"], inputs[TARGET], plan)
+
+
+def _export_key(config: PipelineConfig) -> dict[str, Any]:
+    return {"context_length": config.target.context_length,
+            "target_family": config.target.family}
+
+
+def _describe_export(descriptor: Descriptor) -> str:
+    figures = ExportFigures.of(descriptor)
+    return f"{figures.format} drafter validated: {figures.drafter_dir}"
+
+
+# --------------------------------------------------------------------------- deploy
+
+
+def _run_deploy(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                _secret: str | None = None) -> Descriptor:
+    from draftsmith.serve.deploy import run_deploy
+
+    return run_deploy(config.deploy, config.target, inputs["export"], inputs["merge"],
+                      inputs[TARGET], plan)
+
+
+def _target_dtype(config: PipelineConfig) -> dict[str, Any]:
+    return {"target_dtype": config.target.dtype}
+
+
+def _served(config: PipelineConfig) -> bool:
+    return config.deploy.engine != "embedded"
+
+
+def _embedded_preflight(config: PipelineConfig, _inputs: Inputs, plan: StagePlan) -> None:
+    """A served deploy checks its GPUs itself, minding its own server; a served benchmark's
+    GPUs are its server's."""
+    if not _served(config):
+        from draftsmith import preflight
+
+        preflight.check_stage(plan, config.target.device)
+
+
+def _describe_deploy(descriptor: Descriptor) -> str:
+    figures = DeployFigures.of(descriptor)
+    text = f"{figures.engine} engine, {figures.num_steps} draft steps"
+    if figures.url:
+        text += f", serving at {figures.url}"
+    return text
+
+
+# --------------------------------------------------------------------------- benchmark
+
+
+def _run_benchmark(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                   _secret: str | None = None) -> Descriptor:
+    from draftsmith.bench.benchmark import run_benchmark
+
+    return run_benchmark(config.benchmark, config.target, inputs["deploy"], inputs["merge"],
+                         inputs[TARGET], plan, config.deploy)
+
+
+def _benchmark_key(config: PipelineConfig) -> dict[str, Any]:
+    material = _target_dtype(config)
+    if config.benchmark.prompts_file:  # its content, not where it lies
+        material["prompts"] = file_fingerprint("benchmark.prompts_file",
+                                               config.benchmark.prompts_file)
+    return material
+
+
+def _benchmark_reports(descriptor: Descriptor) -> list[Report]:
+    return [Report("markdown", "benchmark report", key="draftsmith-benchmark",
+                   text=(descriptor.dir / "report.md").read_text())]
+
+
+def _describe_benchmark(descriptor: Descriptor) -> str:
+    figures = BenchmarkFigures.of(descriptor)
+    if figures.engine != "embedded":
+        return (f"{figures.url}: measured acceptance length {figures.acceptance_length:.2f}, "
+                f"{figures.single_stream_tokens_per_s} tok/s single stream\n{figures.verdict}\n"
+                f"report: {figures.report}")
+    identical = figures.identical_outputs if figures.identical_outputs is not None \
+        else figures.lossless
+    return (f"measured acceptance length {figures.acceptance_length:.2f}, "
+            f"{figures.speculative_tokens_per_s} vs {figures.greedy_tokens_per_s} tok/s, "
+            f"identical to greedy decoding: {identical}\n{figures.verdict}\n"
+            f"report: {figures.report}")
+
+
+def _benchmark_problem(descriptor: Descriptor) -> str | None:
+    if BenchmarkFigures.of(descriptor).differs_from_greedy:
+        return "speculative outputs differ from greedy decoding: this is a bug"
+    return None
+
+
+# --------------------------------------------------------------------------- the table
+
+
+STAGES: list[Stage] = [
+    Stage("generate", "reads every data source and answers prompt-only records with the target",
+          "draftsmith/generate/stage.py", _run_generate, inputs=(TARGET, DATA),
+          section="generate", figures=GenerateFigures, describe=_describe_generate,
+          gpu=lambda c: c.generate.backend == "transformers", key_extras=_generate_key,
+          preflight=_generate_preflight, reports=_generate_reports, progress=True,
+          secret=_endpoint_secret),
+    Stage("merge", "dedups, splits, tokenises with loss masks and builds the draft vocab",
+          "draftsmith/data/merge.py", _run_merge, inputs=("generate", TARGET),
+          section="merge", figures=MergeFigures, describe=_describe_merge,
+          reports=_merge_reports,
+          retention=("generate", "delete_generations_after_merge")),
+    Stage("extract", "captures the target's aux and final hidden states into shards",
+          "draftsmith/extract/stage.py", _run_extract, inputs=("merge", TARGET),
+          section="extract", figures=ExtractFigures, describe=_describe_extract, gpu=_always,
+          key_extras=_target_dtype, preflight=_extract_preflight, progress=True),
+    Stage("train", "trains the EAGLE-3 drafter with test-time training",
+          "draftsmith/train/trainer.py", _run_train, inputs=("extract", "merge", TARGET),
+          section="train", figures=TrainFigures, describe=_describe_train, gpu=_always,
+          key_extras=_train_key, preflight=_train_preflight, reports=_train_reports,
+          progress=True, retries=1,
+          retention=("extract", "delete_hidden_states_after_train")),
+    Stage("export", "writes the drafter in the serving engine's layout and validates it",
+          "draftsmith/export/stage.py", _run_export, inputs=("train", TARGET),
+          section="export", figures=ExportFigures, describe=_describe_export,
+          key_extras=_export_key, aliases=("fix_keys", "fix-keys")),
+    Stage("deploy", "serves the target with the exported drafter and proves it generates",
+          "draftsmith/serve/deploy.py", _run_deploy, inputs=("export", "merge", TARGET),
+          section="deploy", figures=DeployFigures, describe=_describe_deploy, gpu=_always,
+          key_extras=_target_dtype, preflight=_embedded_preflight, live=_served),
+    Stage("benchmark", "measures acceptance and tokens/s with and without speculation",
+          "draftsmith/bench/benchmark.py", _run_benchmark, inputs=("deploy", "merge", TARGET),
+          section="benchmark", figures=BenchmarkFigures, describe=_describe_benchmark,
+          gpu=_always, key_extras=_benchmark_key, preflight=_embedded_preflight,
+          reports=_benchmark_reports, progress=True, problem=_benchmark_problem),
+]
+
+
+def names() -> list[str]:
+    return [s.name for s in STAGES]
+
+
+def get(name: str) -> Stage:
+    """A stage by its name or one of its aliases (fix-keys, fix_keys for export)."""
+    wanted = name.replace("-", "_")
+    for stage in STAGES:
+        if wanted in (stage.name, *(a.replace("-", "_") for a in stage.aliases)):
+            return stage
+    raise ConfigError(f"unknown stage {name!r}; choose from {', '.join(names())}")
+
+
+def target_figures(target: Descriptor) -> TargetFigures:
+    return TargetFigures.of(target)
