@@ -339,7 +339,7 @@ def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, 
     from draftsmith.serve.deploy import run_deploy_sglang
 
     exported = Descriptor(stage="export", path=str(tmp_path), key="k", fingerprint="f",
-                          figures={"drafter_dir": str(drafter_dir)})
+                          figures={"format": "sglang", "drafter_dir": str(drafter_dir)})
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()
