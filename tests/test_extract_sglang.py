@@ -230,9 +230,10 @@ def merged_small(tmp_path, random_target):
     return make_merged(tmp_path / "merged", 24, 4, random_target.figures["vocab_size"], seed=3)
 
 
-def sglang_extract(root, merged, target, url, dump_dir, **overrides):
+def sglang_extract(root, merged, target, url, dump_dir, dump_timeout_s=10):
     cfg = ExtractConfig(backend="sglang", shard_tokens=150, sglang={
-        "url": url, "dump_dir": str(dump_dir), "concurrency": 8, "dump_timeout_s": 10})
+        "url": url, "dump_dir": str(dump_dir), "concurrency": 8,
+        "dump_timeout_s": dump_timeout_s})
     plan = plan_stage(root, "extract", {"sglang": 1}, [merged, target])
     return run_extract(cfg, TargetConfig(model=target.path), merged, target, plan)
 
@@ -271,6 +272,51 @@ def test_a_dump_of_another_request_is_refused(tmp_path, merged_small, random_tar
                                                                   match="other tokens"):
         sglang_extract(tmp_path / "run", merged_small, random_target, server.url, dumps)
     writer.close()
+
+
+# --------------------------------------------------------------------------- the probe
+
+
+def test_probe_stops_before_bulk_capture_when_no_dump_comes(tmp_path, merged_small,
+                                                            random_target, random_target_model):
+    """A server without the capture package (SGLang only warns when it fails to import):
+    one request, then a clear stop, instead of every sample timing out."""
+    model = SGLangStyleLlama(random_target_model)  # the stock class: no capture installed
+    with StandInServer(model) as server, pytest.raises(CaptureError) as err:
+        sglang_extract(tmp_path / "run", merged_small, random_target, server.url,
+                       tmp_path / "dumps", dump_timeout_s=2)
+    assert "capture probe failed before bulk capture" in str(err.value)
+    assert "does not run draftsmith's capture package" in str(err.value)
+    assert sum(server.batch_sizes) == 1  # the probe alone
+
+
+def test_probe_refuses_a_server_capturing_other_layers(tmp_path, merged_small, random_target,
+                                                      random_target_model):
+    """Same width, other layers (a server started for another config): without the probe
+    this trains on the wrong hidden states, silently."""
+    model = SGLangStyleLlama(random_target_model)
+    dumps = tmp_path / "dumps"
+    writer = install_capture(model, [1, 2, 4], dumps)
+    with StandInServer(model) as server, pytest.raises(CaptureError,
+                                                      match="inputs of layers 2,3,5, not 2,4,5"):
+        sglang_extract(tmp_path / "run", merged_small, random_target, server.url, dumps)
+    writer.close()
+
+
+@pytest.mark.parametrize(("info", "message"), [
+    ({"attn_dp_size": 8}, "runs attention data parallel"),
+    ({"version": "0.5.9"}, "runs SGLang 0.5.9; draftsmith supports SGLang >=0.5.23,<0.6"),
+])
+def test_a_capture_server_that_cannot_capture_is_refused_before_any_request(
+        tmp_path, merged_small, random_target, random_target_model, info, message):
+    model = SGLangStyleLlama(random_target_model)
+    writer = install_capture(model, AUX_IDS, tmp_path / "dumps")
+    with StandInServer(model) as server, pytest.raises(CaptureError, match=message):
+        server.info.update(info)
+        sglang_extract(tmp_path / "run", merged_small, random_target, server.url,
+                       tmp_path / "dumps")
+    writer.close()
+    assert not server.batch_sizes
 
 
 # --------------------------------------------------------------------------- launch
@@ -337,6 +383,32 @@ extract: {{backend: sglang, sglang: {{dump_dir: /dev/shm/caps, port: 31555}}}}
     assert f"{ENV_LAYERS}=1,3,4" in line and f"{ENV_DIR}=/dev/shm/caps" in line
     assert "--disable-radix-cache --chunked-prefill-size -1" in line
     assert "--port 31555" in line and "--tp-size 2" in line
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_capture(tmp_path, port: int, **sglang) -> ExtractConfig:
+    return ExtractConfig(backend="sglang", shard_tokens=150, sglang={
+        "port": port, "dump_dir": str(tmp_path / "dumps"), "dump_timeout_s": 20,
+        "startup_timeout_s": 120, "sglang_command": [sys.executable, str(Path(__file__).with_name(
+            "fake_capture_server.py"))], **sglang})
+
+
+def test_probe_names_the_import_error_sglang_logged(tmp_path, merged_small, random_target):
+    cfg = launched_capture(tmp_path, free_port(), dump_timeout_s=3,
+                           env={"FAKE_CAPTURE_MODE": "no_package"})
+    plan = plan_stage(tmp_path / "run", "extract", {"launched": 2}, [merged_small, random_target])
+    with pytest.raises(CaptureError, match="SGLang could not load draftsmith's capture package"
+                       ) as err:
+        run_extract(cfg, TargetConfig(model=random_target.path), merged_small, random_target,
+                    plan)
+    assert "No module named 'sgl_kernel'" in str(err.value)
 
 
 def test_stage_starts_supervises_and_stops_its_capture_server(tmp_path, merged_small,

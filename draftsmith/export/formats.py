@@ -19,6 +19,7 @@ NATIVE_LAYER_PREFIX = "midlayer."
 # Present in some checkpoints (SpecForge, speculators); never required, never exported: the
 # serving engine shares the target's embedding.
 OPTIONAL_TENSORS = ("embed_tokens.weight",)
+VOCAB_MAP = ("d2t", "t2d")
 
 
 class ExportError(ValueError):
@@ -67,6 +68,16 @@ class Layout:
     architecture: str
     layer_prefix: str
     required_config: tuple[str, ...]
+    # vLLM creates no draft_id_to_target_id when draft_vocab_size == vocab_size, and a d2t
+    # tensor then fails to load: such a layout leaves the (identity) vocab map out.
+    identity_vocab_map_omitted: bool = False
+
+    def native_tensors(self, cfg: Eagle3Config, optional: bool = False) -> dict[str, TensorSpec]:
+        """drafter_tensors(cfg), less what this layout leaves out."""
+        specs = drafter_tensors(cfg, optional)
+        if self.identity_vocab_map_omitted and cfg.draft_vocab_size == cfg.vocab_size:
+            specs = {n: spec for n, spec in specs.items() if n not in VOCAB_MAP}
+        return specs
 
     def to_layout_name(self, native: str) -> str:
         if native.startswith(NATIVE_LAYER_PREFIX):
@@ -79,7 +90,7 @@ class Layout:
         return name
 
     def expected_tensors(self, cfg: Eagle3Config, optional: bool = False) -> dict[str, TensorSpec]:
-        return {self.to_layout_name(n): s for n, s in drafter_tensors(cfg, optional).items()}
+        return {self.to_layout_name(n): s for n, s in self.native_tensors(cfg, optional).items()}
 
     def is_layout_of(self, config: dict[str, Any]) -> bool:
         return self.architecture in (config.get("architectures") or [])
@@ -124,6 +135,9 @@ class SGLangLayout(Layout):
             **cfg.hf_fields(),
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
+            # fc's input width in aux states; SGLang 0.5.23 reads it before counting the ids
+            # (0.5.9 assumed 3).
+            "num_aux_hidden_states": len(cfg.aux_layer_ids),
             "torch_dtype": dtype,
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": engine_layer_ids(cfg.aux_layer_ids, family,
@@ -166,7 +180,10 @@ class SpeculatorsLayout(Layout):
                 "verifier": {"name_or_path": verifier.get("name_or_path", ""),
                              "architectures": verifier.get("architectures", [])},
             },
-            "transformer_layer_config": cfg.hf_fields(),
+            # vLLM builds the drafter from this dict; its fc is 3*H unless it holds
+            # num_aux_hidden_states (the ids at top level are not where vLLM counts them).
+            "transformer_layer_config": {**cfg.hf_fields(),
+                                         "num_aux_hidden_states": len(cfg.aux_layer_ids)},
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
             "norm_before_residual": False,
@@ -217,6 +234,7 @@ SPECULATORS = SpeculatorsLayout(
                      "transformer_layer_config.vocab_size",
                      "transformer_layer_config.max_position_embeddings", "draft_vocab_size",
                      "norm_before_residual", "eagle_aux_hidden_state_layer_ids"),
+    identity_vocab_map_omitted=True,
 )
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (SGLANG, SPECULATORS)}
 
