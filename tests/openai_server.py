@@ -92,6 +92,7 @@ class FaultProxy:
         self.always_fail: dict[str, int] = {}  # substring of the last message -> status
         self.required_key: str | None = None
         self.add_reasoning = False
+        self.think_in_content = False
         self.after_answer: Callable[[int], None] | None = None
         self.reset()
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
@@ -105,6 +106,7 @@ class FaultProxy:
             self.always_fail.clear()
             self.required_key = None
             self.add_reasoning = False
+            self.think_in_content = False  # a reasoning model served without a parser
             self.after_answer = None
             self.stall_next: deque[float] = deque()  # seconds to hold a request before sending
             self.answers: Counter[str] = Counter()  # prompt -> 200 answers sent
@@ -160,9 +162,12 @@ class FaultProxy:
                         proxy.in_flight[max_tokens] -= 1
                 payload = upstream.json()
                 if upstream.status_code == 200:
+                    message = payload["choices"][0]["message"]
                     if proxy.add_reasoning:
-                        message = payload["choices"][0]["message"]
                         message["reasoning_content"] = "thinking about: " + last[-24:]
+                    if proxy.think_in_content:
+                        message["content"] = ("<think>\nthinking about it\n</think>\n\n"
+                                              + (message.get("content") or ""))
                     with proxy.lock:
                         proxy.answers[prompt_key(body)] += 1
                         answered = sum(proxy.answers.values())
