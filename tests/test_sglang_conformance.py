@@ -224,6 +224,24 @@ def test_capture_server_flags_as_sglang_reads_them(parsed):
     assert capture["speculative_algorithm"] is None
 
 
+def test_sglang_rejections_and_deprecations_reach_the_user(sglang_env, kimi_launches):
+    """A flag SGLang rejects fails the launch with SGLang's own message; a deprecated one in
+    the user's extra_args is reported (and logged) with SGLang's replacement."""
+    spec = kimi_launches["speculative"]
+    launches = {"ambiguous": [*spec.argv, "--cuda-graph-max-bs", "8"],
+                "vllm name": [*spec.argv, "--num-speculative-tokens", "3"],
+                "deprecated": [*spec.argv, "--disable-cuda-graph"]}
+    report = run_probe(sglang_env, "parse", stdin={"fields": [], "launches": [
+        {"name": n, "launch": spec.model_copy(update={"argv": argv}).model_dump()}
+        for n, argv in launches.items()]})
+    results = {r["name"]: r for r in report["results"]}
+    assert "SGLang's argument parser rejects" in results["ambiguous"]["error"]
+    assert "ambiguous option: --cuda-graph-max-bs" in results["ambiguous"]["error"]
+    assert "unrecognized arguments: --num-speculative-tokens" in results["vllm name"]["error"]
+    assert results["deprecated"]["deprecated"] == [
+        "--disable-cuda-graph (use --cuda-graph-backend-{decode,prefill}=disabled)"]
+
+
 def test_the_generation_server_uses_sglang_reasoning_parser_for_kimi(sglang_env, parsed):
     fields = parsed["generation"]["fields"]
     assert fields["reasoning_parser"] == "kimi_k2" and fields["tool_call_parser"] == "kimi_k2"

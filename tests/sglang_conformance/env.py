@@ -85,6 +85,9 @@ def ensure_env() -> Path:
         if not (out / COMPLETE).is_file():
             shutil.rmtree(out, ignore_errors=True)
             build(out)
+            for old in out.parent.iterdir():  # environments of older requirement lists
+                if old.is_dir() and old != out and (old / COMPLETE).is_file():
+                    shutil.rmtree(old, ignore_errors=True)
     return out
 
 
