@@ -17,7 +17,6 @@ def start_temporary_api() -> None:
     if PREFECT_API_URL.value() or os.environ.get("PREFECT_API_URL"):
         return
     from prefect.server.api.server import SubprocessASGIServer
-
     from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
     server = SubprocessASGIServer()
