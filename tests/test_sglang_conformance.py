@@ -388,6 +388,11 @@ def test_speculative_settings_and_metrics(sglang_env):
         "the backends that run topk > 1 on paged KV")
     pin(where, eagle, r"cfg\.speculative_eagle_topk > 1\s+and view\.page_size > 1\s+and "
         r"view\.attention_backend not in _PAGE_TREE_SPEC_BACKENDS", "others are refused")
+    where, text = sglang_source(sglang_env, "srt/arg_groups/choices.py")
+    choices = ast.literal_eval(re.search(r"ATTENTION_BACKEND_CHOICES = (\[.*?\])", text,
+                                         re.S).group(1))
+    unknown = set(PAGED_BACKENDS + TREE_WITH_PAGES_BACKENDS) - set(choices)
+    assert not unknown, f"{where}: attention backends {unknown} are gone"
     where, text = sglang_source(sglang_env, "srt/arg_groups/overrides.py")
     pages = function_source(where, text, "_mla_backend_page_constraints")
     for backend in PAGED_BACKENDS:

@@ -133,10 +133,10 @@ def test_both_servers_get_the_same_max_running_requests(drafter_dir):
 @pytest.mark.parametrize(("extra_args", "refused"), [
     (["--attention-backend", "flashmla"], True),  # page size 64, forced
     (["--attention-backend=trtllm_mla"], True),
-    (["--attention-backend", "cutlass_mla", "--page-size", "128"], True),
+    (["--attention-backend", "flex_attention", "--page-size", "16"], True),
     (["--prefill-attention-backend", "flashmla", "--decode-attention-backend", "flashmla"], True),
     (["--attention-backend", "fa3", "--page-size", "64"], False),  # SGLang's tree backends
-    (["--attention-backend", "cutlass_mla"], False),  # page size 1
+    (["--attention-backend", "flex_attention"], False),  # page size 1
     ([], False),  # SGLang picks fa3 (Hopper) or flashinfer (Blackwell) for MLA
 ])
 def test_tree_points_on_a_paged_mla_backend_are_refused_when_the_config_loads(extra_args,
