@@ -417,6 +417,48 @@ def check_drafting(where: str, num_steps: int, eagle_topk: int, num_draft_tokens
         )
 
 
+# SGLang 0.5.23 (arg_groups/speculative_hook.py, _handle_eagle_family): an EAGLE server
+# started without --max-running-requests runs at most 48 requests at once.
+SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+# Same file: eagle_topk > 1 with a page size above 1 runs only on these attention backends;
+# and arg_groups/overrides.py: these backends force a page size above 1 (FlashMLA 64, the
+# TRT-LLM and CuteDSL MLA kernels 32 or 64, ...).
+TREE_WITH_PAGES_BACKENDS = ("flashinfer", "fa3", "triton")
+PAGED_BACKENDS = ("flashmla", "trtllm_mla", "cutedsl_mla", "hpc_ops", "trtllm_mha")
+
+
+def sglang_flag(args: list[str], *names: str) -> str | None:
+    """The value of the last `--name V` or `--name=V` among SGLang arguments."""
+    value = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def check_tree_attention(where: str, eagle_topk: int, extra_args: list[str]) -> None:
+    """SGLang refuses eagle_topk > 1 on a paged attention backend other than flashinfer, fa3
+    or triton (the paged MLA kernels cannot draw a tree): refuse it before a launch."""
+    if eagle_topk <= 1:
+        return
+    backend = sglang_flag(extra_args, "--attention-backend")
+    prefill = sglang_flag(extra_args, "--prefill-attention-backend")
+    if prefill is not None and prefill == sglang_flag(extra_args, "--decode-attention-backend"):
+        backend = prefill  # SGLang then serves both phases with it
+    page_size = int(sglang_flag(extra_args, "--page-size") or 1)
+    if backend in PAGED_BACKENDS:
+        page_size = max(page_size, 32)
+    if backend is not None and page_size > 1 and backend not in TREE_WITH_PAGES_BACKENDS:
+        raise ValueError(
+            f"{where}.eagle_topk={eagle_topk} with attention backend {backend!r} (page size "
+            f"{page_size}, from deploy.extra_args): SGLang runs tree drafting on paged KV only "
+            f"with {', '.join(TREE_WITH_PAGES_BACKENDS)} and refuses to start. Use "
+            "eagle_topk=1 for this point, or one of those backends.")
+
+
 class DraftingPoint(StrictModel):
     """One drafting config of a benchmark sweep (SGLang's three speculative flags)."""
 
@@ -450,6 +492,10 @@ class DeployConfig(StrictModel):
     port: int = keyed(30000, ge=1, le=65535)
     mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0)
     cuda_graph_max_bs_decode: int | None = keyed(None, ge=1)
+    max_running_requests: int | None = keyed(None, ge=1, description=(
+        "Requests SGLang runs at once, passed to the speculative server and to the "
+        "benchmark's baseline alike; default 48, what SGLang gives an EAGLE server when it "
+        "is unset (a plain server is uncapped, which would understate the speedup)."))
     enable_metrics: bool = keyed(True)
     allow_shorter_draft_context: bool = keyed(False)
     extra_args: list[str] = keyed(default_factory=list, description="Passed to SGLang as is.")
@@ -483,6 +529,9 @@ class DeployConfig(StrictModel):
                 f"deploy.eagle_topk={self.eagle_topk} with deploy.engine=vllm: vLLM's EAGLE-3 "
                 "drafts a chain of num_steps tokens, not a tree; set deploy.eagle_topk=1 and "
                 "deploy.num_draft_tokens=num_steps+1 (or deploy.engine=sglang for trees)")
+        if sglang_flag(self.extra_args, "--max-running-requests") is not None:
+            raise ValueError("deploy.extra_args: set deploy.max_running_requests instead of "
+                             "--max-running-requests (the baseline server gets the same)")
         given = {k: getattr(self, k) for k in ("num_steps", "eagle_topk", "num_draft_tokens")}
         if None in given.values():
             if any(v is not None for v in given.values()):
@@ -495,6 +544,8 @@ class DeployConfig(StrictModel):
                                  "num_draft_tokens")
             return self
         check_drafting("deploy", self.num_steps, self.eagle_topk, self.num_draft_tokens)
+        if self.engine == "sglang":
+            check_tree_attention("deploy", self.eagle_topk, self.extra_args)
         return self
 
 
@@ -623,6 +674,15 @@ class PipelineConfig(StrictModel):
         if trees:
             raise ValueError(f"benchmark.sweep has tree points {trees} with deploy.engine=vllm:"
                              " vLLM drafts chains only; keep points with eagle_topk=1")
+        return self
+
+
+    @model_validator(mode="after")
+    def _sweep_launches_on_sglang(self) -> PipelineConfig:
+        if self.deploy.engine == "sglang":  # each point is served with deploy.extra_args
+            for i, point in enumerate(self.benchmark.sweep):
+                check_tree_attention(f"benchmark.sweep[{i}]", point.eagle_topk,
+                                     self.deploy.extra_args)
         return self
 
 

@@ -70,29 +70,6 @@ def text_config_of(model_config: dict[str, Any]) -> dict[str, Any]:
     return text_config if isinstance(text_config, dict) else model_config
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default: outputs of layers 1, L//2-1 and L-4 (canonical convention)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
-    if not ids:
-        raise ConfigValueError(
-            f"extract.aux_layer_ids=[]: the drafter needs at least one aux layer; give ids "
-            f"within 0..{num_layers - 1}, or remove the key for the default "
-            f"{default_aux_layer_ids(num_layers)}")
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ConfigValueError(
-            f"extract.aux_layer_ids={ids}: ids {bad} are outside 0..{num_layers - 1} "
-            f"(id i = output of decoder layer i; this target has {num_layers} layers)"
-        )
-    if len(set(ids)) != len(ids) or sorted(ids) != ids:
-        raise ConfigValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and "
-                               "ascending")
-    return ids
-
-
 WEIGHT_SAMPLE_BYTES = 1 << 20
 
 

@@ -121,8 +121,12 @@ def start_prefects_own() -> None:
     if PREFECT_API_URL.value():
         return
     from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS
 
     server = SubprocessASGIServer()
-    server.start(timeout=int(STARTUP_TIMEOUT_S))
+    # A first start migrates a new database: on a busy machine that takes longer than
+    # Prefect's default wait.
+    server.start(timeout=int(max(STARTUP_TIMEOUT_S,
+                                 PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())))
     if server.server_process is not None:
         watchdog.guard(server.server_process.pid)

@@ -45,6 +45,8 @@ class FaultProxy:
             self.always_fail.clear()
             self.required_key = None
             self.down = False  # an outage: the server behind the proxy is gone
+            self.think_in_content = False  # a reasoning model served without a parser
+            self.add_reasoning = False  # ... and with one: reasoning_content beside the answer
             self.after_answer = None
             self.stall_next: deque[float] = deque()  # seconds to hold a request before sending
             # "truncate" or "null_content": what to do to the next real 200s on their way back.
@@ -114,6 +116,12 @@ class FaultProxy:
                     if garble == "null_content":
                         payload["choices"][0]["message"]["content"] = None
                         return self.send_json(200, payload)
+                    message = payload["choices"][0]["message"]
+                    if proxy.add_reasoning:
+                        message["reasoning_content"] = "thinking about: " + last[-24:]
+                    if proxy.think_in_content:
+                        message["content"] = ("<think>\nthinking about it\n</think>\n\n"
+                                              + (message.get("content") or ""))
                     with proxy.lock:
                         proxy.answers[prompt_key(body)] += 1
                         answered = sum(proxy.answers.values())

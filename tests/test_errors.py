@@ -123,13 +123,15 @@ def test_an_unreachable_endpoint_is_transient(random_target, random_target_dir, 
     cfg = GenerateConfig(backend="openai", endpoint={
         "base_url": f"http://127.0.0.1:{port}/v1", "model": "m", "max_retries": 1})
     plan = plan_stage(tmp_path, "generate", {"run": "x"}, [random_target])
+    sources = DataConfig(sources=[{"name": "p", "path": str(data)}])
     with pytest.raises(RuntimeError, match=r"1 of 1 requests failed.*'connection': 1") as info:
-        run_generate(cfg, DataConfig(sources=[{"name": "p", "path": str(data)}]),
+        run_generate(cfg, sources,
                      TargetConfig(model=str(random_target_dir)), random_target, plan,
                      backoff_initial_s=0.01, backoff_max_s=0.02)
     assert transient(info.value)
+    journal = journal_dir(plan, cfg, sources.sources[0], random_target)
     (failure,) = [json.loads(line) for line in
-                  (journal_dir(plan) / "errors.jsonl").read_text().splitlines()]
+                  (journal / "errors.jsonl").read_text().splitlines()]
     assert (failure["cause"], failure["retryable"], failure["attempts"]) == ("connection", True, 2)
 
 

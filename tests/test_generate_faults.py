@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from draftsmith.artifacts import plan_stage
-from draftsmith.config import DataConfig, GenerateConfig, TargetConfig
+from draftsmith.config import DataConfig, DataSource, GenerateConfig, TargetConfig
 from draftsmith.errors import InputError, TransientError
 from draftsmith.generate.openai_client import EndpointError, GenerateInputError
 from draftsmith.generate.stage import journal_dir, run_generate
@@ -121,7 +121,9 @@ def test_what_a_malformed_reply_error_says(server, random_target, random_target_
     assert "{'malformed_reply': 1}" in message and "asks only for the missing ones" in message
     assert isinstance(info.value, TransientError) and not isinstance(info.value, InputError)
     plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [random_target])
-    errors = (journal_dir(plan) / "errors.jsonl").read_text()
+    source = DataSource(name="p", path=str(tmp_path / "p.jsonl"))
+    errors = (journal_dir(plan, generate_cfg(server), source, random_target) /
+              "errors.jsonl").read_text()
     assert prompt(FAULTY) not in errors and "def f" not in errors
 
 

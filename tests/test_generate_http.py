@@ -265,6 +265,32 @@ def test_reasoning_vllm_parses_is_captured_counted_and_reassembled_before_the_an
         f"<think>\n{answer.reasoning}\n</think>\n\n{answer.content}<|im_end|>")
 
 
+def test_think_tags_in_content_without_reasoning_are_warned_about(
+        proxy, served_target, served_target_dir, tmp_path, caplog):
+    """A reasoning model served without a reasoning parser (SGLang fills reasoning_content
+    only with --reasoning-parser): the think text lands in the answers' content."""
+    import json
+
+    proxy.think_in_content = True
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 3)
+    with caplog.at_level("WARNING", logger="draftsmith.generate.stage"):
+        descriptor, _ = run(generate_cfg(proxy, served_target_dir), data_path, served_target,
+                            served_target_dir, tmp_path)
+    warning = next(r.getMessage() for r in caplog.records if "think tags" in r.getMessage())
+    assert "3 of 3 answers" in warning and "--reasoning-parser" in warning
+    assert "kimi_k2" in warning
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert summary["think_tags_without_reasoning"] == 3
+    caplog.clear()
+    proxy.reset()
+    proxy.add_reasoning = True  # with a parser: no warning
+    data_path = write_prompts(tmp_path / "more.jsonl", 2)
+    with caplog.at_level("WARNING", logger="draftsmith.generate.stage"):
+        run(generate_cfg(proxy, served_target_dir), data_path, served_target,
+            served_target_dir, tmp_path / "second")
+    assert not any("think tags" in r.getMessage() for r in caplog.records)
+
+
 def test_api_key_comes_from_the_environment_and_never_reaches_logs_or_files(
         proxy, served_target, served_target_dir, tmp_path, caplog, monkeypatch):
     secret = "sk-draftsmith-test-7f3a9c"

@@ -253,6 +253,14 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
     prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
     deployed = drafting_label(deploy_cfg.num_steps, deploy_cfg.eagle_topk,
                               deploy_cfg.num_draft_tokens)
+    from draftsmith.serve.sglang_launch import max_running_requests
+
+    cap = max_running_requests(deploy_cfg)
+    if max(cfg.concurrency) > cap:
+        log.warning("benchmark: concurrency %s is above the servers' max_running_requests=%d: "
+                    "requests beyond it queue, on both servers (raise "
+                    "deploy.max_running_requests to measure them running)",
+                    [c for c in cfg.concurrency if c > cap], cap)
     with stage_output(plan) as out:
         sweep = _concurrency_sweep(url, prompts, cfg, speculative=True)
         sampled = (_concurrency_sweep(url, prompts, cfg.model_copy(

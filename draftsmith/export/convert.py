@@ -23,7 +23,6 @@ from draftsmith.export.formats import (
     SGLANG,
     ExportError,
     Layout,
-    drafter_tensors,
     layout_named,
 )
 from draftsmith.export.layer_ids import LayerIdError, engine_layer_ids
@@ -139,6 +138,9 @@ def read_drafter(directory: str | Path, family: str = "llama",
     optional = {name: expected.pop(name) for name in OPTIONAL_TENSORS}  # no layer prefix
     problems = tensor_problems(files, expected, optional)
     tensors = {layout.to_native_name(n): t for n, t in files.items()}
+    if "d2t" not in layout.expected_tensors(cfg):  # a full-vocab drafter: the identity map
+        tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        tensors.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
     if problems:
         raise ExportError(f"{directory} is not a valid {layout_name} EAGLE-3 drafter:\n  - "
                           + "\n  - ".join(problems) + f"\n{fix[0].upper()}{fix[1:]}")
@@ -160,7 +162,7 @@ def export_drafter(state: dict[str, torch.Tensor], cfg: Eagle3Config, layout_nam
     except LayerIdError as err:
         raise ExportError(str(err)) from None
     tensors = {layout.to_layout_name(name): state[name].detach().cpu().contiguous()
-               for name in drafter_tensors(cfg)}
+               for name in layout.native_tensors(cfg)}
     with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_json(out_dir / "config.json", config)

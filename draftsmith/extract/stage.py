@@ -21,6 +21,7 @@ from draftsmith.config import ExtractConfig, TargetConfig
 from draftsmith.data.merge import SPLITS, read_split
 from draftsmith.distributed import Dist
 from draftsmith.errors import ConfigValueError, WorkerCrashError
+from draftsmith.export.layer_ids import aux_layer_ids_for
 from draftsmith.extract.batching import plan_batches, plan_shards
 from draftsmith.extract.capture import HiddenStateCapture
 from draftsmith.extract.store import (
@@ -33,17 +34,11 @@ from draftsmith.extract.store import (
 )
 from draftsmith.figures import TargetFigures
 from draftsmith.progress import Progress
-from draftsmith.target import DTYPES, check_aux_layer_ids, default_aux_layer_ids
+from draftsmith.target import DTYPES
 
 log = logging.getLogger(__name__)
 
 LAYER_ID_CONVENTION = "output of decoder layer i (= transformers hidden_states[i+1])"
-
-
-def aux_layer_ids_for(cfg: ExtractConfig, target: Descriptor) -> list[int]:
-    num_layers = TargetFigures.of(target).num_layers
-    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
-    return check_aux_layer_ids(list(ids), num_layers)
 
 
 def load_rows(merged: Descriptor) -> dict[str, list[dict]]:

@@ -274,6 +274,14 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     prompt_tokens = sum(a.prompt_tokens for a in used)
     completion_tokens = sum(a.completion_tokens for a in used)
     with_reasoning = sum(a.reasoning is not None for a in used)
+    unparsed = think_tags_without_reasoning(used)
+    if unparsed:
+        log.warning(
+            "generate: %d of %d answers carry think tags in their content and no reasoning "
+            "field (first: %s): the server separates no reasoning, so training sees the think "
+            "text as answer text, rendered unlike the target's own turns. Start the server "
+            "with a reasoning parser (SGLang: --reasoning-parser, kimi_k2 for Kimi-K2.5) and "
+            "regenerate", len(unparsed), len(used), unparsed[0].record_id)
     finished = sum(a.finish_reason == "stop" for a in used)
     cost = cost_usd(cfg.endpoint, prompt_tokens, completion_tokens) if cfg.endpoint else None
     summary = {
@@ -290,6 +298,7 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
         "mean_completion_tokens": round(completion_tokens / len(used), 1) if used else 0.0,
         "finished_turns": finished,
         "with_reasoning": with_reasoning,
+        "think_tags_without_reasoning": len(unparsed),
         "seconds_this_attempt": round(totals.seconds, 2),
         "requests_per_s": round(totals.answered / totals.seconds, 3) if totals.seconds else None,
         "tokens_per_s": (round(totals.completion_tokens / totals.seconds, 1)
@@ -347,6 +356,16 @@ def per_source_counts(requests: list[Request], source_of: dict[str, str],
 
 def _causes(failures) -> dict[str, int]:
     return dict(sorted(Counter(f.cause for f in failures).items()))
+
+
+# What reasoning models print around their thinking when no reasoning parser takes it out
+# of the content: <think> (Kimi-K2.5, DeepSeek-R1, Qwen3), ◁think▷ (Kimi-VL).
+THINK_TAGS = ("<think>", "</think>", "\u25c1think\u25b7", "\u25c1/think\u25b7")
+
+
+def think_tags_without_reasoning(answers: list) -> list:
+    return [a for a in answers
+            if a.reasoning is None and any(tag in a.content for tag in THINK_TAGS)]
 
 
 def read_records(generated: Descriptor) -> list[Record]:
