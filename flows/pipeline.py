@@ -40,7 +40,7 @@ from draftsmith.serve import process as child_processes  # noqa: E402
 from draftsmith.serve import servers  # noqa: E402
 from draftsmith.stages import Inputs, Stage  # noqa: E402
 from flows import data_updates, dispatch  # noqa: E402
-from tasks.stages import publish, resolve_target, task_for  # noqa: E402
+from tasks.stages import log_lines, publish, resolve_target, task_for  # noqa: E402
 
 # Defaults () are empty lists in the form (tuples: a flow's defaults are never mutated).
 # The form's stage picker lists the stage table's names (a multi-select); the flow itself
@@ -75,6 +75,8 @@ def execute(run: RunPlan, step: Step, run_name: str | None) -> None:
     state = run_stage_task(run.config, step.stage, step.plan, step.inputs)
     run.record(step.name, state.name, state.result())
     logger.info("stage %s: %s (%s)", step.name, state.name, run.outputs[step.name].path)
+    if state.name == "Cached":  # its task did not run: its figures, as the run that wrote it
+        log_lines(step.stage.reports(run.outputs[step.name]))
 
 
 def selected_stages(names: Sequence[str] | None) -> list[str] | None:

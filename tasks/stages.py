@@ -64,13 +64,20 @@ def progress_artifact(stage: str, key: str | None = None) -> Iterator[None]:
 def publish(reports: list[Report], config: PipelineConfig) -> None:
     """Reports as Prefect artifacts, keyed within the pipeline (draftsmith-<name>-<key>), and
     their lines in the run log."""
-    logger = get_run_logger()
     for report in reports:
         key = artifact_key(config, report.key) if report.key else None
         if report.kind == "table":
             create_table_artifact(report.rows, key=key, description=report.description)
         elif report.kind == "markdown":
             create_markdown_artifact(report.text, key=key, description=report.description)
+    log_lines(reports)
+
+
+def log_lines(reports: list[Report]) -> None:
+    """The reports' lines in the run log (all a cached stage shows again: its artifacts are
+    those of the run that wrote it)."""
+    logger = get_run_logger()
+    for report in reports:
         for line in report.log_lines:
             logger.info("%s", line)
 
