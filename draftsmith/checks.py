@@ -171,8 +171,11 @@ def target_shape(checks: Checks, config: PipelineConfig) -> TargetShape | None:
 
 
 def check_layers(checks: Checks, config: PipelineConfig, target: TargetShape) -> None:
-    from draftsmith.export.layer_ids import engine_layer_ids
-    from draftsmith.target import check_aux_layer_ids, default_aux_layer_ids
+    from draftsmith.export.layer_ids import (
+        check_aux_layer_ids,
+        default_aux_layer_ids,
+        engine_layer_ids,
+    )
 
     given = config.extract.aux_layer_ids
     ids = list(given) if given is not None else default_aux_layer_ids(target.num_layers)

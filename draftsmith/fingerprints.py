@@ -19,6 +19,7 @@ from pathlib import Path
 from draftsmith.artifacts import (
     Descriptor,
     atomic_write_json,
+    cache_root,
     external_descriptor,
     hash_json,
     sha256_file,
@@ -30,8 +31,6 @@ _remembered: dict[str, list] | None = None
 
 
 def _digests_path() -> Path:
-    from draftsmith.target import cache_root
-
     return cache_root() / DIGESTS_FILE
 
 

@@ -5,11 +5,10 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from draftsmith.artifacts import Descriptor, external_descriptor, hash_json
+from draftsmith.artifacts import Descriptor, cache_root, external_descriptor, hash_json
 from draftsmith.config import TargetConfig
 from draftsmith.errors import CheckpointError, ConfigValueError, MissingFileError
 
@@ -43,10 +42,6 @@ _FAMILIES = {
     "qwen3": "qwen",
     "qwen3_moe": "qwen",
 }
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
 
 
 def tiny_target_path() -> Path:

@@ -117,6 +117,23 @@ def test_new_data_reruns_from_generate(first_run, base_raw, tmp_path):
     assert summary["seconds_this_attempt"] > 0 and summary["tokens_per_s"] > 0
 
 
+def test_online_training_runs_through_the_flow_without_a_store(first_run, base_raw):
+    """train.mode=online in the demo config: extract writes no store, train captures the
+    target's states itself, and the drafter is exported and validated."""
+    raw = json.loads(json.dumps(base_raw))
+    raw["train"].update(mode="online", epochs=2)
+    result = run_pipeline(raw, ["extract", "train", "export"])
+    assert states(result) == {"generate": "Reused", "merge": "Reused", "extract": "Completed",
+                              "train": "Completed", "export": "Completed"}
+    extract = result["extract"]["descriptor"]
+    assert extract["figures"]["mode"] == "online" and extract["counts"]["bytes"] == 0
+    assert not list(Path(extract["path"]).glob("*.safetensors"))  # nothing stored
+    assert result["extract"]["descriptor"]["key"] != first_run["extract"]["descriptor"]["key"]
+    train = result["train"]["descriptor"]["figures"]
+    assert train["tau"] > 1.0 and 0 < train["full_acc_0"] <= 1
+    assert result["train"]["descriptor"]["key"] != first_run["train"]["descriptor"]["key"]
+
+
 def test_cli_runs_one_stage_from_finished_outputs(first_run, base_raw, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(base_raw))

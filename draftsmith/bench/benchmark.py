@@ -19,7 +19,7 @@ from draftsmith.artifacts import (
     finish_stage,
     stage_output,
 )
-from draftsmith.bench.charts import plot_benchmark
+from draftsmith.bench.charts import markdown_table, plot_benchmark
 from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
 from draftsmith.data.formats import load_source
@@ -198,13 +198,6 @@ def markdown_report(summary: dict, verdict: str, configs: list[dict] | None = No
     if configs and len(configs) > 1:
         text += "\n## Drafting configs\n\n" + markdown_table(configs)
     return text + f"\n**{verdict}**\n"
-
-
-def markdown_table(rows: list[dict]) -> str:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
-    body = "\n".join("| " + " | ".join(str(r.get(k, "")) for k in columns) + " |" for r in rows)
-    return f"{header}\n{body}\n"
 
 
 def _concurrency_sweep(url: str, prompts: list[list[int]], cfg: BenchmarkConfig,

@@ -41,8 +41,8 @@ class LaunchError(InputError, ValueError):
     pass
 
 
-class UnsupportedSGLangError(RuntimeError):
-    pass
+class UnsupportedSGLangError(InputError, RuntimeError):
+    """An SGLang outside the supported range: it fails the same way on every attempt."""
 
 
 def check_sglang_version(version: str | None, where: str) -> None:
