@@ -21,7 +21,7 @@ from draftsmith.config import parse_config
 from draftsmith.stages import names
 from tests.conftest import REPO
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # first_run: the whole pipeline
 STAGES = tuple(names())
 
 

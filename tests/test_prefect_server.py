@@ -36,7 +36,7 @@ from tests import browser
 from tests.conftest import REPO
 from tests.test_sglang_launch import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # first_run waits up to 900 s
 STAGES = tuple(names())
 
 BIN = Path(sys.executable).parent
