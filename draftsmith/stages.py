@@ -25,6 +25,8 @@ from typing import Any, Literal
 from draftsmith.artifacts import Descriptor, StagePlan
 from draftsmith.config import ConfigError, PipelineConfig, key_settings, slug
 from draftsmith.figures import (
+    MERGE_COVERAGE_FILE,
+    TRAIN_METRICS_FILE,
     BenchmarkFigures,
     DeployFigures,
     ExportFigures,
@@ -230,16 +232,14 @@ def _run_merge(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
 
 
 def _merge_reports(descriptor: Descriptor) -> list[Report]:
-    from draftsmith.data.merge import COVERAGE_FILE
-
     stats = json.loads((descriptor.dir / "stats.json").read_text())
     rows = [{"source": s, **c} for s, c in stats.items()]
     rows = [{k: rounded(v) for k, v in row.items()} for row in rows]
     reports = [Report("table", "merge: records, tokens, masked tokens, mean length, duplicates "
                       "and truncations per source", key="merge-sources", rows=rows,
                       log_lines=[f"merge source {row}" for row in rows])]
-    if (descriptor.dir / COVERAGE_FILE).is_file():  # absent from older merge outputs
-        coverage = json.loads((descriptor.dir / COVERAGE_FILE).read_text())
+    if (descriptor.dir / MERGE_COVERAGE_FILE).is_file():  # absent from older merge outputs
+        coverage = json.loads((descriptor.dir / MERGE_COVERAGE_FILE).read_text())
         reports.append(Report("table", "merge: draft vocab coverage of loss-masked tokens",
                               key="merge-vocab",
                               rows=[{"figure": k, "value": str(rounded(v))}
@@ -342,11 +342,9 @@ def _train_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def _train_reports(descriptor: Descriptor) -> list[Report]:
-    from draftsmith.train.trainer import METRICS_FILE
-
     figures = TrainFigures.of(descriptor)
     history = [json.loads(line)
-               for line in (descriptor.dir / METRICS_FILE).read_text().splitlines()]
+               for line in (descriptor.dir / TRAIN_METRICS_FILE).read_text().splitlines()]
     rows = _train_rows(history)
     replayed = figures.acceptance_replayed
     validation = [r for r in history if r["split"] == "validation"]

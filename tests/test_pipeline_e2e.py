@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -132,6 +133,27 @@ def test_online_training_runs_through_the_flow_without_a_store(first_run, base_r
     train = result["train"]["descriptor"]["figures"]
     assert train["tau"] > 1.0 and 0 < train["full_acc_0"] <= 1
     assert result["train"]["descriptor"]["key"] != first_run["train"]["descriptor"]["key"]
+
+
+def test_a_cached_rerun_imports_neither_torch_nor_transformers(first_run, base_raw, tmp_path):
+    """A cached re-run costs fixed work, not stages: showing what each stage wrote (its
+    summary, its reports' lines) must not load the stage modules' heavy imports."""
+    config = tmp_path / "tiny.yaml"
+    config.write_text(yaml.safe_dump(base_raw))
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "250"}
+    env.pop("PREFECT_API_URL", None)
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('heavy modules:', [m for m in ('torch', "
+             "'transformers') if m in sys.modules]))\n"
+             "from draftsmith.cli import app\n"
+             f"sys.argv = ['draftsmith', 'run', {str(config)!r}]\n"
+             "app()\n")
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          env=env, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = dict(re.findall(r"│ (\S+) +│ (\w+) +│", proc.stdout))  # the summary table
+    assert rows == {stage: "Cached" for stage in STAGES}, proc.stdout
+    assert "heavy modules: []" in proc.stdout
 
 
 def test_cli_runs_one_stage_from_finished_outputs(first_run, base_raw, tmp_path):

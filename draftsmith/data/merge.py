@@ -19,7 +19,7 @@ from draftsmith.config import MergeConfig
 from draftsmith.data.formats import DataFormatError, Record
 from draftsmith.data.tokenize import check_special_tokens, tokenize_record
 from draftsmith.data.vocab import build_vocab_map
-from draftsmith.figures import TargetFigures
+from draftsmith.figures import MERGE_COVERAGE_FILE, TargetFigures
 from draftsmith.generate.stage import read_records
 from draftsmith.target import load_tokenizer
 
@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation")
 VOCAB_FILE = "vocab_map.safetensors"
-COVERAGE_FILE = "vocab_coverage.json"
+COVERAGE_FILE = MERGE_COVERAGE_FILE
 CHECKS_FILE = "checks.json"
 
 

@@ -36,6 +36,7 @@ from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
 from draftsmith.distributed import Dist
 from draftsmith.errors import CheckpointError, ConfigValueError
 from draftsmith.extract.store import Sample, ShardReader
+from draftsmith.figures import TRAIN_METRICS_FILE
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.progress import Progress
 from draftsmith.train.checkpoint import RESUME_DIR, STATE_FILE, Checkpointer, checkpointer_for
@@ -50,7 +51,7 @@ from draftsmith.train.state import MetricsWindow, TrainState
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = TRAIN_METRICS_FILE
 __all__ = ["METRICS_FILE", "RESUME_DIR", "STATE_FILE", "Trainer", "run_train", "train_loop",
            "step_weights_of"]
 
