@@ -17,7 +17,7 @@ from collections import Counter
 from collections.abc import Callable
 from http.server import ThreadingHTTPServer
 
-from tests.json_http import JsonHandler
+from tests.json_http import JsonHandler, LoopbackServer
 
 # 200 replies that are no usable completion: the client must treat each as a failed attempt.
 MALFORMED = ("truncated_json", "not_json", "not_an_object", "null_content", "missing_content",
@@ -89,13 +89,13 @@ class _QuietServer(ThreadingHTTPServer):
         pass  # a client killed mid-request leaves broken pipes behind: expected here
 
 
-class FaultServer:
+class FaultServer(LoopbackServer):
+    server_class = _QuietServer
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.reset()
-        self.server = _QuietServer(("127.0.0.1", 0), self._handler())
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.start(self._handler())
 
     def reset(self) -> None:
         with self.lock:
@@ -111,14 +111,6 @@ class FaultServer:
             raise ValueError(f"unknown fault {fault!r}")
         with self.lock:
             self.plan[prompt] = (fault, attempts)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
     def _handler(self):
         server = self

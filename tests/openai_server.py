@@ -14,18 +14,17 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 
 import httpx
 
-from tests.json_http import JsonHandler
+from tests.json_http import JsonHandler, LoopbackServer
 
 
 def prompt_key(body: dict) -> str:
     return json.dumps(body.get("messages"), sort_keys=True)
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     def __init__(self, upstream: str):
         self.upstream = upstream
         self.lock = threading.Lock()
@@ -34,10 +33,7 @@ class FaultProxy:
         self.required_key: str | None = None
         self.after_answer: Callable[[int], None] | None = None
         self.reset()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.start(self._handler())
 
     def reset(self) -> None:
         with self.lock:
@@ -57,14 +53,6 @@ class FaultProxy:
             self.auth_headers: list[str | None] = []
             self.in_flight: Counter[int] = Counter()  # max_tokens -> requests in flight now
             self.max_in_flight: Counter[int] = Counter()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
     def _handler(self):
         proxy = self
