@@ -156,11 +156,16 @@ class Server:
                            + self.log("worker-cpu")[-2000:] + self.log("worker-gpu")[-2000:])
 
 
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+
+
 def stage_states(server: Server, pipeline_run: dict,
-                 timeout_s: float = 30) -> dict[str, tuple[str, dict]]:
-    """Each stage's task state, with the flow run it ran in (the pipeline's or a child's).
-    Task run states reach the server as events, which it may record a moment after the flow
-    run's final state: a task run without a state yet is read again."""
+                 timeout_s: float = 180) -> dict[str, tuple[str, dict]]:
+    """Each stage's final task state, with the flow run it ran in (the pipeline's or a
+    child's). Task runs and their states reach the server as events, which it may record well
+    after the flow run's final state on a busy machine: read again until every stage's task
+    run is there in a final state (or the timeout, and the caller's assertion says what is
+    missing)."""
     deadline = time.monotonic() + timeout_s
     while True:
         children = server.flow_runs(parent_flow_run_id={"any_": [pipeline_run["id"]]})
@@ -170,11 +175,11 @@ def stage_states(server: Server, pipeline_run: dict,
                 stage = task_run["name"].rsplit("-", 1)[0].replace("-", "_")
                 if stage not in STAGES:  # resolve-target, or the task that links a child run
                     continue
-                if task_run["state"] is None:
+                if task_run["state"] is None or task_run["state"]["type"] not in FINAL:
                     pending = True
                     continue
                 out[stage] = (task_run["state"]["name"], run, task_run)
-        if not pending or time.monotonic() > deadline:
+        if (not pending and len(out) == len(STAGES)) or time.monotonic() > deadline:
             return out
         time.sleep(0.5)
 
