@@ -205,8 +205,6 @@ def deploy(
     Checks every speculative setting before launch, refuses busy GPUs, and waits for real
     readiness: port, /health, /server_info settings and one generation.
     """
-    import json
-    import time
 
     from draftsmith.figures import ExportFigures, TargetFigures
     from draftsmith.plan import finished_outputs
@@ -234,30 +232,41 @@ def deploy(
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     if dry_run:
-        print(launch.shell())
-        print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+        _print_launch(launch)
         return
     try:
         require_free_gpus(None)
         log_file = Path(pipeline_config.run_root) / "sglang-server.log"
         with ManagedProcess(launch.argv, log_file, launch.env, name="sglang") as process:
             wait_until_ready(launch.url, pipeline_config.deploy, str(drafter), process)
-            console.print(f"[green]serving at {launch.url}[/green] (log: {log_file}); "
-                          "Ctrl-C stops the server")
-            while process.exit_code() is None:
-                time.sleep(1)
-            console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
-            raise typer.Exit(1)
+            _serve_until_exit(process, launch.url, log_file)
     except (GpusBusyError, ReadinessError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
 
 
+def _print_launch(launch) -> None:
+    """`draftsmith deploy --dry-run`: the command line, and what it is made of."""
+    import json
+
+    print(launch.shell())
+    print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+
+
+def _serve_until_exit(process, url: str, log_file: Path) -> None:
+    """Wait on a ready server until Ctrl-C; a server that exits on its own is a failure."""
+    import time
+
+    console.print(f"[green]serving at {url}[/green] (log: {log_file}); Ctrl-C stops the server")
+    while process.exit_code() is None:
+        time.sleep(1)
+    console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
+    raise typer.Exit(1)
+
+
 def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | None,
                  dry_run: bool) -> None:
     """`draftsmith deploy` for deploy.engine=vllm: the same checks, `vllm serve` until Ctrl-C."""
-    import json
-    import time
 
     from draftsmith.serve.readiness import ReadinessError
     from draftsmith.serve.vllm_launch import VLLMLaunchError, build_vllm_launch, start_vllm
@@ -269,8 +278,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     if dry_run:
-        print(launch.shell())
-        print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+        _print_launch(launch)
         return
     log_file = Path(pipeline_config.run_root) / "vllm-server.log"
     try:
@@ -280,12 +288,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     try:
-        console.print(f"[green]serving at {launch.url}[/green] (log: {log_file}); Ctrl-C "
-                      "stops the server")
-        while process.exit_code() is None:
-            time.sleep(1)
-        console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
-        raise typer.Exit(1)
+        _serve_until_exit(process, launch.url, log_file)
     finally:
         process.stop()
 
