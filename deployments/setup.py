@@ -5,8 +5,9 @@ API (PREFECT_API_URL). Idempotent: running it again updates what exists.
 - blocks: the GPU host (GPU count, NCCL environment, paths), the inference endpoint and its API
   key as a Secret block when asked;
 - a global concurrency limit per GPU host, one slot per GPU;
-- the pipeline deployment on `cpu` with the config as its default parameters (the UI's form),
-  an optional cron schedule, and a trigger that re-runs it on `draftsmith.dataset.updated`;
+- the pipeline deployment on `cpu`: its form names the config file (and the overrides that
+  select distributed mode), one run at a time (later runs queue), an optional cron schedule,
+  and a trigger that re-runs it on `draftsmith.dataset.updated`;
 - one deployment per GPU stage flow on `gpu`, whose job variables pin CUDA_VISIBLE_DEVICES and
   the NCCL environment;
 - an automation that marks a flow run Crashed when its heartbeats stop (zombie detection).
@@ -151,8 +152,23 @@ def save_blocks(options: SetupOptions, run_root: str) -> None:
                                                            overwrite=True)
 
 
-def setup(config: PipelineConfig, options: SetupOptions | None = None) -> dict[str, str]:
-    """Create or update pools, blocks, limit and deployments; returns deployment name -> id."""
+def pipeline_parameters(config_path: Path, overrides: list[str],
+                        options: SetupOptions) -> dict:
+    """The pipeline deployment's default parameters (the UI form's defaults): the config file,
+    and the overrides that select distributed mode on this GPU host before the user's own."""
+    orchestration = ["orchestration.mode=distributed",
+                     f"orchestration.gpu_host={options.gpu_host}"]
+    if options.endpoint_url:
+        orchestration.append(f"orchestration.endpoint_block={options.endpoint_block}")
+    return {"config": str(Path(config_path).resolve()), "overrides": orchestration + overrides}
+
+
+def setup(config: PipelineConfig, options: SetupOptions | None = None,
+          config_path: Path | None = None, overrides: list[str] | None = None
+          ) -> dict[str, str]:
+    """Create or update pools, blocks, limit and deployments; returns deployment name -> id.
+    `config_path` (with `overrides`) is the file the deployment's runs read; without it the
+    whole config goes into the form's full_config field."""
     from prefect.client.orchestration import get_client
     from prefect.deployments.runner import EntrypointType
     from prefect.events.schemas.deployment_triggers import DeploymentEventTrigger
@@ -192,9 +208,15 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None) -> dict[s
         parameters={"dataset": {"source": "{{ event.payload.source }}",
                                 "path": "{{ event.payload.path }}"}},
     )
+    if config_path is not None:
+        parameters = pipeline_parameters(config_path, list(overrides or []), options)
+    else:
+        parameters = {"full_config": config.model_dump(mode="json")}
     deployment = pipeline.to_deployment(
-        PIPELINE_DEPLOYMENT, work_pool_name=options.cpu_pool,
-        parameters={"config": config.model_dump(mode="json")},
+        PIPELINE_DEPLOYMENT, work_pool_name=options.cpu_pool, parameters=parameters,
+        # One run at a time: a run that arrives while another runs waits for it (new-data
+        # events close together, a schedule and a UI run), so no two runs share a stage.
+        concurrency_limit=1,
         job_variables={"env": dict(LOG_ENV)},
         schedules=schedules, triggers=[trigger], entrypoint_type=EntrypointType.MODULE_PATH,
         description="draftsmith: generate -> merge -> extract -> train -> export -> deploy "

@@ -21,6 +21,12 @@ from typing import Any
 
 from pydantic import BaseModel
 
+
+def cache_root() -> Path:
+    """Where draftsmith keeps what outlives a run (built targets, file digests):
+    DRAFTSMITH_CACHE, or ~/.cache/draftsmith."""
+    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
+
 # Bump when an on-disk format changes: every stage key changes with it, so old outputs are
 # never read by code that expects the new format.
 FORMAT_VERSION = 1

@@ -18,8 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from draftsmith import stages
-from draftsmith.artifacts import Descriptor
-from draftsmith.config import ConfigError, PipelineConfig, load_config
+from draftsmith.config import EXAMPLES_DIR, ConfigError, PipelineConfig, load_config
 from draftsmith.plan import select_stages
 
 app = typer.Typer(
@@ -30,18 +29,18 @@ app = typer.Typer(
 )
 console = Console(stderr=True)
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+EXAMPLES = EXAMPLES_DIR
 SetOption = Annotated[list[str] | None, typer.Option(
     "--set", help="Override a config value, e.g. --set train.epochs=2 (repeatable).")]
 
 
 def _prepare_environment() -> None:
-    # No analytics calls from a machine that may have no network; engine logs in Prefect's log.
+    # No analytics calls from a machine that may have no network; engine logs in Prefect's log;
+    # no download bars from transformers (set here, not imported here: a cached run never
+    # needs transformers).
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 
 
 def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
@@ -54,28 +53,32 @@ def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
 
 def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
     _prepare_environment()
-    from flows.local import start_temporary_api
+    from flows.local import start_prefects_own, start_temporary_api
+
+    # The temporary API server boots on the other core while Prefect and the flow import here;
+    # both are guarded: they die with this process, even under kill -9.
+    api = start_temporary_api()
     from flows.pipeline import pipeline
 
-    start_temporary_api()  # guarded: it dies with this process, even under kill -9
-    return pipeline(config, selected)
+    if api is not None:
+        api.wait_ready()
+    else:
+        start_prefects_own()
+    return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
 
 
 def _summary(results: dict[str, dict]) -> tuple[Table, list[str]]:
     """The run's summary table (each stage's state and result, as the stage table describes
-    it) and the problems that must fail the command."""
+    it; draftsmith/summary.py) and the problems that must fail the command."""
+    from draftsmith.summary import stage_rows
+
     table = Table(title="draftsmith run", show_header=True)
     table.add_column("stage")
     table.add_column("state")
     table.add_column("result", overflow="fold")
-    problems = []
-    for stage in stages.STAGES:
-        if stage.name not in results:
-            continue
-        descriptor = Descriptor.model_validate(results[stage.name]["descriptor"])
-        table.add_row(stage.label, results[stage.name]["state"], stage.describe(descriptor))
-        if problem := stage.problem(descriptor):
-            problems.append(problem)
+    rows, problems = stage_rows(results)
+    for row in rows:
+        table.add_row(row.stage, row.state, row.result)
     return table, problems
 
 
@@ -98,7 +101,7 @@ def demo(
 
     The target is built locally on first use and cached; a second run finds every stage cached.
     """
-    overrides = [f"run_root={run_root.resolve()}", *(set_ or [])]
+    overrides = [f"run_root={run_root.resolve()}", "name=demo", *(set_ or [])]
     config = _load(EXAMPLES / "tiny.yaml", overrides)
     _finish(_run_flow(config, stages.names()))
 
@@ -167,12 +170,21 @@ def plan_command(
 @app.command()
 def validate(
     config: Annotated[Path, typer.Argument(help="Pipeline YAML to check.")],
+    deep: Annotated[bool, typer.Option(
+        "--deep", help="Also load the target's config and tokenizer.")] = False,
     set_: SetOption = None,
 ) -> None:
-    """Check a config file (keys, types, constraints) without running anything."""
+    """Check a config and what a run would fail on, without running anything heavy: keys and
+    values, data files, aux layer ids against the target, drafting settings, ports."""
+    from draftsmith.checks import check_config, format_findings
+
     pipeline_config = _load(config, set_)
-    for warning in pipeline_config.warnings():
-        console.print(f"[yellow]warning: {warning}[/yellow]")
+    findings = check_config(pipeline_config, deep=deep)  # config.warnings() among them
+    print("\n".join(format_findings(findings)))
+    if any(f.level == "error" for f in findings):
+        console.print(f"[red]{config}: {sum(f.level == 'error' for f in findings)} problem(s) "
+                      "a run would fail on[/red]")
+        raise typer.Exit(1)
     console.print(f"[green]{config}: valid[/green] (run_root {pipeline_config.run_root}, "
                   f"{len(pipeline_config.data.sources)} data sources)")
 
@@ -193,8 +205,6 @@ def deploy(
     Checks every speculative setting before launch, refuses busy GPUs, and waits for real
     readiness: port, /health, /server_info settings and one generation.
     """
-    import json
-    import time
 
     from draftsmith.figures import ExportFigures, TargetFigures
     from draftsmith.plan import finished_outputs
@@ -222,30 +232,41 @@ def deploy(
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     if dry_run:
-        print(launch.shell())
-        print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+        _print_launch(launch)
         return
     try:
         require_free_gpus(None)
         log_file = Path(pipeline_config.run_root) / "sglang-server.log"
         with ManagedProcess(launch.argv, log_file, launch.env, name="sglang") as process:
             wait_until_ready(launch.url, pipeline_config.deploy, str(drafter), process)
-            console.print(f"[green]serving at {launch.url}[/green] (log: {log_file}); "
-                          "Ctrl-C stops the server")
-            while process.exit_code() is None:
-                time.sleep(1)
-            console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
-            raise typer.Exit(1)
+            _serve_until_exit(process, launch.url, log_file)
     except (GpusBusyError, ReadinessError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
 
 
+def _print_launch(launch) -> None:
+    """`draftsmith deploy --dry-run`: the command line, and what it is made of."""
+    import json
+
+    print(launch.shell())
+    print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+
+
+def _serve_until_exit(process, url: str, log_file: Path) -> None:
+    """Wait on a ready server until Ctrl-C; a server that exits on its own is a failure."""
+    import time
+
+    console.print(f"[green]serving at {url}[/green] (log: {log_file}); Ctrl-C stops the server")
+    while process.exit_code() is None:
+        time.sleep(1)
+    console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
+    raise typer.Exit(1)
+
+
 def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | None,
                  dry_run: bool) -> None:
     """`draftsmith deploy` for deploy.engine=vllm: the same checks, `vllm serve` until Ctrl-C."""
-    import json
-    import time
 
     from draftsmith.serve.readiness import ReadinessError
     from draftsmith.serve.vllm_launch import VLLMLaunchError, build_vllm_launch, start_vllm
@@ -257,8 +278,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     if dry_run:
-        print(launch.shell())
-        print(json.dumps({"argv": launch.argv, "env": launch.env, "url": launch.url}, indent=2))
+        _print_launch(launch)
         return
     log_file = Path(pipeline_config.run_root) / "vllm-server.log"
     try:
@@ -268,12 +288,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     try:
-        console.print(f"[green]serving at {launch.url}[/green] (log: {log_file}); Ctrl-C "
-                      "stops the server")
-        while process.exit_code() is None:
-            time.sleep(1)
-        console.print(f"[red]the server exited with code {process.exit_code()}[/red]")
-        raise typer.Exit(1)
+        _serve_until_exit(process, launch.url, log_file)
     finally:
         process.stop()
 
@@ -283,12 +298,11 @@ FamilyOption = Annotated[str, typer.Option(
 
 
 def _export_errors(action):
-    from draftsmith.export.formats import ExportError
-    from draftsmith.export.layer_ids import LayerIdError
+    from draftsmith.errors import InputError
 
     try:
         return action()
-    except (ExportError, LayerIdError, FileNotFoundError) as err:
+    except (InputError, FileNotFoundError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
 
@@ -420,7 +434,7 @@ def prefect_setup(
                            endpoint_url=endpoint_url, endpoint_model=endpoint_model,
                            api_key_env=api_key_env)
     try:
-        ids = setup(pipeline_config, options)
+        ids = setup(pipeline_config, options, config_path=config, overrides=list(set_ or []))
     except ValueError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
@@ -438,7 +452,8 @@ def prefect_notify_new_data(
     ] = None,
 ) -> None:
     """Emit draftsmith.dataset.updated: the pipeline deployment's trigger re-runs it with
-    this file as the named source."""
+    this file as the named source, which every later run of the pipeline reads too (kept in
+    the Prefect variable draftsmith-<pipeline>-data)."""
     _prepare_environment()
     from deployments.setup import notify_new_data
 

@@ -6,6 +6,7 @@ overrides are applied to the raw YAML before validation so they get the same che
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -14,10 +15,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from draftsmith.errors import InputError
+
 CACHE_KEY = "cache_key"
 
 
-class ConfigError(ValueError):
+class ConfigError(InputError, ValueError):
     """A config file or override that cannot be used; the message names the key and the fix."""
 
 
@@ -70,7 +73,9 @@ class TargetConfig(StrictModel):
     device: str = operational("cpu")
     dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
     family: Literal["auto", "llama", "qwen", "deepseek", "gpt-oss"] = keyed(
-        "auto", description="Decides how SGLang reads aux layer ids (REFERENCE.md section 1)."
+        "auto", description=(
+            "How the serving engine numbers aux layers: llama and qwen as trained, deepseek "
+            "(Kimi) one higher in SGLang; auto reads it from the model's config.json.")
     )
     tp_size: int = operational(1, ge=1, description="Tensor-parallel GPUs when served by SGLang.")
     context_length: int | None = keyed(None, ge=1)
@@ -136,7 +141,8 @@ class Partition(StrictModel):
 
     max_prompt_tokens: int = keyed(..., ge=1)
     concurrency: int = operational(..., ge=1)
-    max_tokens: int = keyed(..., ge=1, description="Completion tokens per request.")
+    max_tokens: int | None = keyed(None, ge=1, description=(
+        "Completion tokens per request for these prompts; default generate.max_new_tokens."))
 
 
 class EndpointConfig(StrictModel):
@@ -152,10 +158,8 @@ class EndpointConfig(StrictModel):
     timeout_s: float = operational(600.0, gt=0, description="Per request.")
     max_retries: int = operational(6, ge=0, description="On 429, 5xx, timeouts, connection errors.")
     partitions: list[Partition] = keyed(
-        default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64,
-                                           max_tokens=2048),
-                                 Partition(max_prompt_tokens=32768, concurrency=8,
-                                           max_tokens=4096)],
+        default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64),
+                                 Partition(max_prompt_tokens=32768, concurrency=8)],
         min_length=1)
     extra_body: dict[str, Any] = keyed(default_factory=dict, description=(
         "More request fields, sent as they are: chat_template_kwargs (e.g. "
@@ -192,7 +196,9 @@ class GenerateConfig(StrictModel):
         description="missing: answer records whose last turn is not the assistant's; "
         "all: re-answer every record; none: keep records as they are.",
     )
-    max_new_tokens: int = keyed(128, ge=1)
+    max_new_tokens: int = keyed(128, ge=1, description=(
+        "Completion tokens per answer (sent as max_tokens over HTTP unless a partition of "
+        "generate.endpoint sets its own)."))
     temperature: float = keyed(0.0, ge=0.0, description="0 means greedy.")
     top_p: float = keyed(1.0, gt=0.0, le=1.0)
     batch_size: int = keyed(16, ge=1)
@@ -291,6 +297,24 @@ class ExtractConfig(StrictModel):
     writer_threads: int = operational(2, ge=1)
     sglang: SGLangCaptureConfig = operational(default_factory=SGLangCaptureConfig)
     vllm: VLLMCaptureConfig = operational(default_factory=VLLMCaptureConfig)
+
+    @model_validator(mode="after")
+    def _aux_ids_usable(self) -> ExtractConfig:
+        # Against the target's layer count later (extract, `draftsmith validate`); what needs no
+        # target is refused here, before anything runs.
+        ids = self.aux_layer_ids
+        if ids is None:
+            return self
+        if not ids:
+            raise ValueError("extract.aux_layer_ids=[]: the drafter needs at least one aux layer "
+                             "(EAGLE-3 uses three, e.g. [1, L//2-1, L-4]); remove the key for "
+                             "that default")
+        if min(ids) < 0:
+            raise ValueError(f"extract.aux_layer_ids={ids}: ids count decoder layers from 0 "
+                             "(id i = output of layer i); negative ids are not accepted")
+        if sorted(set(ids)) != ids:
+            raise ValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and ascending")
+        return self
 
     @model_validator(mode="after")
     def _check_parallel(self) -> ExtractConfig:
@@ -405,6 +429,48 @@ def check_drafting(where: str, num_steps: int, eagle_topk: int, num_draft_tokens
         )
 
 
+# SGLang 0.5.23 (arg_groups/speculative_hook.py, _handle_eagle_family): an EAGLE server
+# started without --max-running-requests runs at most 48 requests at once.
+SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+# Same file: eagle_topk > 1 with a page size above 1 runs only on these attention backends;
+# and arg_groups/overrides.py: these backends force a page size above 1 (FlashMLA 64, the
+# TRT-LLM and CuteDSL MLA kernels 32 or 64, ...).
+TREE_WITH_PAGES_BACKENDS = ("flashinfer", "fa3", "triton")
+PAGED_BACKENDS = ("flashmla", "trtllm_mla", "cutedsl_mla", "hpc_ops", "trtllm_mha")
+
+
+def sglang_flag(args: list[str], *names: str) -> str | None:
+    """The value of the last `--name V` or `--name=V` among SGLang arguments."""
+    value = None
+    for i, arg in enumerate(args):
+        for name in names:
+            if arg == name and i + 1 < len(args):
+                value = args[i + 1]
+            elif arg.startswith(name + "="):
+                value = arg.split("=", 1)[1]
+    return value
+
+
+def check_tree_attention(where: str, eagle_topk: int, extra_args: list[str]) -> None:
+    """SGLang refuses eagle_topk > 1 on a paged attention backend other than flashinfer, fa3
+    or triton (the paged MLA kernels cannot draw a tree): refuse it before a launch."""
+    if eagle_topk <= 1:
+        return
+    backend = sglang_flag(extra_args, "--attention-backend")
+    prefill = sglang_flag(extra_args, "--prefill-attention-backend")
+    if prefill is not None and prefill == sglang_flag(extra_args, "--decode-attention-backend"):
+        backend = prefill  # SGLang then serves both phases with it
+    page_size = int(sglang_flag(extra_args, "--page-size") or 1)
+    if backend in PAGED_BACKENDS:
+        page_size = max(page_size, 32)
+    if backend is not None and page_size > 1 and backend not in TREE_WITH_PAGES_BACKENDS:
+        raise ValueError(
+            f"{where}.eagle_topk={eagle_topk} with attention backend {backend!r} (page size "
+            f"{page_size}, from deploy.extra_args): SGLang runs tree drafting on paged KV only "
+            f"with {', '.join(TREE_WITH_PAGES_BACKENDS)} and refuses to start. Use "
+            "eagle_topk=1 for this point, or one of those backends.")
+
+
 class DraftingPoint(StrictModel):
     """One drafting config of a benchmark sweep (SGLang's three speculative flags)."""
 
@@ -438,6 +504,10 @@ class DeployConfig(StrictModel):
     port: int = keyed(30000, ge=1, le=65535)
     mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0)
     cuda_graph_max_bs_decode: int | None = keyed(None, ge=1)
+    max_running_requests: int | None = keyed(None, ge=1, description=(
+        "Requests SGLang runs at once, passed to the speculative server and to the "
+        "benchmark's baseline alike; default 48, what SGLang gives an EAGLE server when it "
+        "is unset (a plain server is uncapped, which would understate the speedup)."))
     enable_metrics: bool = keyed(True)
     allow_shorter_draft_context: bool = keyed(False)
     extra_args: list[str] = keyed(default_factory=list, description="Passed to SGLang as is.")
@@ -471,6 +541,9 @@ class DeployConfig(StrictModel):
                 f"deploy.eagle_topk={self.eagle_topk} with deploy.engine=vllm: vLLM's EAGLE-3 "
                 "drafts a chain of num_steps tokens, not a tree; set deploy.eagle_topk=1 and "
                 "deploy.num_draft_tokens=num_steps+1 (or deploy.engine=sglang for trees)")
+        if sglang_flag(self.extra_args, "--max-running-requests") is not None:
+            raise ValueError("deploy.extra_args: set deploy.max_running_requests instead of "
+                             "--max-running-requests (the baseline server gets the same)")
         given = {k: getattr(self, k) for k in ("num_steps", "eagle_topk", "num_draft_tokens")}
         if None in given.values():
             if any(v is not None for v in given.values()):
@@ -483,6 +556,8 @@ class DeployConfig(StrictModel):
                                  "num_draft_tokens")
             return self
         check_drafting("deploy", self.num_steps, self.eagle_topk, self.num_draft_tokens)
+        if self.engine == "sglang":
+            check_tree_attention("deploy", self.eagle_topk, self.extra_args)
         return self
 
 
@@ -550,6 +625,9 @@ class RetentionConfig(StrictModel):
 class PipelineConfig(StrictModel):
     """Everything a run needs. Each stage reads only its own section (plus the target)."""
 
+    name: str | None = operational(None, description=(
+        "Names this pipeline in Prefect: its artifact keys (draftsmith-<name>-train), run names "
+        "and the variable that keeps new-data updates. Default: the config file's name."))
     run_root: str = "runs/default"
     target: TargetConfig = Field(default_factory=TargetConfig)
     data: DataConfig
@@ -568,6 +646,12 @@ class PipelineConfig(StrictModel):
     @classmethod
     def _export_spellings(cls, data: Any) -> Any:
         return normalise_sections(data) if isinstance(data, dict) else data
+
+    @property
+    def pipeline_name(self) -> str:
+        """The name in artifact keys, run names and variables: lowercase letters, digits and
+        dashes (what Prefect accepts there), from `name` or else run_root's last directory."""
+        return slug(self.name or Path(self.run_root).name) or "pipeline"
 
     @property
     def fix_keys(self) -> ExportConfig:
@@ -613,6 +697,20 @@ class PipelineConfig(StrictModel):
             raise ValueError(f"benchmark.sweep has tree points {trees} with deploy.engine=vllm:"
                              " vLLM drafts chains only; keep points with eagle_topk=1")
         return self
+
+
+    @model_validator(mode="after")
+    def _sweep_launches_on_sglang(self) -> PipelineConfig:
+        if self.deploy.engine == "sglang":  # each point is served with deploy.extra_args
+            for i, point in enumerate(self.benchmark.sweep):
+                check_tree_attention(f"benchmark.sweep[{i}]", point.eagle_topk,
+                                     self.deploy.extra_args)
+        return self
+
+
+def slug(text: str) -> str:
+    """Lowercase letters, digits and single dashes: `Kimi-K2.5 8gpu` -> `kimi-k2-5-8gpu`."""
+    return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
 
 
 def normalise_sections(raw: dict[str, Any]) -> dict[str, Any]:
@@ -684,6 +782,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Pipelin
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
     raw = apply_overrides(raw, overrides or [])
+    raw.setdefault("name", path.stem)
     config = parse_config(raw, str(path))
     base = path.resolve().parent
     for src in config.data.sources:
@@ -714,3 +813,45 @@ def with_source(config: PipelineConfig, name: str, path: str) -> PipelineConfig:
     else:
         sources.append({"name": name, "path": path})
     return parse_config(raw, f"dataset update {name}={path}")
+
+
+# The bundled example configs (`tiny` is the CPU demo); a source checkout and an editable
+# install have them here.
+EXAMPLES_DIR = Path(__file__).resolve().parent.parent / "examples"
+
+
+def find_config(name_or_path: str) -> Path:
+    """A config file by path, or a bundled example by name (`tiny` -> examples/tiny.yaml)."""
+    path = Path(name_or_path).expanduser()
+    if path.is_file():
+        return path
+    example = EXAMPLES_DIR / f"{name_or_path}.yaml"
+    if "/" not in name_or_path and example.is_file():
+        return example
+    bundled = sorted(p.stem for p in EXAMPLES_DIR.glob("*.yaml"))
+    raise ConfigError(f"config {name_or_path!r}: no such file on this machine, nor a bundled "
+                      f"example ({', '.join(bundled) or 'none found'}); give the path of a "
+                      "pipeline YAML that this worker can read, or paste the whole config "
+                      "into full_config")
+
+
+def form_config(config: str | None, full_config: dict[str, Any] | None,
+                overrides: list[str]) -> PipelineConfig:
+    """The pipeline config a run form asks for: a config file (by path or example name), or
+    the whole config as a mapping, with `a.b=c` overrides applied either way."""
+    if full_config:
+        raw = apply_overrides(json_copy(full_config), overrides)
+        config_ = parse_config(raw, "full_config")
+        if not Path(config_.run_root).is_absolute():
+            config_.run_root = str(Path.cwd() / config_.run_root)
+        return config_
+    if not config:
+        raise ConfigError("give a config (a pipeline YAML's path, or an example name such as "
+                          "tiny) or the whole config in full_config")
+    return load_config(find_config(config), overrides)
+
+
+def json_copy(value: Any) -> Any:
+    import json
+
+    return json.loads(json.dumps(value))

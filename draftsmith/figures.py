@@ -15,6 +15,11 @@ from typing_extensions import Self
 
 from draftsmith.artifacts import Descriptor
 
+# Files of a stage's output that its reports read, named here so that reading them (a cached
+# stage's reports, in a process that ran nothing) imports no stage module, and so no torch.
+MERGE_COVERAGE_FILE = "vocab_coverage.json"
+TRAIN_METRICS_FILE = "metrics.jsonl"
+
 
 class Figures(BaseModel):
     model_config = ConfigDict(extra="allow", frozen=True)

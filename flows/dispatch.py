@@ -31,10 +31,10 @@ def deployment_name(config: PipelineConfig, stage: Stage | str) -> str:
     return f"{flow_name(stage)}/{config.orchestration.gpu_deployment}"
 
 
-def run_remote(config: PipelineConfig, step: Step) -> dict[str, str]:
-    """Run the step's group of stages as one child flow run on the gpu pool; returns each stage
-    task's final state name (Completed, Cached). Raises naming the child run unless it
-    completed."""
+def run_remote(config: PipelineConfig, step: Step, parent: str | None = None) -> dict[str, str]:
+    """Run the step's group of stages as one child flow run on the gpu pool, named
+    `<stage> for <parent run>`; returns each stage task's final state name (Completed,
+    Cached). Raises naming the child run unless it completed."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments import run_deployment
@@ -48,7 +48,9 @@ def run_remote(config: PipelineConfig, step: Step) -> dict[str, str]:
     if len(group) > 1:
         parameters["with_next"] = True
     name = deployment_name(config, step.stage)
+    labels = "+".join(s.label for s in group)
     flow_run = run_deployment(name, parameters=parameters,
+                              flow_run_name=f"{labels} for {parent}" if parent else None,
                               timeout=config.orchestration.stage_timeout_s,
                               poll_interval=config.orchestration.poll_interval_s)
     state = flow_run.state

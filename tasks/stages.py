@@ -20,11 +20,11 @@ from prefect.artifacts import (
     update_progress_artifact,
 )
 
-from draftsmith import preflight
 from draftsmith import progress as engine_progress
 from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
 from draftsmith.config import PipelineConfig, TargetConfig
-from draftsmith.stages import Inputs, Report, Stage
+from draftsmith.errors import worth_retrying
+from draftsmith.stages import Inputs, Report, Stage, artifact_key
 
 
 def plan_cache_key(_context, parameters) -> str:
@@ -33,21 +33,20 @@ def plan_cache_key(_context, parameters) -> str:
 
 
 def retry_unless_hopeless(_task, _task_run, state) -> bool:
-    """A full disk or a missing GPU fails the same way on every attempt: fail at once with the
-    preflight's message instead of retrying it twice."""
-    from draftsmith.extract.preflight import DiskSpaceError
-
+    """An input error (a bad record or value, a missing file, a full disk, no GPU) fails the
+    same way on every attempt: fail at once with its message. Everything else may pass on a
+    retry (an endpoint down, a crashed worker, GPUs still held) and is retried."""
     try:
         error = state.result(raise_on_failure=False)
     except Exception:  # noqa: BLE001 - no readable result: retry as usual
         return True
-    return not isinstance(error, DiskSpaceError | preflight.PreflightError)
+    return not isinstance(error, BaseException) or worth_retrying(error)
 
 
 @contextmanager
-def progress_artifact(stage: str) -> Iterator[None]:
+def progress_artifact(stage: str, key: str | None = None) -> Iterator[None]:
     """Mirror the engine's progress reports into one Prefect progress artifact."""
-    artifact_id = create_progress_artifact(0.0, description=f"{stage} progress")
+    artifact_id = create_progress_artifact(0.0, key=key, description=f"{stage} progress")
 
     def listener(p: engine_progress.Progress) -> None:
         if p.total:  # the description carries the counts, rate and ETA of the log line
@@ -62,15 +61,23 @@ def progress_artifact(stage: str) -> Iterator[None]:
     update_progress_artifact(artifact_id, 100.0)
 
 
-def publish(reports: list[Report]) -> None:
-    """A stage's reports as Prefect artifacts, and their lines in the run log."""
+def publish(reports: list[Report], config: PipelineConfig) -> None:
+    """Reports as Prefect artifacts, keyed within the pipeline (draftsmith-<name>-<key>), and
+    their lines in the run log."""
+    for report in reports:
+        key = artifact_key(config, report.key) if report.key else None
+        if report.kind == "table":
+            create_table_artifact(report.rows, key=key, description=report.description)
+        elif report.kind == "markdown":
+            create_markdown_artifact(report.text, key=key, description=report.description)
+    log_lines(reports)
+
+
+def log_lines(reports: list[Report]) -> None:
+    """The reports' lines in the run log (all a cached stage shows again: its artifacts are
+    those of the run that wrote it)."""
     logger = get_run_logger()
     for report in reports:
-        if report.kind == "table":
-            create_table_artifact(report.rows, key=report.key, description=report.description)
-        elif report.kind == "markdown":
-            create_markdown_artifact(report.text, key=report.key,
-                                     description=report.description)
         for line in report.log_lines:
             logger.info("%s", line)
 
@@ -98,11 +105,11 @@ def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig,
         stage.preflight(config, inputs, plan)
         secret = secret_value(stage.secret(config))
         if stage.progress:
-            with progress_artifact(stage.name):
+            with progress_artifact(stage.name, artifact_key(config, f"{stage.label}-progress")):
                 descriptor = stage.run(config, inputs, plan, secret)
         else:
             descriptor = stage.run(config, inputs, plan, secret)
-    publish(stage.reports(descriptor))
+    publish(stage.reports(descriptor), config)
     return descriptor
 
 

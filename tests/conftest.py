@@ -83,6 +83,16 @@ def vllm_server(vllm_chain):
     return ensure_deployed(vllm_chain)
 
 
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One Prefect API (a temporary database and server) for every test that needs one: it
+    takes 10-15 s to start, more on a busy machine."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=300):
+        yield
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_servers_at_exit():
     yield

@@ -1,10 +1,12 @@
 """A stand-in for `python -m sglang.launch_server` that speaks SGLang's HTTP shapes.
 
 No GPU SGLang runs here, so the launcher, supervision and readiness tests start this instead.
-It parses the flags draftsmith emits, serves /health, /server_info and /generate (with
-meta_info: completion_tokens, spec_verify_ct; streamed as server-sent events when asked), and
-misbehaves on request through FAKE_SGLANG_MODE: never_listen, wrong_algorithm, generate_fails,
-crash, spawn_child. When --model-path is a real model directory, /generate runs draftsmith's
+It parses the flags draftsmith emits, serves /health, /server_info (with the SGLang version,
+FAKE_SGLANG_VERSION, 0.5.23 by default, "none" for no version) and /generate (with
+meta_info: completion_tokens, and spec_verify_ct / spec_accept_length only for a request that
+had a verify step, as SGLang does; streamed as server-sent events when asked), and misbehaves
+on request through FAKE_SGLANG_MODE: never_listen, wrong_algorithm, generate_fails, crash,
+spawn_child. When --model-path is a real model directory, /generate runs draftsmith's
 embedded speculative engine on it with the draft model, greedy, one request at a time.
 """
 
@@ -22,6 +24,15 @@ from http.server import ThreadingHTTPServer
 from json_http import JsonHandler  # tests/ is on sys.path: this file runs as a script
 
 MODE = os.environ.get("FAKE_SGLANG_MODE", "")
+VERSION = os.environ.get("FAKE_SGLANG_VERSION", "0.5.23")
+
+
+def spec_meta(tokens: int, verify_rounds: int) -> dict:
+    """SGLang's meta_info: the speculative fields only after at least one verify step."""
+    meta = {"completion_tokens": tokens}
+    if verify_rounds > 0:
+        meta.update(spec_verify_ct=verify_rounds, spec_accept_length=tokens / verify_rounds)
+    return meta
 
 
 def parse() -> argparse.Namespace:
@@ -84,23 +95,22 @@ def main() -> None:
             return [(tokens[:i], {"completion_tokens": i}) for i in range(1, len(tokens) + 1)]
         if engine is None:
             ids = list(range(n))
-            return [(ids, {"completion_tokens": n, "spec_verify_ct": max(1, n // 2)})]
+            return [(ids, spec_meta(n, n // 2))]
         prompt = request.get("input_ids") or tokenizer(request["text"])["input_ids"]
         with engine_lock:
             result = engine.generate(list(prompt), n, eos)
         chunks, done = [], 1  # the first token comes from prefill
-        chunks.append((result.tokens[:1], {"completion_tokens": 1, "spec_verify_ct": 0}))
+        chunks.append((result.tokens[:1], spec_meta(1, 0)))
         for rounds, produced in enumerate(result.round_tokens, start=1):
             done = min(len(result.tokens), done + produced)
-            chunks.append((result.tokens[:done], {"completion_tokens": done,
-                                                  "spec_verify_ct": rounds}))
+            chunks.append((result.tokens[:done], spec_meta(done, rounds)))
         final_ids = result.tokens
-        chunks.append((final_ids, {"completion_tokens": len(final_ids),
-                                   "spec_verify_ct": max(1, result.verify_rounds)}))
+        chunks.append((final_ids, spec_meta(len(final_ids), result.verify_rounds)))
         return chunks
 
     info = {
         "model_path": args.model_path,
+        **({"version": VERSION} if VERSION != "none" else {}),
         "speculative_algorithm": "EAGLE" if MODE == "wrong_algorithm"
         else args.speculative_algorithm,
         "speculative_draft_model_path": args.speculative_draft_model_path,

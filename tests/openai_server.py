@@ -2,8 +2,9 @@
 
 `FaultProxy` forwards to it, counts requests in flight and answers per prompt, and injects the
 faults a healthy server does not produce: 429/503 a few times, a hung request, prompts that
-always fail, an outage (every request answered 502, as a gateway does when the server behind it
-is gone), a required API key. A hook runs after each answer (the resume tests use it).
+always fail, a garbled reply (the server's own, cut short or with its content nulled), an outage
+(every request answered 502, as a gateway does when the server behind it is gone), a required
+API key. A hook runs after each answer (the resume tests use it).
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ import threading
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from http.server import ThreadingHTTPServer
 
 import httpx
 
-from tests.json_http import JsonHandler
+from tests.json_http import JsonHandler, LoopbackServer
 
 
 def prompt_key(body: dict) -> str:
     return json.dumps(body.get("messages"), sort_keys=True)
 
 
-class FaultProxy:
+class FaultProxy(LoopbackServer):
     def __init__(self, upstream: str):
         self.upstream = upstream
         self.lock = threading.Lock()
@@ -33,10 +33,7 @@ class FaultProxy:
         self.required_key: str | None = None
         self.after_answer: Callable[[int], None] | None = None
         self.reset()
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.start(self._handler())
 
     def reset(self) -> None:
         with self.lock:
@@ -44,21 +41,18 @@ class FaultProxy:
             self.always_fail.clear()
             self.required_key = None
             self.down = False  # an outage: the server behind the proxy is gone
+            self.think_in_content = False  # a reasoning model served without a parser
+            self.add_reasoning = False  # ... and with one: reasoning_content beside the answer
             self.after_answer = None
             self.stall_next: deque[float] = deque()  # seconds to hold a request before sending
+            # "truncate" or "null_content": what to do to the next real 200s on their way back.
+            self.garble_next: deque[str] = deque()
+            self.garbled = 0
             self.answers: Counter[str] = Counter()  # prompt -> 200 answers sent
             self.requests = 0
             self.auth_headers: list[str | None] = []
             self.in_flight: Counter[int] = Counter()  # max_tokens -> requests in flight now
             self.max_in_flight: Counter[int] = Counter()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}/v1"
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
 
     def _handler(self):
         proxy = self
@@ -101,6 +95,21 @@ class FaultProxy:
                         proxy.in_flight[max_tokens] -= 1
                 payload = upstream.json()
                 if upstream.status_code == 200:
+                    with proxy.lock:
+                        garble = proxy.garble_next.popleft() if proxy.garble_next else None
+                        proxy.garbled += garble is not None
+                    if garble == "truncate":
+                        text = json.dumps(payload)
+                        return self.send_text(200, text[: len(text) // 2])
+                    if garble == "null_content":
+                        payload["choices"][0]["message"]["content"] = None
+                        return self.send_json(200, payload)
+                    message = payload["choices"][0]["message"]
+                    if proxy.add_reasoning:
+                        message["reasoning_content"] = "thinking about: " + last[-24:]
+                    if proxy.think_in_content:
+                        message["content"] = ("<think>\nthinking about it\n</think>\n\n"
+                                              + (message.get("content") or ""))
                     with proxy.lock:
                         proxy.answers[prompt_key(body)] += 1
                         answered = sum(proxy.answers.values())

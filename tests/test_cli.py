@@ -29,10 +29,10 @@ def test_help_lists_every_command():
         assert command in result.output
 
 
-def test_validate_accepts_the_examples():
-    for name in ("tiny.yaml", "kimi-k2.5-8gpu.yaml"):
-        result = runner.invoke(app, ["validate", str(REPO / "examples" / name)])
-        assert result.exit_code == 0, result.output
+def test_validate_accepts_the_demo_config():
+    # The Kimi example names its missing files here (tests/test_checks.py).
+    result = runner.invoke(app, ["validate", str(REPO / "examples" / "tiny.yaml")])
+    assert result.exit_code == 0, result.output
 
 
 def test_validate_names_a_bad_key_and_exits_2():

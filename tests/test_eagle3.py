@@ -363,3 +363,21 @@ def test_flex_and_sdpa_differ_when_the_mask_is_wrong(monkeypatch):
     monkeypatch.setattr(eagle3, "ttt_mask_mod", leaky)
     result = compare_attention_paths("cpu", doc_lengths=[40, 30], steps=2, grads=False)
     assert max(result["output_max_diff"]) > 1e-3
+
+
+def test_hf_config_fields_map_to_the_drafter_and_back(random_target_dir):
+    """One mapping between Hugging Face config fields and Eagle3Config serves the target's
+    config, the exported drafter configs and LlamaConfig; it reads transformers 5's
+    rope_parameters too."""
+    tcfg = target_config(random_target_dir)
+    cfg = Eagle3Config.from_target(tcfg, AUX_IDS, DRAFT_VOCAB)
+    rest = {"draft_vocab_size": DRAFT_VOCAB, "target_hidden_size": cfg.target_hidden_size,
+            "aux_layer_ids": AUX_IDS}
+    assert Eagle3Config.from_hf(cfg.hf_fields(), **rest) == cfg
+    assert cfg.llama_config().num_hidden_layers == 1
+    assert cfg.llama_config().intermediate_size == cfg.intermediate_size
+    scaled = {k: v for k, v in tcfg.items() if k not in ("rope_theta", "rope_scaling")}
+    scaled["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}
+    parsed = Eagle3Config.from_hf(scaled, **rest)
+    assert parsed.rope_theta == 500000.0
+    assert parsed.rope_scaling == {"rope_type": "llama3", "factor": 8.0}

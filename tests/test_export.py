@@ -509,3 +509,68 @@ def test_eagle_repository_checkpoint_in_pytorch_bin_is_read(exported, tmp_path):
     (eagle / "config.json").write_text(json.dumps(config))
     assert detect_layout(eagle) == "sglang"
     assert read_drafter(eagle).config == drafter.config
+
+
+# --------------------------------------------------------------------------- what engines read
+
+
+def vllm_fc_input_width(config: dict) -> int:
+    """The fc input width vLLM 0.32 gives a speculators drafter (llama_eagle3.py): the
+    drafter is built from transformer_layer_config plus the algorithm's updates, which put
+    the layer ids at top level; fc = target_hidden_size x (num_aux_hidden_states, else the
+    count of eagle_config's ids, else 3). tests/test_sglang_conformance.py pins that reading."""
+    built = {**config["transformer_layer_config"],
+             "eagle_aux_hidden_state_layer_ids": config["eagle_aux_hidden_state_layer_ids"],
+             "target_hidden_size": config.get("target_hidden_size")}
+    ids = (built.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    count = built.get("num_aux_hidden_states") or (len(ids) if ids else 3)
+    return (built["target_hidden_size"] or built["hidden_size"]) * count
+
+
+def sglang_fc_input_width(config: dict) -> int:
+    """SGLang 0.5.23's (llama_eagle3.py): num_aux_hidden_states, else eagle_config's ids."""
+    ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    count = config.get("num_aux_hidden_states") or (len(ids) if ids else 3)
+    return config.get("target_hidden_size", config["hidden_size"]) * count
+
+
+@pytest.mark.parametrize("aux_ids", [[1, 3], [1, 3, 4], [0, 2, 4, 6]])
+def test_engines_size_fc_for_the_number_of_aux_layers(random_target_dir, tmp_path, aux_ids):
+    """k != 3 aux layers: vLLM sized fc 3*H from a speculators config (the ids sit where it
+    does not count them) and the drafter failed to load."""
+    tcfg = json.loads((random_target_dir / "config.json").read_text())
+    drafter = Eagle3Drafter(Eagle3Config.from_target(tcfg, aux_ids, DRAFT_VOCAB))
+    d2t, t2d, _ = build_vocab_map(list(range(DRAFT_VOCAB)), tcfg["vocab_size"], DRAFT_VOCAB)
+    drafter.load_target_parts(torch.randn(tcfg["vocab_size"], tcfg["hidden_size"]), d2t, t2d)
+    state = drafter.state_dict()
+    for layout in ("speculators", "sglang"):
+        config = export_drafter(state, drafter.config, layout, "llama", tmp_path / layout)
+        fc = read_weights(tmp_path / layout / WEIGHTS_FILE)["fc.weight"]
+        width = (vllm_fc_input_width if layout == "speculators" else sglang_fc_input_width)(
+            config)
+        assert width == fc.shape[1] == len(aux_ids) * tcfg["hidden_size"], layout
+
+
+def test_a_full_vocab_drafter_has_no_vocab_map_for_vllm(random_target_dir, tmp_path):
+    """draft_vocab_size == vocab_size: vLLM creates no draft_id_to_target_id, so a d2t tensor
+    fails to load; the speculators export leaves d2t/t2d out and reads back as the identity.
+    SGLang maps d2t to hot_token_id either way (the identity), so its layout keeps them."""
+    tcfg = json.loads((random_target_dir / "config.json").read_text())
+    V = tcfg["vocab_size"]
+    drafter = Eagle3Drafter(Eagle3Config.from_target(tcfg, AUX_IDS, V))
+    drafter.load_target_parts(torch.randn(V, tcfg["hidden_size"]),
+                              torch.zeros(V, dtype=torch.int64), torch.ones(V, dtype=torch.bool))
+    state = drafter.state_dict()
+    export_drafter(state, drafter.config, "speculators", "llama", tmp_path / "vllm")
+    names = set(read_weights(tmp_path / "vllm" / WEIGHTS_FILE))
+    assert not names & {"d2t", "t2d"} and "layers.0.self_attn.q_proj.weight" in names
+    back = read_drafter(tmp_path / "vllm")
+    assert torch.equal(back.tensors["d2t"], torch.zeros(V, dtype=torch.int64))
+    assert bool(back.tensors["t2d"].all())
+    import_drafter(tmp_path / "vllm", tmp_path / "native")  # reads, loads, validates
+    export_drafter(state, drafter.config, "sglang", "llama", tmp_path / "sglang")
+    assert {"d2t", "t2d"} <= set(read_weights(tmp_path / "sglang" / WEIGHTS_FILE))
+    # A reduced draft vocab keeps its map in both layouts.
+    small, _ = make_drafter(random_target_dir)
+    export_drafter(small.state_dict(), small.config, "speculators", "llama", tmp_path / "small")
+    assert {"d2t", "t2d"} <= set(read_weights(tmp_path / "small" / WEIGHTS_FILE))

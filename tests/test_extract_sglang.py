@@ -1,7 +1,9 @@
 """The SGLang capture backend without a GPU SGLang: the capture hook inside a stand-in for
 SGLang's Llama (same calling convention: aux = inputs of `layers_to_capture`, logits processor
-called with every token's final and aux states), a stand-in HTTP server that batches concurrent
-requests in shuffled order, the external-package registration, and the launch command."""
+called with every token's final and aux states, as a list or packed, with or without
+input_ids), a stand-in HTTP server that batches concurrent requests in shuffled order, and the
+launch command. SGLang's own registry loading the capture package is in
+tests/test_sglang_conformance.py."""
 
 from __future__ import annotations
 
@@ -63,10 +65,14 @@ class SGLangStyleDecoder(torch.nn.Module):
 
 class SGLangStyleLlama(torch.nn.Module):
     """What SGLang's LlamaForCausalLM does around the logits processor, on a transformers
-    Llama: a ragged batch of requests, aux = the INPUT of each layer in layers_to_capture."""
+    Llama: a ragged batch of requests, aux = the INPUT of each layer in layers_to_capture.
+    style "packed": aux handed over as one [N, K*H] tensor, as DeepseekV2/V3 do with
+    AuxHiddenStatePacker; "kimi": also input_ids=None, the tokens in forward_batch.input_ids,
+    as Kimi-K2.5 calls its DeepSeek model through mm_utils."""
 
-    def __init__(self, hf_model):
+    def __init__(self, hf_model, style: str = "list"):
         super().__init__()
+        self.style = style
         self.model = SGLangStyleDecoder(hf_model)
         self.lm_head = hf_model.lm_head
         self.logits_processor = LastTokenLogits()
@@ -88,7 +94,8 @@ class SGLangStyleLlama(torch.nn.Module):
                     h.remove()
             finals.append(out.last_hidden_state[0])  # [T, H] after the final norm
             auxes.append([seen[j][0] for j in self.model.layers_to_capture])
-        batch = types.SimpleNamespace(forward_mode=ForwardMode(True),
+        tokens = torch.tensor([t for r in requests for t in r])  # [N]
+        batch = types.SimpleNamespace(forward_mode=ForwardMode(True), input_ids=tokens,
                                       extend_seq_lens_cpu=[len(r) for r in requests],
                                       extend_prefix_lens_cpu=[0] * len(requests))
         if rids is not None:
@@ -96,7 +103,9 @@ class SGLangStyleLlama(torch.nn.Module):
         aux = None
         if self.capture_aux_hidden_states:
             aux = [torch.cat([a[k] for a in auxes]) for k in range(len(auxes[0]))]  # K x [N, H]
-        return self.logits_processor(torch.tensor([t for r in requests for t in r]),
+            if self.style in ("packed", "kimi"):
+                aux = torch.cat(aux, dim=-1)  # [N, K*H]
+        return self.logits_processor(None if self.style == "kimi" else tokens,
                                      torch.cat(finals), self.lm_head, batch, aux)
 
 
@@ -108,9 +117,10 @@ class LastTokenLogits(torch.nn.Module):
         return hidden_states[ends] @ lm_head.weight.T  # [B, V]
 
 
+@pytest.mark.parametrize("style", ["list", "packed", "kimi"])
 def test_capture_hook_dumps_the_same_states_as_the_transformers_backend(
-        tmp_path, random_target_model, random_target):
-    model = SGLangStyleLlama(random_target_model)
+        tmp_path, random_target_model, random_target, style):
+    model = SGLangStyleLlama(random_target_model, style)
     writer = install_capture(model, AUX_IDS, tmp_path)
     assert model.model.layers_to_capture == [2, 4, 5]  # inputs of i+1 = outputs of i
     assert isinstance(model.logits_processor, CaptureLogitsProcessor)
@@ -159,12 +169,17 @@ class StandInServer:
         self.pending: list[tuple[dict, threading.Event]] = []
         self.lock = threading.Lock()
         self.batch_sizes: list[int] = []
+        self.info = {"version": "0.5.23", "attn_dp_size": 1, "disable_radix_cache": True,
+                     "chunked_prefill_size": -1}
         server = self
 
         class Handler(JsonHandler):
 
             def do_GET(self):
-                self.send_json(200 if self.path == "/health" else 404, {})
+                if self.path == "/server_info":  # the fields SGLang 0.5.23 reports
+                    self.send_json(200, server.info)
+                else:
+                    self.send_json(200 if self.path == "/health" else 404, {})
 
             def do_POST(self):
                 body = self.read_json()
@@ -215,9 +230,10 @@ def merged_small(tmp_path, random_target):
     return make_merged(tmp_path / "merged", 24, 4, random_target.figures["vocab_size"], seed=3)
 
 
-def sglang_extract(root, merged, target, url, dump_dir, **overrides):
+def sglang_extract(root, merged, target, url, dump_dir, dump_timeout_s=10):
     cfg = ExtractConfig(backend="sglang", shard_tokens=150, sglang={
-        "url": url, "dump_dir": str(dump_dir), "concurrency": 8, "dump_timeout_s": 10})
+        "url": url, "dump_dir": str(dump_dir), "concurrency": 8,
+        "dump_timeout_s": dump_timeout_s})
     plan = plan_stage(root, "extract", {"sglang": 1}, [merged, target])
     return run_extract(cfg, TargetConfig(model=target.path), merged, target, plan)
 
@@ -258,6 +274,51 @@ def test_a_dump_of_another_request_is_refused(tmp_path, merged_small, random_tar
     writer.close()
 
 
+# --------------------------------------------------------------------------- the probe
+
+
+def test_probe_stops_before_bulk_capture_when_no_dump_comes(tmp_path, merged_small,
+                                                            random_target, random_target_model):
+    """A server without the capture package (SGLang only warns when it fails to import):
+    one request, then a clear stop, instead of every sample timing out."""
+    model = SGLangStyleLlama(random_target_model)  # the stock class: no capture installed
+    with StandInServer(model) as server, pytest.raises(CaptureError) as err:
+        sglang_extract(tmp_path / "run", merged_small, random_target, server.url,
+                       tmp_path / "dumps", dump_timeout_s=2)
+    assert "capture probe failed before bulk capture" in str(err.value)
+    assert "does not run draftsmith's capture package" in str(err.value)
+    assert sum(server.batch_sizes) == 1  # the probe alone
+
+
+def test_probe_refuses_a_server_capturing_other_layers(tmp_path, merged_small, random_target,
+                                                      random_target_model):
+    """Same width, other layers (a server started for another config): without the probe
+    this trains on the wrong hidden states, silently."""
+    model = SGLangStyleLlama(random_target_model)
+    dumps = tmp_path / "dumps"
+    writer = install_capture(model, [1, 2, 4], dumps)
+    with StandInServer(model) as server, pytest.raises(CaptureError,
+                                                      match="inputs of layers 2,3,5, not 2,4,5"):
+        sglang_extract(tmp_path / "run", merged_small, random_target, server.url, dumps)
+    writer.close()
+
+
+@pytest.mark.parametrize(("info", "message"), [
+    ({"attn_dp_size": 8}, "runs attention data parallel"),
+    ({"version": "0.5.9"}, "runs SGLang 0.5.9; draftsmith supports SGLang >=0.5.23,<0.6"),
+])
+def test_a_capture_server_that_cannot_capture_is_refused_before_any_request(
+        tmp_path, merged_small, random_target, random_target_model, info, message):
+    model = SGLangStyleLlama(random_target_model)
+    writer = install_capture(model, AUX_IDS, tmp_path / "dumps")
+    with StandInServer(model) as server, pytest.raises(CaptureError, match=message):
+        server.info.update(info)
+        sglang_extract(tmp_path / "run", merged_small, random_target, server.url,
+                       tmp_path / "dumps")
+    writer.close()
+    assert not server.batch_sizes
+
+
 # --------------------------------------------------------------------------- launch
 
 def test_capture_launch_turns_off_radix_cache_and_chunked_prefill(tmp_path, random_target,
@@ -285,38 +346,26 @@ def test_capture_launch_turns_off_radix_cache_and_chunked_prefill(tmp_path, rand
                                                                  "8192"]})
     with pytest.raises(ValueError, match="chunked-prefill-size"):
         build_capture_launch(bad, target_cfg, random_target.path, "X", [1], tmp_path)
-    dp = ExtractConfig(backend="sglang", sglang={"extra_args": ["--enable-dp-attention"]})
-    with pytest.raises(ValueError, match="dp-attention"):
+    # No CUDA graphs, spelled as 0.5.23 wants (--disable-cuda-graph is its deprecated alias).
+    assert "--disable-cuda-graph" not in argv
+    assert argv[argv.index("--cuda-graph-backend-prefill") + 1] == "disabled"
+    assert argv[argv.index("--cuda-graph-backend-decode") + 1] == "disabled"
+
+
+@pytest.mark.parametrize("extra_args", [
+    ["--enable-dp-attention"], ["--attn-dp-size", "8"], ["--attn-dp-size=8"],
+    ["--attention-data-parallel-size", "2"], ["--dp-size", "8", "--enable-dp-attention"]])
+def test_capture_refuses_attention_data_parallel_in_each_spelling(tmp_path, random_target,
+                                                                  extra_args):
+    """Each attention-DP rank takes its own requests and only rank 0 writes: the others'
+    dumps would never come. 0.5.23 spells it --attn-dp-size N (--enable-dp-attention is its
+    deprecated form)."""
+    target_cfg = TargetConfig(model=random_target.path, tp_size=8)
+    dp = ExtractConfig(backend="sglang", sglang={"extra_args": extra_args})
+    with pytest.raises(ValueError, match="attention data parallel"):
         build_capture_launch(dp, target_cfg, random_target.path, "X", [1], tmp_path)
-
-
-def test_external_package_overrides_the_architecture_with_a_capturing_class(
-        tmp_path, monkeypatch, random_target_model):
-    """What SGLang's registry does with SGLANG_EXTERNAL_MODEL_PACKAGE: import the module and
-    register EntryClass under its __name__, replacing SGLang's own class."""
-    import importlib
-
-    registry = types.ModuleType("sglang.srt.models.registry")
-    registry.ModelRegistry = types.SimpleNamespace(models={"LlamaForCausalLM": SGLangStyleLlama})
-    for name in ("sglang", "sglang.srt", "sglang.srt.models"):
-        monkeypatch.setitem(sys.modules, name, types.ModuleType(name))
-    monkeypatch.setitem(sys.modules, "sglang.srt.models.registry", registry)
-    monkeypatch.setenv(ENV_ARCH, "LlamaForCausalLM")
-    monkeypatch.setenv(ENV_LAYERS, "1,3,4")
-    monkeypatch.setenv(ENV_DIR, str(tmp_path))
-    sys.modules.pop(f"{EXTERNAL_PACKAGE}.capture_model", None)
-    module = importlib.import_module(f"{EXTERNAL_PACKAGE}.capture_model")
-    try:
-        (cls,) = module.EntryClass
-        assert cls.__name__ == "LlamaForCausalLM" and issubclass(cls, SGLangStyleLlama)
-        model = cls(random_target_model)
-        assert model.model.layers_to_capture == [2, 4, 5]
-        assert isinstance(model.logits_processor, CaptureLogitsProcessor)
-        model([[5, 6, 7]], ["x"])
-        model.logits_processor.writer.close()
-        assert (tmp_path / "rid-x.safetensors").is_file()
-    finally:
-        sys.modules.pop(f"{EXTERNAL_PACKAGE}.capture_model", None)
+    width_one = ExtractConfig(backend="sglang", sglang={"extra_args": ["--attn-dp-size", "1"]})
+    build_capture_launch(width_one, target_cfg, random_target.path, "X", [1], tmp_path)
 
 
 def test_capture_command_is_printed_for_a_config(tmp_path, random_target_dir, capsys):
@@ -334,6 +383,32 @@ extract: {{backend: sglang, sglang: {{dump_dir: /dev/shm/caps, port: 31555}}}}
     assert f"{ENV_LAYERS}=1,3,4" in line and f"{ENV_DIR}=/dev/shm/caps" in line
     assert "--disable-radix-cache --chunked-prefill-size -1" in line
     assert "--port 31555" in line and "--tp-size 2" in line
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launched_capture(tmp_path, port: int, **sglang) -> ExtractConfig:
+    return ExtractConfig(backend="sglang", shard_tokens=150, sglang={
+        "port": port, "dump_dir": str(tmp_path / "dumps"), "dump_timeout_s": 20,
+        "startup_timeout_s": 120, "sglang_command": [sys.executable, str(Path(__file__).with_name(
+            "fake_capture_server.py"))], **sglang})
+
+
+def test_probe_names_the_import_error_sglang_logged(tmp_path, merged_small, random_target):
+    cfg = launched_capture(tmp_path, free_port(), dump_timeout_s=3,
+                           env={"FAKE_CAPTURE_MODE": "no_package"})
+    plan = plan_stage(tmp_path / "run", "extract", {"launched": 2}, [merged_small, random_target])
+    with pytest.raises(CaptureError, match="SGLang could not load draftsmith's capture package"
+                       ) as err:
+        run_extract(cfg, TargetConfig(model=random_target.path), merged_small, random_target,
+                    plan)
+    assert "No module named 'sgl_kernel'" in str(err.value)
 
 
 def test_stage_starts_supervises_and_stops_its_capture_server(tmp_path, merged_small,

@@ -416,3 +416,122 @@ def test_a_source_names_path_or_hub_not_both():
         DataSource(name="x", path="a.jsonl", hub="owner/name")
     with pytest.raises(ValueError, match="exactly one of path"):
         DataSource(name="x")
+
+
+# --- turn spellings of agent trajectories ------------------------------------------------------
+
+
+CALL = {"id": "c1", "type": "function",
+        "function": {"name": "get_weather", "arguments": "{\"city\": \"Oslo\"}"}}
+
+
+@pytest.mark.parametrize("speaker", ["role", "from"])
+@pytest.mark.parametrize("text_key", ["text", "content", "value", "parts"])
+@pytest.mark.parametrize("list_key", ["trajectory", "messages", "conversations", "turns"])
+def test_trajectory_turns_keyed_by_any_text_key_under_either_speaker_spelling(
+        tmp_path, speaker, text_key, list_key):
+    """{"role", "text"} turns were all dropped ("kept 0 of 20"): the adapter took `content`
+    whenever the speaker key was `role`."""
+    def turn(who: str, text: str) -> dict:
+        value = [{"text": text}] if text_key == "parts" else text
+        return {speaker: who, text_key: value}
+
+    path = write_jsonl(tmp_path / "t.jsonl", [{"id": "a", list_key: [
+        turn("system", "Be brief."), turn("user", "Weather in Oslo?"),
+        turn("assistant", "Rain, 4 C."), turn("user", "Tomorrow?"), turn("assistant", "Sun.")]}])
+    records, stats = load_source("t", path)
+    assert (stats.read, stats.kept, stats.dropped) == (1, 1, {})
+    assert [(m.role, m.content) for m in records[0].messages] == [
+        ("system", "Be brief."), ("user", "Weather in Oslo?"), ("assistant", "Rain, 4 C."),
+        ("user", "Tomorrow?"), ("assistant", "Sun.")]
+
+
+def test_explicit_trajectory_format_reads_text_keyed_turns(tmp_path):
+    path = write_jsonl(tmp_path / "t.jsonl", [
+        {"messages": [{"role": "user", "text": "q"}, {"role": "assistant", "text": "a"}]}])
+    (record,), _ = load_source("t", path, fmt="trajectory")
+    assert [m.content for m in record.messages] == ["q", "a"]
+
+
+def test_gemini_parts_with_calls_and_responses(tmp_path):
+    path = write_jsonl(tmp_path / "g.jsonl", [{"turns": [
+        {"role": "user", "parts": [{"text": "Weather in "}, {"text": "Oslo?"}]},
+        {"role": "model", "parts": [{"functionCall": {"name": "get_weather",
+                                                      "args": {"city": "Oslo"}}}]},
+        {"role": "user", "parts": [{"functionResponse": {"name": "get_weather",
+                                                         "response": {"temp_c": 4}}}]},
+        {"role": "model", "parts": ["It is 4 C."]},
+    ]}])
+    (record,), _ = load_source("g", path)
+    assert roles(record) == ["user", "assistant", "tool", "assistant"]
+    assert record.messages[0].content == "Weather in Oslo?"
+    call = record.messages[1]
+    assert call.content == "" and call.tool_calls == [
+        {"type": "function", "function": {"name": "get_weather",
+                                          "arguments": "{\"city\": \"Oslo\"}"}}]
+    tool = record.messages[2]
+    assert (json.loads(tool.content), tool.name) == ({"temp_c": 4}, "get_weather")
+    assert record.messages[3].content == "It is 4 C."
+
+
+def test_parts_that_are_not_text_are_dropped_with_a_reason(tmp_path):
+    path = write_jsonl(tmp_path / "img.jsonl", [
+        {"turns": [{"role": "user", "parts": [{"inlineData": {"mimeType": "image/png"}}]}]},
+        {"turns": [{"role": "user", "parts": [{"text": "ok"}]}]},
+    ])
+    _, stats = load_source("img", path, max_drop_rate=0.5)
+    assert stats.dropped == {"user turn has non-text parts ['inlineData']": 1}
+
+
+# --- hidden-style cases under every spelling ---------------------------------------------------
+
+
+@pytest.mark.parametrize(("speaker", "text_key"), [("role", "content"), ("role", "text"),
+                                                   ("from", "value"), ("from", "text")])
+def test_null_system_text_structured_tool_output_and_call_only_turns(tmp_path, speaker,
+                                                                    text_key):
+    path = write_jsonl(tmp_path / "h.jsonl", [{"id": "h", "trajectory": [
+        {speaker: "system", text_key: None},
+        {speaker: "user", text_key: "Weather in Oslo?"},
+        {speaker: "assistant", text_key: None, "tool_calls": [CALL]},  # only calls, null text
+        {speaker: "tool", "tool_call_id": "c1", "name": "get_weather",
+         text_key: {"temp_c": 4, "sky": "rain"}},
+        {speaker: "assistant", "tool_calls": [CALL]},  # only calls, no text key at all
+        {speaker: "tool", "tool_call_id": "c1", text_key: [{"temp_c": 4}, {"temp_c": 7}]},
+        {speaker: "tool", "tool_call_id": "c1", text_key: 4},
+        {speaker: "assistant", text_key: "4 C and rain."},
+    ]}])
+    (record,), stats = load_source("h", path)
+    assert (stats.kept, stats.dropped) == (1, {})
+    assert stats.notes == {"null system turn left out": 1}
+    assert roles(record) == ["user", "assistant", "tool", "assistant", "tool", "tool",
+                             "assistant"]
+    first_call, weather, second_call, listed, number, answer = record.messages[1:]
+    assert first_call.content == "" and first_call.tool_calls == [CALL]
+    assert second_call.content == "" and second_call.tool_calls == [CALL]
+    assert json.loads(weather.content) == {"temp_c": 4, "sky": "rain"}
+    assert (weather.tool_call_id, weather.name) == ("c1", "get_weather")
+    # A list of result objects is structured output, not text parts to be flattened to "".
+    assert json.loads(listed.content) == [{"temp_c": 4}, {"temp_c": 7}]
+    assert number.content == "4" and answer.content == "4 C and rain."
+
+
+def test_a_tool_turn_with_null_output_is_kept_as_empty_and_noted(tmp_path):
+    path = write_jsonl(tmp_path / "n.jsonl", [{"trajectory": [
+        {"role": "user", "content": "Delete tmp."},
+        {"role": "assistant", "content": None, "tool_calls": [CALL]},
+        {"role": "tool", "tool_call_id": "c1", "content": None},
+        {"role": "assistant", "content": "Done."}]}])
+    (record,), stats = load_source("n", path)
+    assert roles(record) == ["user", "assistant", "tool", "assistant"]
+    assert record.messages[2].content == ""
+    assert stats.notes == {"null tool output kept as empty text": 1}
+
+
+def test_arrow_turns_with_every_text_column_take_the_one_that_is_set(tmp_path):
+    """Parquet gives each turn struct every key any turn had, None where it had none."""
+    path = _parquet(tmp_path / "mixed.parquet", [{"id": "m", "trajectory": [
+        {"role": "user", "content": None, "text": "q", "value": None},
+        {"role": "assistant", "content": "a", "text": None, "value": None}]}])
+    (record,), _ = load_source("m", path)
+    assert [(m.role, m.content) for m in record.messages] == [("user", "q"), ("assistant", "a")]

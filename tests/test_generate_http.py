@@ -79,6 +79,13 @@ def run(cfg, data_path, served_target, served_target_dir, root, name="p", **kwar
     return descriptor, plan
 
 
+def journal_of(plan, cfg, data_path, target, name="p") -> Path:
+    """The answer journal of source `name` (kept after the stage: the per-source cache)."""
+    from draftsmith.config import DataSource
+
+    return journal_dir(plan, cfg, DataSource(name=name, path=str(data_path)), target)
+
+
 def records_of(descriptor) -> list[dict]:
     return [json.loads(line) for line in
             (descriptor.dir / "records.jsonl").read_text().splitlines()]
@@ -132,7 +139,9 @@ def test_regenerates_every_prompt_with_partitions_tokens_and_cost(
     assert any("request/s" in m and "tokens/s" in m and "mean completion" in m
                for m in progress)
     assert any("cost $" in r.getMessage() for r in caplog.records)
-    assert not journal_dir(plan).exists()  # its answers live in the finished directory now
+    # The journal stays, the source's answer cache: a rerun with the same prompts asks nothing.
+    journal = journal_of(plan, cfg, data_path, served_target) / "answers.jsonl"
+    assert len(journal.read_text().splitlines()) == 10
     assert proxy.auth_headers and set(proxy.auth_headers) == {None}  # no key configured
 
 
@@ -152,12 +161,38 @@ def test_429_and_503_are_retried_with_backoff(proxy, served_target, served_targe
     assert sum(proxy.answers.values()) == 4  # no prompt answered twice
 
 
+def test_a_garbled_reply_of_the_real_server_is_retried_without_disturbing_the_batch(
+        proxy, served_target, served_target_dir, tmp_path, caplog):
+    """vLLM's own replies, cut short and with their content nulled on the way back, in the
+    middle of a batch: each is one failed attempt of its request, retried; the stage neither
+    aborts nor stores an empty answer."""
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 8)
+    cfg = generate_cfg(proxy, served_target_dir)
+
+    def garble(answered: int) -> None:
+        if answered == 2:  # two healthy answers are in, more are in flight
+            proxy.garble_next.extend(["truncate", "null_content"])
+
+    proxy.after_answer = garble
+    with caplog.at_level(logging.WARNING, logger="draftsmith"):
+        descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
+    assert proxy.garbled == 2
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert (summary["answered"], summary["failed"], summary["retries_this_attempt"]) == (8, 0, 2)
+    assert "is not JSON" in caplog.text and "content is null" in caplog.text
+    records = records_of(descriptor)
+    assert sorted(r["id"] for r in records) == sorted(f"p/p{i}" for i in range(8))
+    assert all(r["messages"][-1]["content"] for r in records)  # no empty turn stored
+
+
 def test_a_hung_request_times_out_and_is_retried(proxy, served_target, served_target_dir,
                                                  tmp_path, caplog):
-    proxy.stall_next.append(4.0)
+    # The hung request is held far longer than the timeout, and the timeout far longer than
+    # a healthy answer takes on a busy machine, so only the hung one times out.
+    proxy.stall_next.append(120.0)
     data_path = write_prompts(tmp_path / "prompts.jsonl", 2)
     with caplog.at_level(logging.WARNING, logger="draftsmith"):
-        descriptor, _ = run(generate_cfg(proxy, served_target_dir, timeout_s=1.0), data_path,
+        descriptor, _ = run(generate_cfg(proxy, served_target_dir, timeout_s=15.0), data_path,
                             served_target, served_target_dir, tmp_path)
     summary = json.loads((descriptor.dir / "generation.json").read_text())
     assert summary["answered"] == 2 and summary["retries_this_attempt"] == 1
@@ -176,7 +211,8 @@ def test_a_request_failing_every_retry_goes_to_the_error_file_never_to_the_data(
     assert "max_failure_rate" in message and "errors.jsonl" in message
     plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
     errors = [json.loads(line) for line in
-              (journal_dir(plan) / "errors.jsonl").read_text().splitlines()]
+              (journal_of(plan, cfg, data_path, served_target) / "errors.jsonl")
+              .read_text().splitlines()]
     assert [(e["record_id"], e["attempts"], e["retryable"]) for e in errors] == [
         ("p/p2", 3, True)]  # the first try and max_retries=2 more
 
@@ -229,6 +265,32 @@ def test_reasoning_vllm_parses_is_captured_counted_and_reassembled_before_the_an
         f"<think>\n{answer.reasoning}\n</think>\n\n{answer.content}<|im_end|>")
 
 
+def test_think_tags_in_content_without_reasoning_are_warned_about(
+        proxy, served_target, served_target_dir, tmp_path, caplog):
+    """A reasoning model served without a reasoning parser (SGLang fills reasoning_content
+    only with --reasoning-parser): the think text lands in the answers' content."""
+    import json
+
+    proxy.think_in_content = True
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 3)
+    with caplog.at_level("WARNING", logger="draftsmith.generate.stage"):
+        descriptor, _ = run(generate_cfg(proxy, served_target_dir), data_path, served_target,
+                            served_target_dir, tmp_path)
+    warning = next(r.getMessage() for r in caplog.records if "think tags" in r.getMessage())
+    assert "3 of 3 answers" in warning and "--reasoning-parser" in warning
+    assert "kimi_k2" in warning
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert summary["think_tags_without_reasoning"] == 3
+    caplog.clear()
+    proxy.reset()
+    proxy.add_reasoning = True  # with a parser: no warning
+    data_path = write_prompts(tmp_path / "more.jsonl", 2)
+    with caplog.at_level("WARNING", logger="draftsmith.generate.stage"):
+        run(generate_cfg(proxy, served_target_dir), data_path, served_target,
+            served_target_dir, tmp_path / "second")
+    assert not any("think tags" in r.getMessage() for r in caplog.records)
+
+
 def test_api_key_comes_from_the_environment_and_never_reaches_logs_or_files(
         proxy, served_target, served_target_dir, tmp_path, caplog, monkeypatch):
     secret = "sk-draftsmith-test-7f3a9c"
@@ -267,7 +329,8 @@ def test_server_gone_mid_run_then_back_every_prompt_answered_exactly_once(
         run(cfg, data_path, served_target, served_target_dir, tmp_path)
     plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
     journaled = [json.loads(line) for line in
-                 (journal_dir(plan) / "answers.jsonl").read_text().splitlines()]
+                 (journal_of(plan, cfg, data_path, served_target) / "answers.jsonl")
+                 .read_text().splitlines()]
     assert len(journaled) >= 4 and len({a["key"] for a in journaled}) == len(journaled)
     assert not plan.is_complete()
 
@@ -287,48 +350,56 @@ def test_server_gone_mid_run_then_back_every_prompt_answered_exactly_once(
 
 
 def test_prefect_secret_block_key_is_sent_and_stays_out_of_prefect(
-        proxy, served_target, served_target_dir, tmp_path):
+        prefect_api, proxy, served_target, served_target_dir, tmp_path):
     """The task layer resolves generate.endpoint.api_key_secret: the key reaches the server,
     and neither the run's logs, task parameters nor artifacts hold it."""
     from prefect import flow
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import (
+        FlowRunFilter,
+        FlowRunFilterId,
+        LogFilter,
+        LogFilterFlowRunId,
+    )
     from prefect.logging.handlers import APILogWorker
-    from prefect.testing.utilities import prefect_test_harness
 
+    from draftsmith import stages
     from draftsmith.config import PipelineConfig
-    from draftsmith.stages import STAGES
     from tasks.stages import task_for
-
-    generate_task = task_for(next(s for s in STAGES if s.name == "generate"))
 
     secret = "sk-prefect-secret-5d1e77"
     proxy.required_key = secret
     cfg = generate_cfg(proxy, served_target_dir, api_key_secret="draftsmith-test-key")
     data = DataConfig(sources=[{"name": "p", "path": str(write_prompts(tmp_path / "p.jsonl",
                                                                        3))}])
-    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
-
-    config = PipelineConfig(data=data, generate=cfg,
+    config = PipelineConfig(name="secret-test", run_root=str(tmp_path), generate=cfg, data=data,
                             target=TargetConfig(model=str(served_target_dir)))
+    plan = plan_stage(tmp_path, "generate", {"run": str(tmp_path)}, [served_target])
 
     @flow
     def regenerate():
-        return generate_task(plan, config, {"target": served_target})
+        return task_for(stages.get("generate"))(plan, config, {"target": served_target})
 
-    with prefect_test_harness(server_startup_timeout=120):
-        Secret(value=secret).save("draftsmith-test-key")
-        descriptor = regenerate()
-        APILogWorker.drain_all(timeout=10)
-        with get_client(sync_client=True) as client:
-            logs = [log.message for log in client.read_logs()]
-            runs = [run.model_dump(mode="json") for run in client.read_task_runs()]
-            artifacts = [a.model_dump(mode="json") for a in client.read_artifacts()]
+    Secret(value=secret).save("draftsmith-test-key", overwrite=True)
+    state = regenerate(return_state=True)
+    descriptor = state.result()
+    APILogWorker.drain_all(timeout=10)
+    # The session's API holds other tests' runs too: read this flow run's.
+    this_run = FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details.flow_run_id]))
+    with get_client(sync_client=True) as client:
+        logs = [log.message for log in client.read_logs(log_filter=LogFilter(
+            flow_run_id=LogFilterFlowRunId(any_=[state.state_details.flow_run_id])))]
+        runs = [run.model_dump(mode="json") for run in client.read_task_runs(
+            flow_run_filter=this_run)]
+        artifacts = [a.model_dump(mode="json") for a in client.read_artifacts(
+            flow_run_filter=this_run)]
     assert descriptor.counts["generated"] == 3
     assert proxy.auth_headers == [f"Bearer {secret}"] * 3
     assert any(m.startswith("generate summary") for m in logs)  # the logs did arrive
-    assert {a["key"] for a in artifacts} >= {"draftsmith-generate-sources",
-                                             "draftsmith-generate-summary"}
+    assert {a["key"] for a in artifacts} >= {"draftsmith-secret-test-generate-sources",
+                                             "draftsmith-secret-test-generate-summary",
+                                             "draftsmith-secret-test-generate-progress"}
     assert secret not in json.dumps([logs, runs, artifacts])
     for path in tmp_path.rglob("*"):
         if path.is_file():
@@ -369,8 +440,8 @@ def test_client_killed_mid_run_resumes_from_its_journal(proxy, served_target, se
     assert child.wait(timeout=300) == -signal.SIGKILL
     proxy.after_answer = None
     journaled = list(json.loads(line)["key"] for line in
-                     (journal_dir(plan) / "answers.jsonl").read_text().splitlines()
-                     if line.endswith("}"))
+                     (journal_of(plan, cfg, data_path, served_target) / "answers.jsonl")
+                     .read_text().splitlines() if line.endswith("}"))
     # Answers 1..3 arrived well before the crash; a starved client may not have written all.
     assert 1 <= len(journaled) <= 4 + concurrency and len(set(journaled)) == len(journaled)
 
@@ -385,3 +456,58 @@ def test_client_killed_mid_run_resumes_from_its_journal(proxy, served_target, se
     # for twice: at most the requests in flight then.
     assert len(proxy.answers) == n
     assert sum(proxy.answers.values()) - n <= concurrency
+
+
+def test_generate_max_new_tokens_is_the_budget_of_partitions_that_set_none(
+        proxy, served_target, served_target_dir, tmp_path):
+    """Without it a server applies its own limit (a mean of 538 tokens against 96 set)."""
+    data_path = write_prompts(tmp_path / "prompts.jsonl", 4, long_every=2)
+    cfg = GenerateConfig(backend="openai", max_new_tokens=7, endpoint={
+        "base_url": proxy.url, "model": str(served_target_dir), "timeout_s": 60,
+        "partitions": [{"max_prompt_tokens": 64, "concurrency": 2},  # no max_tokens: 7
+                       {"max_prompt_tokens": 4096, "concurrency": 1,
+                        "max_tokens": LONG_MAX_TOKENS}]})
+    descriptor, _ = run(cfg, data_path, served_target, served_target_dir, tmp_path)
+    assert set(proxy.max_in_flight) == {7, LONG_MAX_TOKENS}
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert summary["per_partition"]["<= 64 prompt tokens"]["completion_tokens"] <= 2 * 7
+    assert summary["seconds_this_attempt"] > 0 and summary["tokens_per_s"] > 0
+
+
+def test_generation_is_keyed_per_source_only_a_changed_source_is_asked(
+        proxy, served_target, served_target_dir, tmp_path):
+    """Two sources; the second gains a record: the next run (a new stage key: its data
+    changed) asks the server for that record alone, and reads every other answer from the
+    sources' journals."""
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    write_prompts(first, 3)
+
+    def write_second(n: int) -> None:  # prompts of its own (the proxy counts by prompt)
+        second.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Explain b{i}."}) + "\n"
+                                  for i in range(n)))
+
+    write_second(3)
+    cfg = generate_cfg(proxy, served_target_dir)
+    data = DataConfig(sources=[{"name": "a", "path": str(first)},
+                               {"name": "b", "path": str(second)}])
+
+    def generate(version: str):
+        plan = plan_stage(tmp_path, "generate", {"data": version}, [served_target])
+        return run_generate(cfg, data, TargetConfig(model=str(served_target_dir)),
+                            served_target, plan)
+
+    generate("before")
+    assert len(proxy.answers) == 6
+    write_second(4)  # b/p3 is new; the other records are as they were
+    descriptor = generate("after")
+    assert len(proxy.answers) == 7 and set(proxy.answers.values()) == {1}
+    summary = json.loads((descriptor.dir / "generation.json").read_text())
+    assert summary["per_source"] == {
+        "a": {"requests": 3, "answered_before": 3, "answered_this_attempt": 0},
+        "b": {"requests": 4, "answered_before": 3, "answered_this_attempt": 1}}
+    assert [r["id"] for r in records_of(descriptor)] == [
+        "a/p0", "a/p1", "a/p2", "b/p0", "b/p1", "b/p2", "b/p3"]
+    # Other generate settings are another journal: everything is asked again.
+    cfg = cfg.model_copy(update={"max_new_tokens": 9})
+    generate("new settings")
+    assert len(proxy.answers) == 7 and sum(proxy.answers.values()) == 14

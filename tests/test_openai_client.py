@@ -110,3 +110,23 @@ def test_api_key_resolution(monkeypatch):
     assert resolve_api_key(with_secret, secret_value="from-block") == "from-block"
     with pytest.raises(GenerateError, match="Prefect Secret block.*api_key_env"):
         resolve_api_key(with_secret)  # outside Prefect nothing resolves the block
+
+
+def test_a_completion_body_is_read_only_when_it_has_text():
+    from draftsmith.generate.openai_client import MalformedReply, parse_completion
+
+    def body(message, **extra):
+        return json.dumps({"choices": [{"message": message, "finish_reason": "stop"}], **extra})
+
+    empty = parse_completion(body({"role": "assistant", "content": ""}))
+    assert (empty.content, empty.prompt_tokens, empty.completion_tokens) == ("", None, None)
+    thought = parse_completion(body({"content": "4", "reasoning_content": "",
+                                     "reasoning": "two and two"},
+                                    usage={"prompt_tokens": 7, "completion_tokens": 1}))
+    assert (thought.reasoning, thought.prompt_tokens, thought.completion_tokens) == (
+        "two and two", 7, 1)
+    for bad, why in [('{"choices": [', "not JSON"), (body({"content": None}), "null"),
+                     (body({"content": "x"}, usage={"completion_tokens": -1}), "usage"),
+                     (json.dumps({"choices": None}), "choices is missing")]:
+        with pytest.raises(MalformedReply, match=why):
+            parse_completion(bad)

@@ -1,6 +1,10 @@
-"""Distributed mode against the real thing: `prefect server start` on a loopback port with its
-own PREFECT_HOME and SQLite database, `draftsmith prefect setup`, one process worker per pool,
-and the pipeline deployment started as the UI starts it (the REST API, the form's defaults).
+"""Distributed mode against the real thing: `prefect server start` (with its UI) on a loopback
+port with its own PREFECT_HOME and SQLite database, `draftsmith prefect setup`, one process
+worker per pool, and the pipeline deployment started as the UI starts it (the REST API, the
+form's defaults). What a user sees is checked where they see it: the artifacts (keyed per
+pipeline, with charts, shown by the UI in headless Chromium), the run summary, run names, new
+data that sticks across runs, per-source generation and runs queued under the deployment's
+concurrency limit.
 
 The GPU worker sees one stand-in GPU (tests/fake_nvidia_smi.sh) that a service holds until the
 first preflight has looked at it: generate's first attempt fails naming the holder, Prefect
@@ -10,6 +14,7 @@ retries it, and it succeeds.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
@@ -23,11 +28,15 @@ import httpx
 import pytest
 import yaml
 
+from draftsmith.config import load_config
+from draftsmith.fingerprints import data_descriptors, data_version
+from draftsmith.stages import STAGES as STAGE_TABLE
 from draftsmith.stages import names
+from tests import browser
 from tests.conftest import REPO
 from tests.test_sglang_launch import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # first_run waits up to 900 s
 STAGES = tuple(names())
 
 BIN = Path(sys.executable).parent
@@ -56,14 +65,17 @@ class Server:
     def __init__(self, root: Path):
         self.root = root
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}/api"
+        self.ui = f"http://127.0.0.1:{self.port}"
+        self.url = f"{self.ui}/api"
         self.env = {
             **os.environ,
             "PREFECT_HOME": str(root / "prefect-home"),
             "PREFECT_API_URL": self.url,
             "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-            "PREFECT_UI_ENABLED": "false",
+            "PREFECT_UI_ENABLED": "true",
             "PREFECT_WORKER_QUERY_SECONDS": "1",
+            # A run queued behind the deployment's concurrency limit tries again after this.
+            "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "1",
             "PYTHONUNBUFFERED": "1",
         }
@@ -126,7 +138,14 @@ class Server:
         response.raise_for_status()
         return response.json()
 
-    def wait_run(self, flow_run_id: str, timeout_s: float = 240) -> dict:
+    def artifacts(self, key: str, **artifact_filter) -> list[dict]:
+        """Every version of an artifact key, oldest first."""
+        response = self.api.post("/artifacts/filter", json={
+            "artifacts": {"key": {"any_": [key]}, **artifact_filter}, "sort": "CREATED_DESC"})
+        response.raise_for_status()
+        return response.json()[::-1]
+
+    def wait_run(self, flow_run_id: str, timeout_s: float = 900) -> dict:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             run = self.api.get(f"/flow_runs/{flow_run_id}").json()
@@ -137,11 +156,16 @@ class Server:
                            + self.log("worker-cpu")[-2000:] + self.log("worker-gpu")[-2000:])
 
 
+FINAL = {"COMPLETED", "FAILED", "CANCELLED", "CRASHED"}
+
+
 def stage_states(server: Server, pipeline_run: dict,
-                 timeout_s: float = 30) -> dict[str, tuple[str, dict]]:
-    """Each stage's task state, with the flow run it ran in (the pipeline's or a child's).
-    Task run states reach the server as events, which it may record a moment after the flow
-    run's final state: a task run without a state yet is read again."""
+                 timeout_s: float = 180) -> dict[str, tuple[str, dict]]:
+    """Each stage's final task state, with the flow run it ran in (the pipeline's or a
+    child's). Task runs and their states reach the server as events, which it may record well
+    after the flow run's final state on a busy machine: read again until every stage's task
+    run is there in a final state (or the timeout, and the caller's assertion says what is
+    missing)."""
     deadline = time.monotonic() + timeout_s
     while True:
         children = server.flow_runs(parent_flow_run_id={"any_": [pipeline_run["id"]]})
@@ -151,11 +175,11 @@ def stage_states(server: Server, pipeline_run: dict,
                 stage = task_run["name"].rsplit("-", 1)[0].replace("-", "_")
                 if stage not in STAGES:  # resolve-target, or the task that links a child run
                     continue
-                if task_run["state"] is None:
+                if task_run["state"] is None or task_run["state"]["type"] not in FINAL:
                     pending = True
                     continue
                 out[stage] = (task_run["state"]["name"], run, task_run)
-        if not pending or time.monotonic() > deadline:
+        if (not pending and len(out) == len(STAGES)) or time.monotonic() > deadline:
             return out
         time.sleep(0.5)
 
@@ -178,11 +202,11 @@ def config_file(tmp_path_factory):
     """examples/tiny.yaml, tinier: few records, one short epoch, two benchmark prompts."""
     root = tmp_path_factory.mktemp("orch")
     raw = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
-    for source in raw["data"]["sources"]:
+    for source in raw["data"]["sources"]:  # their first 12 records
         copy = root / os.path.basename(source["path"])
-        shutil.copy(REPO / "examples" / source["path"], copy)
+        lines = (REPO / "examples" / source["path"]).read_text().splitlines(keepends=True)
+        copy.write_text("".join(lines[:12]))
         source["path"] = str(copy)
-        source["limit"] = 12
     raw["run_root"] = str(root / "runs")
     raw["merge"]["validation_fraction"] = 0.25  # a held-out prompt for the benchmark
     raw["generate"]["max_new_tokens"] = 16
@@ -217,12 +241,12 @@ def workers(server, config_file):
     return setup.stdout
 
 
-def start_from_ui(server: Server) -> tuple[dict, str]:
+def start_from_ui(server: Server, **parameters) -> tuple[dict, str]:
     """What the UI's Run button does: a flow run of the deployment with the form's values,
-    which are the deployment's default parameters."""
+    which are the deployment's default parameters (and what the user changed)."""
     deployment = server.deployment("draftsmith-pipeline/cpu")
     response = server.api.post(f"/deployments/{deployment['id']}/create_flow_run",
-                               json={"parameters": deployment["parameters"]})
+                               json={"parameters": {**deployment["parameters"], **parameters}})
     response.raise_for_status()
     return deployment, response.json()["id"]
 
@@ -233,17 +257,20 @@ def first_run(server, workers):
     return deployment, server.wait_run(run_id)
 
 
-def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first_run):
+def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first_run,
+                                                          config_file):
     pools = {p["name"]: p["type"] for p in server.api.post("/work_pools/filter", json={}).json()}
     assert pools["cpu"] == "process" and pools["gpu"] == "process"
     limit = server.api.get("/v2/concurrency_limits/gpus-gpu-host").json()
     assert limit["limit"] == 1
     deployment, _ = first_run
     assert deployment["work_pool_name"] == "cpu"
-    # The form: typed parameters from the pydantic config, defaults from the config file.
-    schema = deployment["parameter_openapi_schema"]
-    assert "config" in schema["properties"]
-    assert deployment["parameters"]["config"]["orchestration"]["mode"] == "distributed"
+    assert deployment["global_concurrency_limit"]["limit"] == 1  # runs queue, never overlap
+    # The form's defaults: the config file, and the overrides that select distributed mode.
+    assert deployment["parameters"] == {
+        "config": str(config_file),
+        "overrides": ["orchestration.mode=distributed", "orchestration.gpu_host=gpu-host",
+                      "orchestration.endpoint_block=inference-endpoint"]}
     assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
     for stage in GPU_STAGES:
         gpu = server.deployment(f"draftsmith-{stage}/gpu")
@@ -263,6 +290,33 @@ def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first
     assert trigger and trigger[0]["trigger"]["expect"] == ["draftsmith.dataset.updated"]
     zombie = [a for a in automations if "heartbeats stopped" in a["name"]]
     assert zombie and zombie[0]["actions"][0]["state"] == "CRASHED"
+
+
+def test_the_form_is_short_typed_and_described(server, workers):
+    """The run form: a few typed fields a user understands, the stages as a multi-select of
+    the table's names, the whole config behind one advanced field."""
+    schema = server.deployment("draftsmith-pipeline/cpu")["parameter_openapi_schema"]
+    fields = schema["properties"]
+    assert list(fields) == ["config", "stages", "dataset", "epochs", "ttt_steps", "engine",
+                            "overrides", "full_config"]
+    stages_field = fields["stages"]  # a multi-select, empty: all
+    assert stages_field["type"] == "array" and stages_field["items"]["enum"] == list(STAGES)
+    assert stages_field["default"] == [] and fields["config"]["type"] == "string"
+    assert fields["engine"]["anyOf"][0]["enum"][:2] == ["embedded", "sglang"]
+    assert fields["full_config"]["anyOf"][0]["type"] == "object"  # one JSON field
+    for name, field in fields.items():
+        assert field.get("description"), name
+        assert ".md" not in field["description"] and "REFERENCE" not in field["description"]
+    assert "Advanced" in fields["full_config"]["description"]
+
+
+def test_a_bad_stage_name_is_refused_with_the_valid_ones(server, workers):
+    deployment = server.deployment("draftsmith-pipeline/cpu")
+    response = server.api.post(f"/deployments/{deployment['id']}/create_flow_run", json={
+        "parameters": {**deployment["parameters"], "stages": ["trian"]}})
+    assert response.status_code in (409, 422), response.text
+    assert "'trian' is not one of" in response.text
+    assert all(name in response.text for name in STAGES)
 
 
 def test_a_run_started_from_the_ui_completes_with_gpu_stages_on_the_gpu_worker(server,
@@ -285,6 +339,21 @@ def test_a_run_started_from_the_ui_completes_with_gpu_stages_on_the_gpu_worker(s
     assert f"submitting flow run '{run['id']}'" in cpu_log
 
 
+def run_name(config_file: Path) -> str:
+    config = load_config(config_file)
+    return f"tiny, data {data_version(data_descriptors(config))}"
+
+
+def test_runs_are_named_after_the_config_and_data_children_after_their_parent(
+        server, first_run, config_file):
+    _, run = first_run
+    run = server.api.get(f"/flow_runs/{run['id']}").json()
+    assert run["name"] == run_name(config_file)
+    states = stage_states(server, run)
+    for stage in GPU_STAGES:
+        assert states[stage][1]["name"] == f"{stage} for {run['name']}"
+
+
 def test_a_stage_that_failed_once_was_retried_and_succeeded(server, first_run):
     _, run = first_run
     _, _, task_run = stage_states(server, run)["generate"]
@@ -298,6 +367,85 @@ def test_a_stage_that_failed_once_was_retried_and_succeeded(server, first_run):
     assert any("GPU 0: pid 4242 nv-hostengine" in entry["message"] for entry in logs)
 
 
+def latest(server: Server, key: str, **artifact_filter) -> dict:
+    versions = server.artifacts(key, **artifact_filter)
+    assert versions, f"no artifact {key}"
+    return versions[-1]
+
+
+def test_metrics_are_keyed_artifacts_of_the_pipeline(server, first_run):
+    """Each report is an artifact keyed draftsmith-<pipeline>-<report>, so the Artifacts page
+    lists it and its versions accumulate per pipeline; values are rounded; the training table
+    has its logged steps as well as validation, tau and acceptance first."""
+    _, run = first_run
+    runs = {run["id"], *(c["id"] for c in server.flow_runs(
+        parent_flow_run_id={"any_": [run["id"]]}))}
+    mine = {"flow_run_id": {"any_": sorted(runs)}}
+    keys = ["generate-sources", "generate-summary", "merge-sources", "merge-vocab", "train",
+            "train-summary", "benchmark", "benchmark-configs", "run", "generate-progress",
+            "extract-progress", "train-progress", "benchmark-progress"]
+    for key in keys:
+        latest(server, f"draftsmith-tiny-{key}", **mine)
+    train = latest(server, "draftsmith-tiny-train", **mine)["data"]
+    rows = train if isinstance(train, list) else json.loads(train)
+    assert {r["split"] for r in rows} == {"train", "validation"}
+    assert list(rows[0])[:5] == ["split", "epoch", "step", "tau", "acceptance_replayed"]
+    for row in rows:
+        for value in row.values():
+            if isinstance(value, float):
+                assert value == round(value, 4)
+    configs = latest(server, "draftsmith-tiny-benchmark-configs", **mine)["data"]
+    configs = configs if isinstance(configs, list) else json.loads(configs)
+    assert list(configs[0])[:2] == ["config", "acceptance_length"]
+    progress = latest(server, "draftsmith-tiny-train-progress", **mine)
+    assert progress["type"] == "progress" and progress["data"] == 100.0
+    for report in ("train-summary", "benchmark"):
+        text = latest(server, f"draftsmith-tiny-{report}", **mine)["data"]
+        assert "](data:image/png;base64," in text  # the chart travels in the artifact
+
+
+def test_the_run_ends_with_its_summary(server, first_run):
+    _, run = first_run
+    summary = latest(server, "draftsmith-tiny-run", flow_run_id={"any_": [run["id"]]})
+    text = summary["data"]
+    assert summary["type"] == "markdown"
+    for heading in ("records", "tau", "measured acceptance", "speedup", "lossless",
+                    "| stage | state | result |"):
+        assert heading in text
+    for stage in STAGE_TABLE:
+        assert f"| {stage.label} | Completed |" in text
+    assert text.startswith(f"# {run_name_of(server, run)}")
+
+
+def run_name_of(server: Server, run: dict) -> str:
+    return server.api.get(f"/flow_runs/{run['id']}").json()["name"]
+
+
+def test_the_ui_shows_the_training_and_benchmark_charts(server, first_run, tmp_path):
+    """Headless Chromium opens each chart's artifact page in the Prefect UI: the image element
+    is there and loaded (naturalWidth > 0), not just the artifact."""
+    problem = browser.missing()
+    assert problem is None, problem
+    _, run = first_run
+    runs = {run["id"], *(c["id"] for c in server.flow_runs(
+        parent_flow_run_id={"any_": [run["id"]]}))}
+    shots = Path(os.environ.get("DRAFTSMITH_SCREENSHOTS", tmp_path))
+    chrome = browser.Browser()
+    try:
+        for key, alt in (("train-summary", "training loss and accuracy per step"),
+                         ("benchmark", "benchmark tokens/s and acceptance per config")):
+            artifact = latest(server, f"draftsmith-tiny-{key}",
+                              flow_run_id={"any_": sorted(runs)})
+            images = chrome.images(f"{server.ui}/artifacts/artifact/{artifact['id']}",
+                                   f'img[alt="{alt}"]')
+            chrome.screenshot(shots / f"{key}.png")
+            assert images, f"{key}: no chart image on the artifact page"
+            assert all(i["complete"] and i["width"] > 400 and i["height"] > 200
+                       for i in images), images
+    finally:
+        chrome.close()
+
+
 def test_a_second_run_is_all_cached(server, first_run):
     _, run_id = start_from_ui(server)
     run = server.wait_run(run_id)
@@ -308,13 +456,16 @@ def test_a_second_run_is_all_cached(server, first_run):
     assert server.flow_runs(parent_flow_run_id={"any_": [run["id"]]}) == []
 
 
-def test_a_new_data_event_starts_a_run_with_that_dataset(server, first_run, config_file):
+@pytest.fixture(scope="module")
+def new_data_run(server, first_run, config_file):
+    """A draftsmith.dataset.updated event with new content for one source: two more records."""
     raw = yaml.safe_load(config_file.read_text())
     source = raw["data"]["sources"][1]
-    # Same content under a new name: the run reads it, and content-addressed caching keeps
-    # every stage cached (tests/test_pipeline_e2e.py covers new content).
     update = config_file.parent / "openai-update.jsonl"
-    shutil.copy(source["path"], update)
+    lines = Path(source["path"]).read_text().splitlines()  # the records the run read
+    lines += [json.dumps({"id": f"new-{i}", "messages": [{"role": "user", "content": (
+        f"Complete this function from new{i}.py:\ndef grow{i}(values):")}]}) for i in range(2)]
+    update.write_text("\n".join(lines) + "\n")
     before = {r["id"] for r in server.flow_runs(
         deployment_id={"any_": [first_run[0]["id"]]})}
     notify = subprocess.run(
@@ -328,9 +479,48 @@ def test_a_new_data_event_starts_a_run_with_that_dataset(server, first_run, conf
                if r["id"] not in before]
         time.sleep(1)
     assert new, "no run started by the draftsmith.dataset.updated event"
-    run = server.wait_run(new[0]["id"])
+    return source, update, server.wait_run(new[0]["id"])
+
+
+def test_a_new_data_event_starts_a_run_that_answers_only_the_new_prompts(server, new_data_run):
+    source, update, run = new_data_run
     assert run["parameters"]["dataset"] == {"source": source["name"], "path": str(update)}
     assert run["state_type"] == "COMPLETED", run["state"]
+    states = stage_states(server, run)
+    assert {s: states[s][0] for s in states} == {s: "Completed" for s in STAGES}
+    # Generation is keyed per source: the unchanged source asked nothing, the updated one
+    # only for its two new prompts.
+    child = states["generate"][1]
+    table = latest(server, "draftsmith-tiny-generate-sources",
+                   flow_run_id={"any_": [child["id"]]})["data"]
+    rows = {r["source"]: r for r in (table if isinstance(table, list) else json.loads(table))}
+    assert (rows["stdlib-sharegpt"]["answered now"],
+            rows["stdlib-sharegpt"]["answers reused"]) == (0, 12)
+    assert (rows["stdlib-openai"]["answered now"],
+            rows["stdlib-openai"]["answers reused"]) == (2, 12)
+    assert rows["stdlib-openai"]["kept"] == 14
+
+
+def test_new_data_sticks_a_plain_run_later_finds_it_all_cached(server, new_data_run):
+    source, update, event_run = new_data_run
+    variable = server.api.get("/variables/name/draftsmith-tiny-data").json()
+    assert variable["value"] == {source["name"]: str(update)}
+    _, run_id = start_from_ui(server)  # the form's defaults: no dataset given
+    run = server.wait_run(run_id)
+    assert run["state_type"] == "COMPLETED", run["state"]
+    states = stage_states(server, run)
+    assert {s: states[s][0] for s in states} == {s: "Cached" for s in STAGES}
+    assert run_name_of(server, run) == run_name_of(server, event_run)  # the same data version
+
+
+def test_runs_arriving_together_queue_under_the_concurrency_limit(server, new_data_run):
+    ids = [start_from_ui(server)[1] for _ in range(2)]
+    runs = sorted((server.wait_run(i) for i in ids), key=lambda r: r["start_time"])
+    assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
+    assert runs[1]["start_time"] >= runs[0]["end_time"]  # one at a time
+    waited = [[s["name"] for s in server.api.get(
+        "/flow_run_states/", params={"flow_run_id": r["id"]}).json()] for r in runs]
+    assert any("AwaitingConcurrencySlot" in names for names in waited), waited
 
 
 def alive(pid: int) -> bool:

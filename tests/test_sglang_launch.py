@@ -18,9 +18,11 @@ from draftsmith.serve.process import ManagedProcess
 from draftsmith.serve.readiness import ReadinessError, wait_until_ready
 from draftsmith.serve.sglang_launch import (
     ALLOW_LONGER_CONTEXT_ENV,
+    SUPPORTED_SGLANG,
     LaunchError,
+    UnsupportedSGLangError,
     build_launch,
-    check_with_sglang_parser,
+    check_sglang_version,
 )
 from tests.conftest import REPO
 from tests.test_export import make_drafter
@@ -110,46 +112,89 @@ def test_a_speculators_layout_drafter_is_refused(drafter_dir):
         build_launch(deploy(), TARGET, drafter_dir.parent / "speculators")
 
 
-@pytest.fixture()
-def no_sglang_modules_left():
-    """The stand-in sglang package must not outlive its test (find_spec sees sys.modules)."""
-    yield
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-        del sys.modules[name]
+def test_both_servers_get_the_same_max_running_requests(drafter_dir):
+    """SGLang caps an EAGLE server at 48 running requests when unset and leaves a plain one
+    uncapped; the baseline must run under the same cap or the speedup is understated."""
+    def cap(launch):
+        return launch.argv[launch.argv.index("--max-running-requests") + 1]
+
+    cfg = deploy()
+    assert cap(build_launch(cfg, TARGET, drafter_dir)) == cap(build_launch(cfg, TARGET, None))
+    assert cap(build_launch(cfg, TARGET, None)) == "48"
+    cfg = deploy(max_running_requests=128)
+    assert cap(build_launch(cfg, TARGET, drafter_dir)) == cap(build_launch(cfg, TARGET, None))
+    assert cap(build_launch(cfg, TARGET, None)) == "128"
+    raw = {"data": {"sources": [{"name": "x", "path": "x.jsonl"}]},
+           "deploy": {"engine": "sglang", "extra_args": ["--max-running-requests=64"]}}
+    with pytest.raises(ConfigError, match="deploy.max_running_requests"):
+        parse_config(raw)
 
 
-def test_sglang_own_parser_rejects_an_unknown_flag(drafter_dir, tmp_path, monkeypatch,
-                                                   no_sglang_modules_left):
-    """With sglang importable, its ServerArgs parser reads the list (a tiny stand-in package
-    with SGLang's API here: ServerArgs.add_cli_args)."""
-    package = tmp_path / "pkgs" / "sglang" / "srt"
-    package.mkdir(parents=True)
-    (package.parent / "__init__.py").write_text("")
-    (package / "__init__.py").write_text("")
-    flags = ["--model-path", "--tp-size", "--host", "--port", "--speculative-algorithm",
-             "--speculative-draft-model-path", "--speculative-num-steps",
-             "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--context-length",
-             "--dtype"]
-    (package / "server_args.py").write_text(
-        "class ServerArgs:\n    @staticmethod\n    def add_cli_args(parser):\n"
-        f"        for flag in {flags!r}:\n            parser.add_argument(flag)\n"
-        "        parser.add_argument('--enable-metrics', action='store_true')\n")
-    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
-    for name in [m for m in sys.modules if m == "sglang" or m.startswith("sglang.")]:
-        monkeypatch.delitem(sys.modules, name)
-    assert check_with_sglang_parser(build_launch(deploy(), TARGET, drafter_dir))
-    with pytest.raises(LaunchError, match="--cuda-graph-max-bs"):
-        build_launch(deploy(extra_args=["--cuda-graph-max-bs", "8"]), TARGET, drafter_dir)
+@pytest.mark.parametrize(("extra_args", "refused"), [
+    (["--attention-backend", "flashmla"], True),  # page size 64, forced
+    (["--attention-backend=trtllm_mla"], True),
+    (["--attention-backend", "flex_attention", "--page-size", "16"], True),
+    (["--prefill-attention-backend", "flashmla", "--decode-attention-backend", "flashmla"], True),
+    (["--attention-backend", "fa3", "--page-size", "64"], False),  # SGLang's tree backends
+    (["--attention-backend", "flex_attention"], False),  # page size 1
+    ([], False),  # SGLang picks fa3 (Hopper) or flashinfer (Blackwell) for MLA
+])
+def test_tree_points_on_a_paged_mla_backend_are_refused_when_the_config_loads(extra_args,
+                                                                               refused):
+    raw = {"data": {"sources": [{"name": "x", "path": "x.jsonl"}]},
+           "deploy": {"engine": "sglang", "extra_args": extra_args},
+           "benchmark": {"sweep": [{"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+                                   {"num_steps": 3, "eagle_topk": 4, "num_draft_tokens": 8}]}}
+    if refused:
+        with pytest.raises(ConfigError, match=r"benchmark.sweep\[1\].eagle_topk=4"):
+            parse_config(raw)
+    else:
+        parse_config(raw)
+    chain = {**raw, "benchmark": {"sweep": raw["benchmark"]["sweep"][:1]}}
+    parse_config(chain)  # chains run on every backend
+    tree_deploy = {**chain, "deploy": {**raw["deploy"], "num_steps": 3, "eagle_topk": 4,
+                                       "num_draft_tokens": 8}}
+    if refused:
+        with pytest.raises(ConfigError, match="deploy.eagle_topk=4"):
+            parse_config(tree_deploy)
+
+
+def test_the_sglang_extra_pins_the_supported_range():
+    import tomllib
+
+    extra = tomllib.loads((REPO / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["sglang"]
+    assert extra == [f"sglang[all]{SUPPORTED_SGLANG}"]
+    checked = next(line.split("==")[1] for line in (
+        REPO / "tests" / "sglang_conformance" / "requirements.txt").read_text().splitlines()
+        if line.startswith("sglang=="))
+    # The conformance tests read the oldest supported version's code.
+    assert SUPPORTED_SGLANG.startswith(f">={checked},")
+
+
+@pytest.mark.parametrize(("version", "refused"), [
+    ("0.5.23", None), ("0.5.30.post1", None), ("0.5.24.dev3+gabc", None),
+    ("0.5.9", "runs SGLang 0.5.9; draftsmith supports SGLang >=0.5.23,<0.6"),
+    ("0.6.0", "runs SGLang 0.6.0"), (None, "reports no SGLang version"),
+    ("main", "not a version number"),
+])
+def test_sglang_versions_outside_the_supported_range_are_refused(version, refused):
+    if refused is None:
+        check_sglang_version(version, "the server")
+    else:
+        with pytest.raises(UnsupportedSGLangError, match=refused) as err:
+            check_sglang_version(version, "the server")
+        assert "pip install 'draftsmith[sglang]'" in str(err.value)
 
 
 # --------------------------------------------------------------------------- readiness
 
 
-def serve(drafter_dir, tmp_path, mode: str = "", **kw):
+def serve(drafter_dir, tmp_path, mode: str = "", version: str = "0.5.23", **kw):
     port = free_port()
     cfg = deploy(port=port, startup_timeout_s=kw.pop("timeout", 60), **kw)
     launch = build_launch(cfg, TARGET, drafter_dir)
-    env = {**launch.env, "FAKE_SGLANG_MODE": mode}
+    env = {**launch.env, "FAKE_SGLANG_MODE": mode, "FAKE_SGLANG_VERSION": version}
     return cfg, launch, ManagedProcess(launch.argv, tmp_path / "server.log", env)
 
 
@@ -168,10 +213,26 @@ def test_ready_server_passes_every_check(drafter_dir, tmp_path):
     ("never_listen", "port", "not open after"),
 ])
 def test_each_failed_readiness_check_says_which_and_why(drafter_dir, tmp_path, mode, check, why):
-    cfg, launch, process = serve(drafter_dir, tmp_path, mode, timeout=4)
+    # Only the server that never listens waits out its startup timeout: keep that one short.
+    # The others fail on their own as soon as they are up, which on a busy machine can take
+    # longer than a few seconds (python start-up and imports).
+    cfg, launch, process = serve(drafter_dir, tmp_path, mode,
+                                 timeout=4 if mode == "never_listen" else 300)
     with process, pytest.raises(ReadinessError) as info:
         wait_until_ready(launch.url, cfg, str(drafter_dir), process)
     assert info.value.check == check and why in str(info.value)
+
+
+@pytest.mark.parametrize(("version", "why"), [
+    ("0.5.9", "runs SGLang 0.5.9; draftsmith supports SGLang >=0.5.23,<0.6"),
+    ("none", "reports no SGLang version"),
+])
+def test_a_server_of_an_unsupported_sglang_is_not_ready(drafter_dir, tmp_path, version, why):
+    cfg, launch, process = serve(drafter_dir, tmp_path, version=version)
+    with process, pytest.raises(ReadinessError) as info:
+        wait_until_ready(launch.url, cfg, str(drafter_dir), process)
+    assert info.value.check == "version" and why in str(info.value)
+    assert launch.url in str(info.value)
 
 
 def test_stopping_the_server_stops_its_whole_process_group(drafter_dir, tmp_path):
@@ -201,6 +262,18 @@ def test_acceptance_length_sums_before_dividing():
     assert acceptance_length(metas) == pytest.approx(303 / 103)
     with pytest.raises(ValueError, match="spec_verify_ct"):
         acceptance_length([{"completion_tokens": 5}])
+
+
+def test_a_reply_without_a_verify_step_does_not_break_the_acceptance_length():
+    """SGLang adds spec_verify_ct only after a verify step: a reply whose first token was EOS
+    (or of max_new_tokens 1) has none, and was not decoded speculatively."""
+    metas = [{"completion_tokens": 1},
+             {"completion_tokens": 300, "spec_verify_ct": 100, "spec_accept_length": 3.0}]
+    assert acceptance_length(metas) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="no spec_verify_ct for a reply of 7 tokens"):
+        acceptance_length([*metas, {"completion_tokens": 7}])
+    with pytest.raises(ValueError, match="no verify steps"):
+        acceptance_length([{"completion_tokens": 1}])
 
 
 def test_busy_gpus_are_named_before_launch(tmp_path, monkeypatch):
@@ -236,21 +309,29 @@ def test_client_measures_a_server_running_the_embedded_engine(random_target, ran
         wait_until_ready(launch.url, cfg, str(drafter_dir), process, timeout_s=120)
         results, wall = asyncio.run(run_load(launch.url, prompts, max_new_tokens=12,
                                              concurrency=2))
+        # One token each: from the prefill, no verify step, no spec_verify_ct (as SGLang).
+        single, single_wall = asyncio.run(run_load(launch.url, prompts[:1] * 2,
+                                                   max_new_tokens=1))
     summary = summarize(results, wall)
+    assert all("spec_verify_ct" not in r.meta_info for r in single)
+    mixed = summarize([*results, *single], wall + single_wall)
+    assert mixed["acceptance_length"] == summary["acceptance_length"]
 
     model = load_target_model(random_target.path)
     engine = EmbeddedSpeculativeEngine.load(model, drafter_dir, num_steps=2)
     eos = model.generation_config.eos_token_id
-    expected_tokens = expected_rounds = 0
+    expected_tokens = expected_rounds = all_tokens = 0
     for prompt, result in zip(prompts, results, strict=True):
         local = engine.generate(prompt, 12, eos)
         assert result.output_ids == local.tokens == plain_generate(engine.runner, prompt, 12,
                                                                     eos).tokens
-        assert result.meta_info["spec_verify_ct"] == max(1, local.verify_rounds)
+        assert result.meta_info.get("spec_verify_ct", 0) == local.verify_rounds
         assert result.ttft_s <= result.latency_s
-        expected_tokens += len(local.tokens)
-        expected_rounds += max(1, local.verify_rounds)
-    assert summary["requests"] == 3 and summary["completion_tokens"] == expected_tokens
+        all_tokens += len(local.tokens)
+        if local.verify_rounds:
+            expected_tokens += len(local.tokens)
+            expected_rounds += local.verify_rounds
+    assert summary["requests"] == 3 and summary["completion_tokens"] == all_tokens
     assert summary["acceptance_length"] == pytest.approx(expected_tokens / expected_rounds,
                                                          abs=1e-3)
     assert summary["tokens_per_s"] > 0 and summary["inter_chunk_mean_s"] is not None
@@ -262,7 +343,7 @@ def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, 
     from draftsmith.serve.deploy import run_deploy_sglang
 
     exported = Descriptor(stage="export", path=str(tmp_path), key="k", fingerprint="f",
-                          figures={"drafter_dir": str(drafter_dir)})
+                          figures={"format": "sglang", "drafter_dir": str(drafter_dir)})
     with socket.socket() as holder:
         holder.bind(("127.0.0.1", 0))
         holder.listen()

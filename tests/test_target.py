@@ -9,9 +9,8 @@ import pytest
 import torch
 
 from draftsmith.config import TargetConfig
+from draftsmith.export.layer_ids import check_aux_layer_ids, default_aux_layer_ids
 from draftsmith.target import (
-    check_aux_layer_ids,
-    default_aux_layer_ids,
     family_of,
     load_target_head_and_embedding,
     resolve_target,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from prefect.states import Failed
 
+from draftsmith.errors import CheckpointError, ConfigValueError, WorkerCrashError
 from draftsmith.extract.preflight import DiskSpaceError
 from draftsmith.preflight import PreflightError
 from tasks.stages import retry_unless_hopeless
@@ -19,3 +20,47 @@ from tasks.stages import retry_unless_hopeless
 def test_preflight_failures_are_not_retried_other_failures_are(error, retried):
     state = Failed(data=error, message=repr(error))
     assert retry_unless_hopeless(None, None, state) is retried
+
+
+@pytest.mark.parametrize("error, attempts", [
+    (ConfigValueError("train.step_weights has 2 entries, ttt_steps is 3"), 1),
+    (CheckpointError("init_from/model.safetensors is truncated: re-export it"), 1),
+    (WorkerCrashError("extract: shards ['s0'] were not written (a worker failed)"), 3),
+    (RuntimeError("CUDA error: an illegal memory access"), 3),
+])
+def test_a_stage_task_fails_an_input_error_at_once_and_retries_the_rest(
+        prefect_api, tmp_path, error, attempts):
+    """The real stage task with its real retry policy, in a Prefect flow: an input error
+    would fail the same way again, so its message ends the task on the first attempt."""
+    from prefect import flow
+
+    from draftsmith import stages
+    from draftsmith.artifacts import plan_stage
+    from draftsmith.config import DataConfig, PipelineConfig, TargetConfig
+    from draftsmith.figures import Figures
+    from tasks.stages import stage_task
+
+    calls = []
+
+    def fails(_config, _inputs, _plan, _secret=None):
+        calls.append(1)
+        raise error
+
+    toy = stages.Stage("flaky", "fails", "tests/test_tasks.py", fails, inputs=(), section=None,
+                       figures=Figures, describe=lambda _d: "")
+    config = PipelineConfig(name="retry-test", run_root=str(tmp_path),
+                            target=TargetConfig(model="builtin:tiny"),
+                            data=DataConfig(sources=[{"name": "s", "path": "unused.jsonl"}]))
+    plan = plan_stage(tmp_path, "flaky", {}, [])
+    task = stage_task(toy).with_options(retry_delay_seconds=0)
+
+    states = []
+
+    @flow
+    def one_stage() -> None:
+        states.append(task(plan, config, {}, return_state=True))
+
+    one_stage()
+    state = states[0]
+    assert state.is_failed() and str(error) in state.message
+    assert len(calls) == attempts  # retries=2: three attempts, unless hopeless

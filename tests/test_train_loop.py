@@ -300,7 +300,7 @@ def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypat
         sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
         str(REPO / "tests" / "train_worker_killed.py"), "8", str(job)])
     out = tmp_path / "killed"
-    with pytest.raises(launch.TrainLaunchError):
+    with pytest.raises(launch.TrainCrashError):  # a crash: transient, the task retries it
         run_in(inputs, out, cfg)
     resume = out / trainer.RESUME_DIR
     assert sorted(p.name for p in resume.iterdir()) == [
@@ -345,13 +345,14 @@ def test_fsdp_misconfiguration_names_the_key_and_the_fix(inputs, tmp_path):
 
 
 def test_torchrun_failure_kills_the_group_and_names_the_cause(inputs, tmp_path):
-    from draftsmith.train.launch import TrainLaunchError, run_torchrun
+    from draftsmith.train.launch import TrainInputError, run_torchrun
 
     cfg = small_cfg(nproc_per_node=2, init_from=str(tmp_path / "no-such-drafter"))
     out = tmp_path / "ddp"
     out.mkdir()
     started = []
-    with pytest.raises(TrainLaunchError, match="no-such-drafter"):
+    # A rank refused its input: an input error in the parent too, never retried.
+    with pytest.raises(TrainInputError, match="no-such-drafter"):
         run_torchrun(cfg, inputs["hidden"], inputs["merged"], inputs["target"], out,
                      on_start=started.append)
     with pytest.raises(ProcessLookupError):
@@ -521,6 +522,27 @@ def test_online_under_torchrun_trains_what_offline_ddp_trains(inputs, ddp_run, t
     result = run_torchrun(torchrun_cfg(mode="online"), hidden, inputs["merged"],
                           inputs["target"], out, online=online)
     reference, reference_out = ddp_run
+    assert result["rows_trained"] == reference["rows_trained"]
+    for x, y in zip(reference["history"], result["history"], strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "tau")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa, wb = weights_of(reference_out), weights_of(out)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
+
+
+def test_online_under_fsdp_trains_what_offline_fsdp_trains(inputs, fsdp_run, tmp_path):
+    """FSDP as offline: each rank runs its own target's prefill and the sharded drafter reaches
+    the weights offline FSDP reaches, on the same rows."""
+    from draftsmith.train.launch import run_torchrun
+
+    hidden, online = online_inputs(inputs, tmp_path)
+    out = tmp_path / "online-fsdp"
+    out.mkdir()
+    result = run_torchrun(torchrun_cfg(mode="online", parallel="fsdp"), hidden,
+                          inputs["merged"], inputs["target"], out, online=online)
+    reference, reference_out = fsdp_run
     assert result["rows_trained"] == reference["rows_trained"]
     for x, y in zip(reference["history"], result["history"], strict=True):
         for key in x:

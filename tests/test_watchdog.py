@@ -74,9 +74,9 @@ def test_a_normal_exit_leaves_kept_children_alone():
 @pytest.mark.timeout(300)
 def test_prefects_temporary_server_dies_with_a_killed_run(tmp_path):
     code = ("from flows.local import start_temporary_api\n"
-            "from prefect.server.api.server import SubprocessASGIServer\n"
-            "start_temporary_api()\n"
-            "print(SubprocessASGIServer().server_process.pid, flush=True)\n"
+            "api = start_temporary_api()\n"
+            "api.wait_ready()\n"
+            "print(api.process.pid, flush=True)\n"
             "import time; time.sleep(600)\n")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_SERVER_ANALYTICS_ENABLED="false")

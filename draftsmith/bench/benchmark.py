@@ -19,7 +19,7 @@ from draftsmith.artifacts import (
     finish_stage,
     stage_output,
 )
-from draftsmith.bench.charts import plot_benchmark
+from draftsmith.bench.charts import markdown_table, plot_benchmark
 from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
 from draftsmith.data.formats import load_source
@@ -202,13 +202,6 @@ def markdown_report(summary: dict, verdict: str, configs: list[dict] | None = No
     return text + f"\n**{verdict}**\n"
 
 
-def markdown_table(rows: list[dict]) -> str:
-    columns = list(dict.fromkeys(k for r in rows for k in r))
-    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
-    body = "\n".join("| " + " | ".join(str(r.get(k, "")) for k in columns) + " |" for r in rows)
-    return f"{header}\n{body}\n"
-
-
 def _concurrency_sweep(url: str, prompts: list[list[int]], cfg: BenchmarkConfig,
                        speculative: bool) -> list[dict]:
     import asyncio
@@ -255,6 +248,14 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
     prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
     deployed = drafting_label(deploy_cfg.num_steps, deploy_cfg.eagle_topk,
                               deploy_cfg.num_draft_tokens)
+    from draftsmith.serve.sglang_launch import max_running_requests
+
+    cap = max_running_requests(deploy_cfg)
+    if max(cfg.concurrency) > cap:
+        log.warning("benchmark: concurrency %s is above the servers' max_running_requests=%d: "
+                    "requests beyond it queue, on both servers (raise "
+                    "deploy.max_running_requests to measure them running)",
+                    [c for c in cfg.concurrency if c > cap], cap)
     with stage_output(plan) as out:
         sweep = _concurrency_sweep(url, prompts, cfg, speculative=True)
         sampled = (_concurrency_sweep(url, prompts, cfg.model_copy(

@@ -1,4 +1,5 @@
-"""Benchmark charts (PNG and SVG): tokens/s and acceptance length per measured setting."""
+"""Benchmark results drawn: charts (PNG and SVG) of tokens/s and acceptance length per
+measured setting, and markdown tables."""
 
 from __future__ import annotations
 
@@ -18,3 +19,11 @@ def plot_benchmark(labels: list[str], tokens_per_s: list[float],
     ax_accept.set(title="acceptance length", ylabel="tokens per verify forward")
     fig.suptitle(title)
     return save_figure(fig, out_dir, "benchmark")
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """Rows as a markdown table, columns in the order they first appear."""
+    columns = list(dict.fromkeys(k for r in rows for k in r))
+    header = "| " + " | ".join(columns) + " |\n|" + "---|" * len(columns)
+    body = "\n".join("| " + " | ".join(str(r.get(k, "")) for k in columns) + " |" for r in rows)
+    return f"{header}\n{body}\n"

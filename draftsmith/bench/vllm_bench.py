@@ -24,7 +24,7 @@ from draftsmith.artifacts import (
     finish_stage,
     stage_output,
 )
-from draftsmith.bench.charts import plot_benchmark
+from draftsmith.bench.charts import markdown_table, plot_benchmark
 from draftsmith.bench.openai_load import Completion, run_completions, summarize
 from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
 from draftsmith.serve.vllm_launch import (
@@ -171,7 +171,6 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 
 def markdown_report(summary: dict[str, Any], rows: list[dict[str, Any]], verdict: str) -> str:
-    from draftsmith.bench.benchmark import markdown_table
 
     table = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
     text = f"# draftsmith benchmark: vLLM\n\n| metric | value |\n|---|---|\n{table}\n"

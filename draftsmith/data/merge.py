@@ -16,11 +16,11 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
 from draftsmith.config import MergeConfig
-from draftsmith.data.formats import Record
+from draftsmith.data.formats import DataFormatError, Record
 from draftsmith.data.overlap import Prompt, check_overlap
 from draftsmith.data.tokenize import check_special_tokens, tokenize_record
 from draftsmith.data.vocab import build_vocab_map
-from draftsmith.figures import TargetFigures
+from draftsmith.figures import MERGE_COVERAGE_FILE, TargetFigures
 from draftsmith.generate.stage import read_records
 from draftsmith.target import load_tokenizer
 
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation")
 VOCAB_FILE = "vocab_map.safetensors"
-COVERAGE_FILE = "vocab_coverage.json"
+COVERAGE_FILE = MERGE_COVERAGE_FILE
 CHECKS_FILE = "checks.json"
 OVERLAP_FILE = "benchmark_overlap.json"
 
@@ -146,8 +146,8 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
         source["tokens"] += len(ids)
         source["masked_tokens"] += sum(mask)
     if not rows["train"]:
-        raise ValueError(f"merge: no training records left out of {len(records)}; see per-source "
-                         f"counts {json.loads(json.dumps(per_source))}")
+        raise DataFormatError(f"merge: no training records left out of {len(records)}; see "
+                              f"per-source counts {json.loads(json.dumps(per_source))}")
 
     masked_ids = (t for row in rows["train"]
                   for t, m in zip(row["input_ids"], row["loss_mask"], strict=True) if m)

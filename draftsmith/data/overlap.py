@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from draftsmith.data.formats import Record, load_source
+from draftsmith.errors import InputError
 
 NGRAM = 8
 # An n-gram in more than this share of either set's prompts (and in more than 2) is template.
@@ -29,7 +30,7 @@ COMMON_SHARE = 0.05
 _TOKEN = re.compile(r"\w+|[^\w\s]")
 
 
-class OverlapError(ValueError):
+class OverlapError(InputError, ValueError):
     """Training data that overlaps the benchmark; the message names the records and the fix."""
 
 
@@ -94,7 +95,8 @@ def check_overlap(records: list[Record], benchmark: list[Prompt], benchmark_name
         return {"record": train[i].id, "source": train[i].source,
                 "benchmark": benchmark[j].id, "similarity": round(score, 4)}
 
-    near = [pair(*b) for b in best if b[0] >= max_similarity]
+    exact_ids = {e["record"] for e in exact}  # an exact copy is not counted again as near
+    near = [pair(*b) for b in best if b[0] >= max_similarity and train[b[1]].id not in exact_ids]
     report = {
         "benchmark": benchmark_name,
         "benchmark_prompts": len(benchmark),
@@ -126,7 +128,7 @@ def benchmark_prompt_set(prompts_builtin: str | None, prompts_file: str | None
     """(name, every prompt) of the benchmark's own prompt set, or None when it benchmarks on
     the validation split (disjoint from training by construction)."""
     if prompts_builtin:
-        records, _ = load_source("benchmark", builtin=prompts_builtin)
+        records, _ = load_source(prompts_builtin, builtin=prompts_builtin)
         name = f"builtin:{prompts_builtin}"
     elif prompts_file:
         records, _ = load_source("benchmark", prompts_file)

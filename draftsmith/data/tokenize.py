@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from draftsmith.data.formats import Record
+from draftsmith.errors import InputError
 
 THINK_OPEN, THINK_CLOSE = "<think>\n", "\n</think>\n\n"
 
 
-class TemplateError(ValueError):
+class TemplateError(InputError, ValueError):
     pass
 
 

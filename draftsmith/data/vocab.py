@@ -11,6 +11,8 @@ from collections.abc import Iterable
 
 import torch
 
+from draftsmith.errors import ConfigValueError
+
 
 def build_vocab_map(
     masked_token_ids: Iterable[int], target_vocab_size: int, draft_vocab_size: int
@@ -21,7 +23,7 @@ def build_vocab_map(
     share of masked tokens whose id is in the draft vocab.
     """
     if draft_vocab_size > target_vocab_size:
-        raise ValueError(
+        raise ConfigValueError(
             f"merge.draft_vocab_size={draft_vocab_size} exceeds the target vocab "
             f"({target_vocab_size}); set it to at most {target_vocab_size}"
         )

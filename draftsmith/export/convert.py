@@ -7,13 +7,12 @@ Every write is validated against the layout's description after it lands on disk
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from pydantic import ValidationError
 from safetensors.torch import save_file
 
 from draftsmith.artifacts import atomic_path, atomic_write_json
@@ -24,7 +23,6 @@ from draftsmith.export.formats import (
     SGLANG,
     ExportError,
     Layout,
-    drafter_tensors,
     layout_named,
 )
 from draftsmith.export.layer_ids import LayerIdError, engine_layer_ids
@@ -32,6 +30,9 @@ from draftsmith.export.validate import tensor_problems
 from draftsmith.model.eagle3 import Eagle3Config
 
 WEIGHTS_FILE = "model.safetensors"
+# What to do about a damaged drafter in an engine's layout: it came from elsewhere or from export.
+REFETCH = ("re-download it (or copy it again), or write it again with `draftsmith export` from "
+           "the native checkpoint")
 
 
 @dataclass
@@ -44,15 +45,23 @@ class DrafterCheckpoint:
     raw_config: dict[str, Any] = field(default_factory=dict)
 
 
-def read_weight_files(directory: Path) -> dict[str, torch.Tensor]:
+def read_weight_files(directory: Path, fix: str = REFETCH) -> dict[str, torch.Tensor]:
     files = sorted(directory.glob("*.safetensors"))
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(str(f), framework="pt") as handle:
-            tensors.update({name: handle.get_tensor(name) for name in handle.keys()})  # noqa: SIM118
+        tensors.update(native.read_safetensors(f, fix))
     if not files:
         for f in sorted(directory.glob("pytorch_model*.bin")):  # the EAGLE repository's files
-            tensors.update(torch.load(f, map_location="cpu", weights_only=True))
+            try:
+                state = torch.load(f, map_location="cpu", weights_only=True)
+            except Exception as err:  # noqa: BLE001 - pickle, zip and torch errors alike
+                raise ExportError(f"{f}: not a readable PyTorch weight file "
+                                  f"({type(err).__name__}: {err}); it is truncated or damaged: "
+                                  f"{fix}") from None
+            if not isinstance(state, dict):
+                raise ExportError(f"{f}: holds a {type(state).__name__}, expected a state dict "
+                                  "of tensors")
+            tensors.update(state)
     if not tensors:
         raise ExportError(f"{directory}: no *.safetensors or pytorch_model*.bin weight files")
     return tensors
@@ -66,7 +75,7 @@ def detect_layout(directory: str | Path) -> str:
     if not config_path.is_file():
         raise ExportError(f"{directory}: neither {native.META_FILE} (draftsmith native) nor "
                           "config.json (SGLang/EAGLE/SpecForge/speculators) is there")
-    config = json.loads(config_path.read_text())
+    config = native.read_json_file(config_path, REFETCH)
     for layout in LAYOUTS.values():
         if layout.is_layout_of(config):
             if layout.name == "sglang" and _has_embedding(directory):
@@ -78,11 +87,8 @@ def detect_layout(directory: str | Path) -> str:
 
 
 def _has_embedding(directory: Path) -> bool:
-    for f in directory.glob("*.safetensors"):
-        with safe_open(str(f), framework="pt") as handle:
-            if "embed_tokens.weight" in handle.keys():  # noqa: SIM118
-                return True
-    return False
+    return any("embed_tokens.weight" in native.safetensors_keys(f, REFETCH)
+               for f in directory.glob("*.safetensors"))
 
 
 def _layout_of(name: str) -> Layout:
@@ -96,18 +102,20 @@ def read_drafter(directory: str | Path, family: str = "llama",
     checkpoints draftsmith wrote carry their canonical ids."""
     directory = Path(directory)
     layout_name = detect_layout(directory)
+    fix = native.REMAKE if layout_name == "native" else REFETCH
     if layout_name == "native":
         raw = native.read_native_meta(directory)
-        cfg = Eagle3Config.model_validate(raw["config"])
+        cfg = native.config_of(raw, directory / native.META_FILE)
         layout = SGLANG  # native tensor names are SGLang's
     else:
         layout = _layout_of(layout_name)
-        raw = json.loads((directory / "config.json").read_text())
+        raw = native.read_json_file(directory / "config.json", REFETCH)
         missing = layout.missing_config(raw)
         if missing:
             raise ExportError(f"{directory / 'config.json'}: missing config fields {missing} "
                               f"for the {layout.name} layout (SGLang fails without "
-                              "draft_vocab_size and mis-loads without the others)")
+                              "draft_vocab_size and mis-loads without the others); add them, "
+                              f"or {REFETCH}")
         if layout.architecture not in raw["architectures"]:
             raise ExportError(f"{directory / 'config.json'}: architectures is "
                               f"{raw['architectures']}, expected [{layout.architecture!r}]")
@@ -115,14 +123,27 @@ def read_drafter(directory: str | Path, family: str = "llama",
             cfg = layout.parse_config(raw, family, num_layers)
         except LayerIdError as err:
             raise ExportError(str(err)) from None
-    files = read_weight_files(directory)
+        except ExportError:
+            raise
+        except ValidationError as err:
+            fields = ", ".join(".".join(str(p) for p in e["loc"]) + f" ({e['msg']})"
+                               for e in err.errors())
+            raise ExportError(f"{directory / 'config.json'}: values that make no drafter: "
+                              f"{fields}; {REFETCH}") from None
+        except (KeyError, TypeError, ValueError, IndexError) as err:
+            raise ExportError(f"{directory / 'config.json'}: a field is missing or of the wrong "
+                              f"type ({type(err).__name__}: {err}); {REFETCH}") from None
+    files = read_weight_files(directory, fix)
     expected = layout.expected_tensors(cfg, optional=True)
     optional = {name: expected.pop(name) for name in OPTIONAL_TENSORS}  # no layer prefix
     problems = tensor_problems(files, expected, optional)
     tensors = {layout.to_native_name(n): t for n, t in files.items()}
+    if "d2t" not in layout.expected_tensors(cfg):  # a full-vocab drafter: the identity map
+        tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        tensors.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
     if problems:
         raise ExportError(f"{directory} is not a valid {layout_name} EAGLE-3 drafter:\n  - "
-                          + "\n  - ".join(problems))
+                          + "\n  - ".join(problems) + f"\n{fix[0].upper()}{fix[1:]}")
     return DrafterCheckpoint(layout_name, cfg, tensors, raw)
 
 
@@ -141,7 +162,7 @@ def export_drafter(state: dict[str, torch.Tensor], cfg: Eagle3Config, layout_nam
     except LayerIdError as err:
         raise ExportError(str(err)) from None
     tensors = {layout.to_layout_name(name): state[name].detach().cpu().contiguous()
-               for name in drafter_tensors(cfg)}
+               for name in layout.native_tensors(cfg)}
     with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_json(out_dir / "config.json", config)

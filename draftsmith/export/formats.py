@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from draftsmith.errors import InputError
 from draftsmith.export.layer_ids import canonical_layer_ids, engine_layer_ids
 from draftsmith.model.eagle3 import Eagle3Config
 
@@ -19,9 +20,10 @@ NATIVE_LAYER_PREFIX = "midlayer."
 # Present in some checkpoints (SpecForge, speculators); never required, never exported: the
 # serving engine shares the target's embedding.
 OPTIONAL_TENSORS = ("embed_tokens.weight",)
+VOCAB_MAP = ("d2t", "t2d")
 
 
-class ExportError(ValueError):
+class ExportError(InputError, ValueError):
     pass
 
 
@@ -58,38 +60,6 @@ def drafter_tensors(cfg: Eagle3Config, optional: bool = False) -> dict[str, Tens
     return specs
 
 
-def _llama_fields(cfg: Eagle3Config) -> dict[str, Any]:
-    return {
-        "model_type": "llama",
-        "num_hidden_layers": 1,
-        "hidden_size": cfg.hidden_size,
-        "intermediate_size": cfg.intermediate_size,
-        "num_attention_heads": cfg.num_attention_heads,
-        "num_key_value_heads": cfg.num_key_value_heads,
-        "head_dim": cfg.head_dim,
-        "hidden_act": cfg.hidden_act,
-        "rms_norm_eps": cfg.rms_norm_eps,
-        "rope_theta": cfg.rope_theta,
-        "rope_scaling": cfg.rope_scaling,
-        "max_position_embeddings": cfg.max_position_embeddings,
-        "vocab_size": cfg.vocab_size,
-        "tie_word_embeddings": False,
-    }
-
-
-def _config_from_llama_fields(llama: dict[str, Any], **rest: Any) -> Eagle3Config:
-    return Eagle3Config(
-        hidden_size=llama["hidden_size"], intermediate_size=llama["intermediate_size"],
-        num_attention_heads=llama["num_attention_heads"],
-        num_key_value_heads=llama.get("num_key_value_heads") or llama["num_attention_heads"],
-        head_dim=llama.get("head_dim") or llama["hidden_size"] // llama["num_attention_heads"],
-        rms_norm_eps=llama.get("rms_norm_eps", 1e-6), rope_theta=llama.get("rope_theta", 1e4),
-        rope_scaling=llama.get("rope_scaling"),
-        max_position_embeddings=llama["max_position_embeddings"],
-        vocab_size=llama["vocab_size"], hidden_act=llama.get("hidden_act", "silu"), **rest,
-    )
-
-
 @dataclass(frozen=True)
 class Layout:
     """One on-disk drafter layout: names, architecture, required config fields."""
@@ -99,6 +69,16 @@ class Layout:
     architecture: str
     layer_prefix: str
     required_config: tuple[str, ...]
+    # vLLM creates no draft_id_to_target_id when draft_vocab_size == vocab_size, and a d2t
+    # tensor then fails to load: such a layout leaves the (identity) vocab map out.
+    identity_vocab_map_omitted: bool = False
+
+    def native_tensors(self, cfg: Eagle3Config, optional: bool = False) -> dict[str, TensorSpec]:
+        """drafter_tensors(cfg), less what this layout leaves out."""
+        specs = drafter_tensors(cfg, optional)
+        if self.identity_vocab_map_omitted and cfg.draft_vocab_size == cfg.vocab_size:
+            specs = {n: spec for n, spec in specs.items() if n not in VOCAB_MAP}
+        return specs
 
     def to_layout_name(self, native: str) -> str:
         if native.startswith(NATIVE_LAYER_PREFIX):
@@ -111,7 +91,7 @@ class Layout:
         return name
 
     def expected_tensors(self, cfg: Eagle3Config, optional: bool = False) -> dict[str, TensorSpec]:
-        return {self.to_layout_name(n): s for n, s in drafter_tensors(cfg, optional).items()}
+        return {self.to_layout_name(n): s for n, s in self.native_tensors(cfg, optional).items()}
 
     def is_layout_of(self, config: dict[str, Any]) -> bool:
         return self.architecture in (config.get("architectures") or [])
@@ -131,8 +111,19 @@ class Layout:
                       num_layers: int | None) -> list[int]:
         """draftsmith's own exports say their canonical ids; others follow the engine rule."""
         ours = config.get("draftsmith") or {}
-        return ours.get("canonical_aux_layer_ids") or canonical_layer_ids(
-            self.written_layer_ids(config), family, self.engine, num_layers)
+        written = self.written_layer_ids(config)
+        canonical = ours.get("canonical_aux_layer_ids")
+        if not canonical:
+            return canonical_layer_ids(written, family, self.engine, num_layers)
+        # The engine reads the written ids, not ours: an edited file must not pass unnoticed.
+        expected = engine_layer_ids(canonical, ours.get("target_family") or family, self.engine)
+        if written != expected:
+            raise ExportError(
+                f"the aux layer ids the engine reads ({written}) disagree with "
+                f"draftsmith.canonical_aux_layer_ids {canonical}, which a "
+                f"{ours.get('target_family') or family} target needs written as {expected}; "
+                "the config was edited or damaged: export it again with `draftsmith export`")
+        return canonical
 
     def missing_config(self, config: dict[str, Any]) -> list[str]:
         return [f for f in self.required_config if _lookup(config, f) is None]
@@ -153,9 +144,12 @@ class SGLangLayout(Layout):
     def build_config(self, cfg, family, dtype, extras):
         return {
             "architectures": [self.architecture],
-            **_llama_fields(cfg),
+            **cfg.hf_fields(),
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
+            # fc's input width in aux states; SGLang 0.5.23 reads it before counting the ids
+            # (0.5.9 assumed 3).
+            "num_aux_hidden_states": len(cfg.aux_layer_ids),
             "torch_dtype": dtype,
             "eagle_config": {
                 "eagle_aux_hidden_state_layer_ids": engine_layer_ids(cfg.aux_layer_ids, family,
@@ -171,7 +165,7 @@ class SGLangLayout(Layout):
         return list(config["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
 
     def parse_config(self, config, family, num_layers=None):
-        return _config_from_llama_fields(
+        return Eagle3Config.from_hf(
             config, draft_vocab_size=config["draft_vocab_size"],
             target_hidden_size=config.get("target_hidden_size") or config["hidden_size"],
             aux_layer_ids=self.canonical_ids(config, family, num_layers))
@@ -198,7 +192,10 @@ class SpeculatorsLayout(Layout):
                 "verifier": {"name_or_path": verifier.get("name_or_path", ""),
                              "architectures": verifier.get("architectures", [])},
             },
-            "transformer_layer_config": _llama_fields(cfg),
+            # vLLM builds the drafter from this dict; its fc is 3*H unless it holds
+            # num_aux_hidden_states (the ids at top level are not where vLLM counts them).
+            "transformer_layer_config": {**cfg.hf_fields(),
+                                         "num_aux_hidden_states": len(cfg.aux_layer_ids)},
             "draft_vocab_size": cfg.draft_vocab_size,
             "target_hidden_size": cfg.target_hidden_size,
             "norm_before_residual": False,
@@ -226,7 +223,7 @@ class SpeculatorsLayout(Layout):
                 "(false) and cannot run it"
             )
         layer = config["transformer_layer_config"]
-        return _config_from_llama_fields(
+        return Eagle3Config.from_hf(
             layer, draft_vocab_size=config["draft_vocab_size"],
             target_hidden_size=config.get("target_hidden_size") or layer["hidden_size"],
             aux_layer_ids=self.canonical_ids(config, family, num_layers))
@@ -251,6 +248,7 @@ SPECULATORS = SpeculatorsLayout(
                      "transformer_layer_config.vocab_size",
                      "transformer_layer_config.max_position_embeddings", "draft_vocab_size",
                      "norm_before_residual", "eagle_aux_hidden_state_layer_ids"),
+    identity_vocab_map_omitted=True,
 )
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (SGLANG, SPECULATORS)}
 

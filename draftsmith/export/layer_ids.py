@@ -11,16 +11,59 @@ list in the drafter's config depends on the engine and, for SGLang, on the targe
   c+1 when c[0] >= 2; c[0] == 0 cannot be expressed (refused).
 - SGLang, GPT-OSS: ids used as inputs when max(ids) == num_layers, else +1 -> write c.
 - vLLM (speculators layout): captures the input of layer id for every family -> write c+1.
+
+Which canonical ids a run extracts (the configured list or EAGLE-3's default) is decided here
+too, so the extract stage and the SGLang capture backend ask the same module.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from draftsmith.errors import ConfigValueError, InputError
+
+if TYPE_CHECKING:
+    from draftsmith.artifacts import Descriptor
+    from draftsmith.config import ExtractConfig
 
 FAMILIES = ("llama", "qwen", "deepseek", "gpt-oss")
 ENGINES = ("sglang", "vllm")
 
 
-class LayerIdError(ValueError):
+class LayerIdError(InputError, ValueError):
     pass
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's default: outputs of layers 1, L//2-1 and L-4 (canonical convention)."""
+    return [1, num_layers // 2 - 1, num_layers - 4]
+
+
+def check_aux_layer_ids(ids: list[int], num_layers: int) -> list[int]:
+    if not ids:
+        raise ConfigValueError(
+            f"extract.aux_layer_ids=[]: the drafter needs at least one aux layer; give ids "
+            f"within 0..{num_layers - 1}, or remove the key for the default "
+            f"{default_aux_layer_ids(num_layers)}")
+    bad = [i for i in ids if not 0 <= i < num_layers]
+    if bad:
+        raise ConfigValueError(
+            f"extract.aux_layer_ids={ids}: ids {bad} are outside 0..{num_layers - 1} "
+            f"(id i = output of decoder layer i; this target has {num_layers} layers)"
+        )
+    if len(set(ids)) != len(ids) or sorted(ids) != ids:
+        raise ConfigValueError(f"extract.aux_layer_ids={ids}: ids must be distinct and "
+                               "ascending")
+    return ids
+
+
+def aux_layer_ids_for(cfg: ExtractConfig, target: Descriptor) -> list[int]:
+    """The canonical aux ids a run extracts: extract.aux_layer_ids, or EAGLE-3's default."""
+    from draftsmith.figures import TargetFigures
+
+    num_layers = TargetFigures.of(target).num_layers
+    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
+    return check_aux_layer_ids(list(ids), num_layers)
 
 
 def _check_family(family: str) -> None:

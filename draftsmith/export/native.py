@@ -1,6 +1,7 @@
 """draftsmith's native drafter checkpoint: safetensors + draftsmith.json with full provenance.
 
 The target's embedding is not stored (it is the target's, frozen); loading copies it back in.
+Every read is guarded: a damaged file is an ExportError naming it, what is wrong and the fix.
 """
 
 from __future__ import annotations
@@ -10,15 +11,68 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from pydantic import ValidationError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 
 from draftsmith.artifacts import atomic_path, atomic_write_json
+from draftsmith.export.formats import ExportError
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 
 WEIGHTS_FILE = "drafter.safetensors"
 META_FILE = "draftsmith.json"
 NATIVE_FORMAT = "draftsmith-eagle3"
 NOT_STORED = ("embed_tokens.weight",)
+# What to do about a damaged native checkpoint: it is written by train and import.
+REMAKE = ("write it again: rerun the train stage (or `draftsmith import` the drafter again), or "
+          "copy it again if it was copied")
+
+
+def read_json_file(path: Path, fix: str) -> dict[str, Any]:
+    """A JSON object from a checkpoint file, or an ExportError naming the file and `fix`."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ExportError(f"{path}: missing; {fix}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ExportError(f"{path}: not valid JSON ({err}), the file is truncated or damaged; "
+                          f"{fix}") from None
+    if not isinstance(data, dict):
+        raise ExportError(f"{path}: holds a JSON {type(data).__name__}, expected an object; "
+                          f"{fix}")
+    return data
+
+
+def read_safetensors(path: Path, fix: str) -> dict[str, torch.Tensor]:
+    """Every tensor of a safetensors file, or an ExportError naming the file and `fix`."""
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return {name: handle.get_tensor(name) for name in handle.keys()}  # noqa: SIM118
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        size = Path(path).stat().st_size if Path(path).is_file() else 0
+        raise ExportError(f"{path} ({size} bytes): not a readable safetensors file ({err}); it "
+                          f"is truncated or damaged: {fix}") from None
+
+
+def safetensors_keys(path: Path, fix: str) -> list[str]:
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            return list(handle.keys())
+    except (SafetensorError, OSError, ValueError, RuntimeError) as err:
+        raise ExportError(f"{path}: not a readable safetensors file ({err}); it is truncated "
+                          f"or damaged: {fix}") from None
+
+
+def config_of(meta: dict[str, Any], where: Path) -> Eagle3Config:
+    if "config" not in meta:
+        raise ExportError(f"{where}: no 'config' key (the drafter's shape); {REMAKE}")
+    try:
+        return Eagle3Config.model_validate(meta["config"])
+    except ValidationError as err:
+        fields = ", ".join(".".join(str(p) for p in e["loc"]) + f" ({e['msg']})"
+                           for e in err.errors())
+        raise ExportError(f"{where}: 'config' is not a drafter config: {fields}; {REMAKE}"
+                          ) from None
 
 
 def save_native(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict[str, Any],
@@ -39,17 +93,21 @@ def save_native(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict[st
 
 
 def read_native_meta(ckpt_dir: str | Path) -> dict[str, Any]:
-    meta = json.loads((Path(ckpt_dir) / META_FILE).read_text())
+    meta = read_json_file(Path(ckpt_dir) / META_FILE, REMAKE)
     if meta.get("format") != NATIVE_FORMAT:
-        raise ValueError(f"{ckpt_dir}: not a native draftsmith checkpoint ({META_FILE} says "
-                         f"format={meta.get('format')!r})")
+        raise ExportError(f"{ckpt_dir}: not a native draftsmith checkpoint ({META_FILE} says "
+                          f"format={meta.get('format')!r}, expected {NATIVE_FORMAT!r})")
     return meta
 
 
 def load_native(ckpt_dir: str | Path, embed: torch.Tensor) -> Eagle3Drafter:
     meta = read_native_meta(ckpt_dir)
-    drafter = Eagle3Drafter(Eagle3Config.model_validate(meta["config"]))
-    state = load_file(str(Path(ckpt_dir) / WEIGHTS_FILE))
+    drafter = Eagle3Drafter(config_of(meta, Path(ckpt_dir) / META_FILE))
+    weights = Path(ckpt_dir) / WEIGHTS_FILE
+    state = read_safetensors(weights, REMAKE)
     state["embed_tokens.weight"] = embed
-    drafter.load_state_dict(state, strict=True)
+    result = drafter.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ExportError(f"{weights}: tensors do not fit its {META_FILE}: missing "
+                          f"{result.missing_keys}, unexpected {result.unexpected_keys}; {REMAKE}")
     return drafter.eval()

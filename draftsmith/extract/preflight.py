@@ -17,6 +17,7 @@ import pyarrow.parquet as pq
 
 from draftsmith.artifacts import Descriptor
 from draftsmith.config import ExtractConfig
+from draftsmith.errors import InputError
 from draftsmith.figures import TargetFigures
 
 log = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 OVERHEAD = 0.02
 
 
-class DiskSpaceError(RuntimeError):
+class DiskSpaceError(InputError, RuntimeError):
     pass
 
 

@@ -7,6 +7,11 @@ chunked prefill is seen in pieces). The client sends each sample's token ids wit
 request id and max_new_tokens=1, reads the dump named by that id, checks the tokens in it
 against the sample, and assembles the same shards as the transformers backend. Finished shards
 are skipped on a rerun; dumps are deleted once their shard is written.
+
+Before bulk capture the server must prove itself: /server_info reports a supported SGLang
+without attention data parallelism, and one real request (the probe) produces a dump with
+the expected shapes, layers and layer count. Otherwise the stage stops, naming the likely
+cause, instead of timing out sample after sample.
 """
 
 from __future__ import annotations
@@ -25,7 +30,8 @@ import httpx
 import torch
 from safetensors import safe_open
 
-from draftsmith.config import ExtractConfig, TargetConfig
+from draftsmith.config import ExtractConfig, TargetConfig, sglang_flag
+from draftsmith.errors import ConfigValueError, TransientError
 from draftsmith.extract.sglang_dump import (
     ENV_ARCH,
     ENV_DIR,
@@ -38,7 +44,12 @@ from draftsmith.figures import TargetFigures
 from draftsmith.progress import Progress
 from draftsmith.serve.process import ManagedProcess
 from draftsmith.serve.readiness import wait_for_port
-from draftsmith.serve.sglang_launch import SGLangLaunch, check_with_sglang_parser
+from draftsmith.serve.sglang_launch import (
+    SGLangLaunch,
+    UnsupportedSGLangError,
+    check_sglang_version,
+    check_with_sglang_parser,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,16 +57,41 @@ EXTERNAL_PACKAGE = "draftsmith.extract.sglang_models"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-class CaptureError(RuntimeError):
+class CaptureError(TransientError, RuntimeError):
     pass
+
+
+class DumpMissing(CaptureError):
+    """The server answered a request and no dump appeared."""
+
+
+PROBE_TOKENS = 16
+# What SGLang's registry logs when a module of the external package fails to import
+# (sglang/srt/models/registry.py, import_model_classes), and what the package logs itself.
+SGLANG_IMPORT_ERROR = "Ignore import error when loading draftsmith.extract.sglang_models"
+PACKAGE_FAILED = "draftsmith capture: the capture package could not be loaded"
+PACKAGE_LOADED = "draftsmith capture:"
 
 
 def check_capturable(aux_ids: list[int], num_layers: int) -> None:
     if max(aux_ids) >= num_layers - 1:
-        raise ValueError(
+        raise ConfigValueError(
             f"extract.aux_layer_ids={aux_ids}: with extract.backend=sglang the largest id is "
             f"{num_layers - 2} (SGLang records the input of layer i+1, and layer {num_layers} "
             "does not exist); the final layer's output is stored as `final` anyway")
+
+
+def check_no_attention_dp(extra_args: list[str]) -> None:
+    """Attention data parallelism hands each attention-DP rank its own requests, and only
+    tensor-parallel rank 0 writes dumps: the other ranks' requests would never be dumped."""
+    width = sglang_flag(extra_args, "--attn-dp-size", "--attention-data-parallel-size")
+    if "--enable-dp-attention" in extra_args or (width is not None and width != "1"):
+        spelled = ("--enable-dp-attention" if "--enable-dp-attention" in extra_args
+                   else f"--attn-dp-size {width}")
+        raise ConfigValueError(
+            f"extract.sglang.extra_args: {spelled} runs attention data parallel: each DP rank "
+            "takes its own requests and only rank 0 writes dumps, so the others would time "
+            "out; capture with plain tensor parallelism (--tp-size only)")
 
 
 def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_path: str,
@@ -75,7 +111,10 @@ def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_pat
         "--port", str(s.port),
         "--disable-radix-cache",  # a cached prefix would be skipped, its states missing
         "--chunked-prefill-size", "-1",  # one prefill per request, never pieces
-        "--disable-cuda-graph",  # capture runs prefill only; graphs would only cost startup
+        # No CUDA graphs: a captured prefill graph would replay without the dump hook, and
+        # decode graphs only cost startup (0.5.23 deprecates --disable-cuda-graph for these).
+        "--cuda-graph-backend-decode", "disabled",
+        "--cuda-graph-backend-prefill", "disabled",
     ]
     if target_cfg.context_length:
         argv += ["--context-length", str(target_cfg.context_length)]
@@ -85,12 +124,9 @@ def build_capture_launch(cfg: ExtractConfig, target_cfg: TargetConfig, model_pat
         argv += ["--dtype", target_cfg.dtype]
     for flag in ("--enable-radix-cache", "--chunked-prefill-size"):
         if flag in s.extra_args:
-            raise ValueError(f"extract.sglang.extra_args: {flag} is set by draftsmith for "
+            raise ConfigValueError(f"extract.sglang.extra_args: {flag} is set by draftsmith for "
                              "capture (radix cache off, chunked prefill off)")
-    if "--enable-dp-attention" in s.extra_args:  # tokens are split over ranks there
-        raise ValueError("extract.sglang.extra_args: --enable-dp-attention splits a batch's "
-                         "tokens over the ranks, so no rank holds every request's states; "
-                         "capture with plain tensor parallelism")
+    check_no_attention_dp(s.extra_args)
     argv += s.extra_args
     launch = SGLangLaunch(argv=argv, env=env, host=s.host, port=s.port, drafter_dir=None)
     check_with_sglang_parser(launch)
@@ -125,7 +161,7 @@ class CaptureClient:
                 if path.is_file():
                     return path
             if time.monotonic() > deadline:
-                raise CaptureError(
+                raise DumpMissing(
                     f"request {rid}: answered, but no dump {by_rid.name} (or {by_content.name}) "
                     f"in {self.dump_dir} after {self.dump_timeout_s:.0f}s. Is the server "
                     "running draftsmith's capture model (its log says 'draftsmith capture'), "
@@ -133,6 +169,10 @@ class CaptureClient:
             time.sleep(0.005)
 
     def capture(self, sample_id: str, input_ids: list[int]) -> dict[str, torch.Tensor]:
+        return self.capture_with_metadata(sample_id, input_ids)[0]
+
+    def capture_with_metadata(self, sample_id: str, input_ids: list[int]
+                              ) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
         rid = request_id(self.nonce, sample_id)
         response = self.client.post("/generate", json={
             "input_ids": input_ids, "rid": rid,
@@ -158,7 +198,7 @@ class CaptureClient:
                                f", final {tuple(tensors['final'].shape)}; expected ({n}, "
                                f"{self.aux_width}) and ({n}, {self.hidden})")
         path.unlink(missing_ok=True)
-        return tensors
+        return tensors, meta
 
     def capture_shard(self, spec: ShardSpec, rows: dict[str, dict], store_dtype,
                       pool: ThreadPoolExecutor) -> dict[str, Any]:
@@ -211,6 +251,82 @@ def capture_shards(client: CaptureClient, out: Path, specs: list[ShardSpec],
             "skipped": len(specs) - len(pending)}
 
 
+def check_capture_server(url: str) -> dict[str, Any]:
+    """/server_info of a capture server: a supported SGLang version, and no attention data
+    parallelism (only tensor-parallel rank 0 writes; other DP ranks' requests never dump)."""
+    info = None
+    for path in ("/server_info", "/get_server_info"):  # newer and older SGLang
+        response = httpx.get(f"{url}{path}", timeout=30.0)
+        if response.status_code == 200:
+            info = response.json()
+            break
+    if info is None:
+        raise CaptureError(f"{url}: neither /server_info nor /get_server_info answers 200; is "
+                           "it an SGLang server?")
+    try:
+        check_sglang_version(info.get("version"), f"the capture server at {url}")
+    except UnsupportedSGLangError as err:
+        raise CaptureError(str(err)) from None
+    if int(info.get("attn_dp_size") or 1) > 1 or info.get("enable_dp_attention"):
+        raise CaptureError(
+            f"the capture server at {url} runs attention data parallel (attn_dp_size "
+            f"{info.get('attn_dp_size')}): each DP rank takes its own requests and only rank 0 "
+            "writes dumps. Restart it with plain tensor parallelism (no --attn-dp-size, no "
+            "--enable-dp-attention)")
+    return info
+
+
+def likely_cause(server_log: Path | None, dump_dir: Path) -> str:
+    """Why a probe's dump never came, from what the server logged (when this stage started
+    it) or, for a server started elsewhere, the candidates."""
+    text = server_log.read_text(errors="replace") if server_log and server_log.is_file() else None
+    if text is not None:
+        for marker in (SGLANG_IMPORT_ERROR, PACKAGE_FAILED):
+            line = next((x for x in text.splitlines() if marker in x), None)
+            if line is not None:
+                return (f"SGLang could not load draftsmith's capture package and serves its "
+                        f"stock class: {line.strip()} (server log: {server_log})")
+        if PACKAGE_LOADED not in text:
+            return ("the server never loaded draftsmith's capture package (no 'draftsmith "
+                    "capture' line in its log): SGLANG_EXTERNAL_MODEL_PACKAGE did not reach it, "
+                    "or this SGLang ignores it (server log: " + str(server_log) + ")")
+        return (f"the capture package is loaded but no dump reached {dump_dir}: the directory "
+                "is not the one the server writes to (extract.sglang.dump_dir), or the request "
+                "ran on a rank that does not write (attention data parallelism)")
+    return (f"either the server does not run draftsmith's capture package (SGLang logs "
+            f"'{SGLANG_IMPORT_ERROR}' when it fails to import; start the server with the "
+            "command `python -m draftsmith.extract.sglang_backend CONFIG` prints), or "
+            f"{dump_dir} is not the directory it writes to, or it runs attention data parallel")
+
+
+def probe_capture(client: CaptureClient, input_ids: list[int], aux_ids: list[int],
+                  num_layers: int, server_log: Path | None) -> None:
+    """One real request before bulk capture: its dump must hold the request's tokens, the
+    expected shapes and the configured layers of a target of `num_layers` layers."""
+    ids = list(input_ids[:PROBE_TOKENS])
+    try:
+        _, meta = client.capture_with_metadata("capture-probe", ids)
+    except DumpMissing as err:
+        raise CaptureError(f"extract: the capture probe failed before bulk capture: {err}\n"
+                           f"Likely cause: {likely_cause(server_log, client.dump_dir)}") from None
+    except CaptureError as err:
+        raise CaptureError(f"extract: the capture probe failed before bulk capture: {err}"
+                           ) from None
+    want = ",".join(str(i + 1) for i in aux_ids)
+    if meta.get("layers_to_capture", want) != want:
+        raise CaptureError(
+            f"extract: the capture server records the inputs of layers "
+            f"{meta['layers_to_capture']}, not {want} (outputs of {aux_ids}, "
+            "extract.aux_layer_ids): it was started for another config; restart it with the "
+            "command `python -m draftsmith.extract.sglang_backend CONFIG` prints")
+    if meta.get("num_layers", str(num_layers)) != str(num_layers):
+        raise CaptureError(
+            f"extract: the capture server's model has {meta['num_layers']} decoder layers, the "
+            f"target has {num_layers}: it serves another model than target.model")
+    log.info("extract: capture probe passed (%d tokens; %s captures the inputs of layers %s)",
+             len(ids), meta.get("model", "the server"), want)
+
+
 def wait_for_capture_server(url: str, host: str, port: int, process: ManagedProcess | None,
                             timeout_s: float) -> None:
     wait_for_port(host, port, process, timeout_s)
@@ -226,6 +342,13 @@ def wait_for_capture_server(url: str, host: str, port: int, process: ManagedProc
         time.sleep(2.0)
 
 
+def probe_sample(pending: list[ShardSpec], rows: dict[str, list[dict]]) -> list[int]:
+    """The tokens of the first sample still to capture."""
+    first = pending[0].ids[0]
+    return next(r for split_rows in rows.values() for r in split_rows
+                if r["id"] == first)["input_ids"]
+
+
 def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: Path,
                        specs: list[ShardSpec], rows: dict[str, list[dict]],
                        aux_ids: list[int]) -> dict[str, Any]:
@@ -236,8 +359,11 @@ def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out
     facts = TargetFigures.of(target)
     hidden, architectures = facts.hidden_size, facts.architectures
     if not architectures:
-        raise ValueError(f"{target.path}/config.json: no 'architectures'; SGLang needs one to "
-                         "pick the model class the capture package overrides")
+        raise ConfigValueError(f"{target.path}/config.json: no 'architectures'; SGLang needs one "
+                               "to pick the model class the capture package overrides")
+    pending = [spec for spec in specs if finished_shard(out, spec) is None]
+    if not pending:  # a rerun after everything was stored: no server needed
+        return {"shards": 0, "tokens": 0, "seconds": 0.0, "skipped": len(specs)}
     process = None
     url = s.url
     if url is None:
@@ -253,9 +379,12 @@ def run_sglang_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out
     try:
         if process is not None:
             wait_for_capture_server(url, s.host, s.port, process, s.startup_timeout_s)
+        check_capture_server(url)
         client = CaptureClient(url, dump_dir, s.concurrency, s.dump_timeout_s,
                                (len(aux_ids) * hidden, hidden))
         try:
+            probe_capture(client, probe_sample(pending, rows), aux_ids, facts.num_layers,
+                          server_log if process is not None else None)
             return capture_shards(client, out, specs, rows, cfg)
         finally:
             client.close()
@@ -270,7 +399,7 @@ def main(argv: list[str] | None = None) -> None:
     import argparse
 
     from draftsmith.config import load_config
-    from draftsmith.extract.stage import aux_layer_ids_for
+    from draftsmith.export.layer_ids import aux_layer_ids_for
     from draftsmith.target import resolve_target
 
     parser = argparse.ArgumentParser(prog="python -m draftsmith.extract.sglang_backend")

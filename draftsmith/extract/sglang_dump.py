@@ -12,7 +12,12 @@ architecture with a subclass of SGLang's own class whose only addition is `insta
   the output of decoder layer i.
 - it wraps the model's `logits_processor`, which SGLang calls with the full-length final hidden
   states (after the final norm) and the aux states of every token of the batch, before it
-  prunes to the last token of each request.
+  prunes to the last token of each request. The aux states come in either of SGLang's two
+  forms (sglang/srt/layers/aux_hidden_states.py): a list of K [N, H] tensors (Llama, Qwen,
+  GPT-OSS) or one packed [N, K*H] tensor (DeepseekV2/V3 and so Kimi-K2.5, DeepSeek-V4, Kimi-K3:
+  AuxHiddenStatePacker). The tokens are `input_ids`, or `forward_batch.input_ids` when a
+  multimodal wrapper (Kimi-K2.5 through mm_utils) calls the language model with
+  input_ids=None.
 
 Per extend batch the wrapper splits the tokens by `extend_seq_lens_cpu` and names each dump by
 `forward_batch.rids` (SGLang >= 0.5 passes request ids down); without rids it names them by a
@@ -56,21 +61,33 @@ def dump_name(rid: str | None, input_ids) -> str:
     return f"{content_key(input_ids)}.safetensors"
 
 
-class DumpWriter:
-    """Splits an extend batch into per-request dumps; disk work on a background thread."""
+def packed_aux(aux: torch.Tensor | list[torch.Tensor]) -> torch.Tensor:
+    """[N, K*H] from either of SGLang's forms: already packed, or K tensors of [N, H]."""
+    if isinstance(aux, torch.Tensor):
+        return aux  # AuxHiddenStatePacker's buffer; list() would split it into rows
+    return torch.cat(list(aux), dim=-1)  # [N, K*H]
 
-    def __init__(self, directory: str | Path, max_pending: int = 64):
+
+class DumpWriter:
+    """Splits an extend batch into per-request dumps; disk work on a background thread.
+    `info` (what the server captures: layers, model class) goes into every dump's metadata,
+    so the client can check a dump came from the capture it configured."""
+
+    def __init__(self, directory: str | Path, max_pending: int = 64,
+                 info: dict[str, str] | None = None):
         self.directory = Path(directory)
+        self.info = dict(info or {})
         self.directory.mkdir(parents=True, exist_ok=True)
         self._queue: queue.Queue = queue.Queue(maxsize=max_pending)
         self._thread = threading.Thread(target=self._run, daemon=True, name="draftsmith-dumps")
         self._thread.start()
 
-    def write_batch(self, input_ids: torch.Tensor, final: torch.Tensor, aux: list[torch.Tensor],
-                    seq_lens: list[int], prefix_lens: list[int] | None,
-                    rids: list[str] | None) -> None:
-        """input_ids [N], final [N, H], aux K x [N, H]: the tokens of all requests in order."""
-        aux_cat = torch.cat(aux, dim=-1)  # [N, K*H]
+    def write_batch(self, input_ids: torch.Tensor, final: torch.Tensor,
+                    aux: torch.Tensor | list[torch.Tensor], seq_lens: list[int],
+                    prefix_lens: list[int] | None, rids: list[str] | None) -> None:
+        """input_ids [N], final [N, H], aux [N, K*H] or K x [N, H]: the tokens of all requests
+        in order."""
+        aux_cat = packed_aux(aux)  # [N, K*H]
         on_gpu = final.is_cuda
         host = [t.to("cpu", non_blocking=on_gpu) for t in (input_ids, aux_cat, final)]
         event = None
@@ -102,7 +119,7 @@ class DumpWriter:
                 self.directory / dump_name(rid, ids),
                 {"input_ids": ids.to(torch.int64).clone(),
                  "aux": aux[start:start + n].clone(), "final": final[start:start + n].clone()},
-                metadata={"rid": rid or "", "prefix_len": str(prefix_lens[i])})
+                metadata={**self.info, "rid": rid or "", "prefix_len": str(prefix_lens[i])})
             start += n
 
     def close(self) -> None:
@@ -122,7 +139,8 @@ class CaptureLogitsProcessor(torch.nn.Module):
         mode = forward_batch.forward_mode
         if (self.is_writer_rank and aux_hidden_states is not None and mode.is_extend()
                 and not getattr(mode, "is_target_verify", lambda: False)()):
-            self.writer.write_batch(input_ids, hidden_states, list(aux_hidden_states),
+            tokens = input_ids if input_ids is not None else forward_batch.input_ids  # [N]
+            self.writer.write_batch(tokens, hidden_states, aux_hidden_states,
                                     forward_batch.extend_seq_lens_cpu,
                                     getattr(forward_batch, "extend_prefix_lens_cpu", None),
                                     getattr(forward_batch, "rids", None))
@@ -156,7 +174,9 @@ def install_capture(model: torch.nn.Module, canonical_ids: list[int], directory:
         owner.model.set_eagle3_layers_to_capture(inputs_of)
     else:
         owner.model.layers_to_capture = inputs_of
-    writer = DumpWriter(directory)
+    writer = DumpWriter(directory, info={
+        "layers_to_capture": ",".join(map(str, inputs_of)), "num_layers": str(num_layers),
+        "model": type(owner).__name__})
     owner.logits_processor = CaptureLogitsProcessor(owner.logits_processor, writer,
                                                     is_writer_rank)
     log.info("draftsmith capture: %s captures outputs of layers %s (inputs of %s) into %s",

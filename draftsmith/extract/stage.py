@@ -20,6 +20,8 @@ from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
 from draftsmith.config import ExtractConfig, TargetConfig
 from draftsmith.data.merge import SPLITS, read_split
 from draftsmith.distributed import Dist
+from draftsmith.errors import ConfigValueError, WorkerCrashError
+from draftsmith.export.layer_ids import aux_layer_ids_for
 from draftsmith.extract.batching import plan_batches, plan_shards
 from draftsmith.extract.capture import HiddenStateCapture
 from draftsmith.extract.store import (
@@ -32,17 +34,11 @@ from draftsmith.extract.store import (
 )
 from draftsmith.figures import TargetFigures
 from draftsmith.progress import Progress
-from draftsmith.target import DTYPES, check_aux_layer_ids, default_aux_layer_ids
+from draftsmith.target import DTYPES
 
 log = logging.getLogger(__name__)
 
 LAYER_ID_CONVENTION = "output of decoder layer i (= transformers hidden_states[i+1])"
-
-
-def aux_layer_ids_for(cfg: ExtractConfig, target: Descriptor) -> list[int]:
-    num_layers = TargetFigures.of(target).num_layers
-    ids = cfg.aux_layer_ids if cfg.aux_layer_ids is not None else default_aux_layer_ids(num_layers)
-    return check_aux_layer_ids(list(ids), num_layers)
 
 
 def load_rows(merged: Descriptor) -> dict[str, list[dict]]:
@@ -60,8 +56,8 @@ def load_model(path: str, device: str, dtype: str, device_map: str | None):
         import importlib.util
 
         if importlib.util.find_spec("accelerate") is None:
-            raise RuntimeError(f"extract.device_map={device_map!r} needs the accelerate "
-                               "package: pip install accelerate")
+            raise ConfigValueError(f"extract.device_map={device_map!r} needs the accelerate "
+                                   "package: pip install accelerate")
         return AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
                                                     device_map=device_map).eval()
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
@@ -299,8 +295,8 @@ def _finish(plan: StagePlan, out: Path, specs: list[ShardSpec], meta: dict[str, 
     records = {s.file: finished_shard(out, s) for s in specs}
     missing = [name for name, r in records.items() if r is None]
     if missing:
-        raise RuntimeError(f"extract: shards {missing[:5]} were not written (a worker failed); "
-                           "run extract again to redo them")
+        raise WorkerCrashError(f"extract: shards {missing[:5]} were not written (a worker "
+                               "failed); run extract again to redo them")
     splits = {split: [records[s.file] for s in specs if s.split == split] for split in SPLITS}
     write_index(out, meta, splits)
     tokens = sum(s.num_tokens for s in specs)

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from draftsmith.artifacts import atomic_path, atomic_write_json, sha256_file
+from draftsmith.errors import InputError
 
 INDEX_FILE = "store.json"
 RECEIPTS = ".receipts"
@@ -228,34 +229,57 @@ def write_index(root: str | Path, meta: dict[str, Any], splits: dict[str, list[d
                                                "splits": splits})
 
 
-class StoreError(ValueError):
+class StoreError(InputError, ValueError):
     pass
+
+
+def _redo(root: Path) -> str:
+    return f"delete {root} and run the extract stage again"
 
 
 class _MappedShard:
     """A shard's tensors as zero-copy views of a memory map of the file."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, fix: str):
+        size = path.stat().st_size
+        if size < 8:
+            raise StoreError(f"{path}: {size} bytes, too short for a safetensors file; {fix}")
         with open(path, "rb") as f:
             # ACCESS_COPY: writable pages for torch.frombuffer, never written back to the file.
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
         header_len = int.from_bytes(self._map[:8], "little")
+        if 8 + header_len > size:
+            raise StoreError(f"{path}: its header claims {header_len} bytes, more than the file's "
+                             f"{size}; the shard is truncated or not a safetensors file: {fix}")
         try:
             header = json.loads(self._map[8:8 + header_len])
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise StoreError(f"{path}: not a safetensors file ({err})") from None
+            raise StoreError(f"{path}: not a safetensors file ({err}); {fix}") from None
+        if not isinstance(header, dict):
+            raise StoreError(f"{path}: not a safetensors file (its header is no object); {fix}")
         header.pop("__metadata__", None)
         start = 8 + header_len
         self.tensors: dict[str, torch.Tensor] = {}
         for name, info in header.items():
-            dtype = _ST_DTYPES.get(info["dtype"])
-            if dtype is None:
-                raise StoreError(f"{path}: tensor {name!r} has unsupported dtype {info['dtype']}")
-            begin, end = info["data_offsets"]
-            count = (end - begin) // torch.tensor([], dtype=dtype).element_size()
-            flat = torch.frombuffer(self._map, dtype=dtype, count=count,
-                                    offset=start + begin) if count else torch.empty(0, dtype=dtype)
-            self.tensors[name] = flat.view(info["shape"])
+            try:
+                dtype = _ST_DTYPES.get(info["dtype"])
+                if dtype is None:
+                    raise StoreError(f"{path}: tensor {name!r} has unsupported dtype "
+                                     f"{info['dtype']}")
+                begin, end = info["data_offsets"]
+                if not 0 <= begin <= end <= size - start:
+                    raise StoreError(f"{path}: tensor {name!r} lies at bytes {begin}..{end} past "
+                                     f"the header, beyond the file's end; the shard is "
+                                     f"truncated: {fix}")
+                count = (end - begin) // torch.tensor([], dtype=dtype).element_size()
+                flat = (torch.frombuffer(self._map, dtype=dtype, count=count, offset=start + begin)
+                        if count else torch.empty(0, dtype=dtype))
+                self.tensors[name] = flat.view(info["shape"])
+            except StoreError:
+                raise
+            except (KeyError, TypeError, ValueError, RuntimeError) as err:
+                raise StoreError(f"{path}: the header entry of tensor {name!r} is damaged "
+                                 f"({type(err).__name__}: {err}); {fix}") from None
 
 
 class ShardReader:
@@ -268,11 +292,24 @@ class ShardReader:
         if not index_path.is_file():
             raise StoreError(f"{self.root}: no {INDEX_FILE}; the extraction did not finish "
                              "(run the extract stage again; it resumes from finished shards)")
-        self.index = json.loads(index_path.read_text())
+        try:
+            self.index = json.loads(index_path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise StoreError(f"{index_path}: not valid JSON ({err}); the index is damaged: "
+                             f"{_redo(self.root)}") from None
+        missing = [k for k in ("splits", "aux_layer_ids", "hidden_size", "dtype")
+                   if not isinstance(self.index, dict) or k not in self.index]
+        if missing:
+            raise StoreError(f"{index_path}: missing keys {missing}; it was not written by this "
+                             f"draftsmith's extract stage or is damaged: {_redo(self.root)}")
         self.verify_checksums = verify_checksums
         self._where: dict[str, tuple[dict[str, Any], int]] = {}
-        for shards in self.index["splits"].values():
-            for shard in shards:
+        for split, shards in self.index["splits"].items():
+            for number, shard in enumerate(shards):
+                absent = [k for k in ("file", "ids", "tokens", "sha256") if k not in shard]
+                if absent:
+                    raise StoreError(f"{index_path}: shard {number} of split {split!r} lacks "
+                                     f"{absent}; {_redo(self.root)}")
                 for position, sample_id in enumerate(shard["ids"]):
                     if sample_id in self._where:
                         raise StoreError(f"{index_path}: sample id {sample_id!r} appears in "
@@ -311,7 +348,7 @@ class ShardReader:
         if self.verify_checksums and sha256_file(path) != shard["sha256"]:
             raise StoreError(f"{path}: checksum does not match {INDEX_FILE}; the shard is "
                              "corrupt, delete the extract output and run extract again")
-        mapped = _MappedShard(path)
+        mapped = _MappedShard(path, _redo(self.root))
         self._validate(path, shard, mapped.tensors)
         self._open[name] = mapped
         return mapped

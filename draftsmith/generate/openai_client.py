@@ -2,10 +2,12 @@
 
 Prompts are split into partitions by prompt length; each partition has its own number of
 requests in flight and its own completion budget (long prompts hold a server's KV cache longer).
-Transient failures (429, 5xx, timeouts, connection errors) are retried with exponential backoff
-and jitter, honouring Retry-After; a request that still fails goes to the journal's error file,
-never into the data. Every answer is appended to the journal and fsynced as it arrives, so a
-crashed or retried run asks only for what is still missing.
+Faults are per request, never per stage: a 429, a 5xx, a timeout, a dropped connection or a
+malformed 200 (a body that is not JSON, no choices, null or missing content, wrong types) is a
+failed attempt of that one request, retried with exponential backoff and jitter (never sooner
+than a Retry-After); a request that still fails goes to the journal's error file with its cause,
+never into the data, and every other request carries on. Every answer is appended to the journal
+and fsynced as it arrives, so a crashed or retried run asks only for what is still missing.
 
 The API key is sent in the Authorization header and nowhere else: it is not logged, not written
 and not part of any error message.
@@ -34,6 +36,7 @@ from tenacity import (
 )
 
 from draftsmith.config import EndpointConfig, Partition
+from draftsmith.errors import InputError, TransientError
 from draftsmith.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -45,6 +48,16 @@ RETRYABLE_STATUS = frozenset({408, 409, 425, 429}) | frozenset(range(500, 600))
 
 class GenerateError(RuntimeError):
     pass
+
+
+class GenerateInputError(InputError, GenerateError):
+    """Generation cannot start or cannot succeed as configured (an unset API key, a prompt the
+    chat template cannot render, requests the server refuses on every try)."""
+
+
+class EndpointError(TransientError, GenerateError):
+    """Too many requests failed after every retry for reasons that may pass (the server down,
+    overloaded, or answering garbage); a rerun asks only for the missing answers."""
 
 
 @dataclass
@@ -66,6 +79,10 @@ class Answer:
     finish_reason: str | None
 
 
+# Why a request failed, as errors.jsonl and generation.json count it.
+CAUSES = ("malformed_reply", "http_status", "timeout", "connection", "prompt_too_long")
+
+
 @dataclass
 class Failure:
     key: str
@@ -73,6 +90,7 @@ class Failure:
     error: str
     attempts: int
     retryable: bool
+    cause: str = "http_status"  # one of CAUSES (journals written before it: HTTP errors)
 
 
 class HTTPStatusFailure(Exception):
@@ -81,6 +99,78 @@ class HTTPStatusFailure(Exception):
     def __init__(self, status: int, body: str, retry_after: float | None):
         super().__init__(f"HTTP {status}: {body[:300]}")
         self.status, self.retry_after = status, retry_after
+
+
+class MalformedReply(Exception):
+    """A 200 whose body is no usable chat completion. Says what is wrong with its structure but
+    quotes none of it (a body may echo the prompt)."""
+
+
+@dataclass
+class Completion:
+    content: str
+    reasoning: str | None
+    prompt_tokens: int | None  # None: the server sent no usage
+    completion_tokens: int | None
+    finish_reason: str | None
+
+
+def _count(usage: dict[str, Any], name: str) -> int | None:
+    value = usage.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise MalformedReply(f"usage.{name} is {type(value).__name__} {value!r:.40}, expected a "
+                             "count")
+    return value
+
+
+def parse_completion(body: bytes | str) -> Completion:
+    """The answer in a chat-completions body, or MalformedReply saying what is wrong with it.
+    An empty string is an answer (the target ended its turn at once); null is not."""
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise MalformedReply(f"the body ({len(body)} bytes) is not JSON: {err}") from None
+    if not isinstance(data, dict):
+        raise MalformedReply(f"the body is a JSON {type(data).__name__}, expected an object")
+    choices = data.get("choices")
+    if not isinstance(choices, list) or not choices:
+        what = "missing" if choices is None else f"{type(choices).__name__} {choices!r:.20}"
+        extra = " (the body has an 'error')" if "error" in data else ""
+        raise MalformedReply(f"choices is {what}, expected a non-empty list{extra}")
+    choice = choices[0]
+    message = choice.get("message") if isinstance(choice, dict) else None
+    if not isinstance(message, dict):
+        raise MalformedReply(f"choices[0].message is {type(message).__name__}, expected an "
+                             "object")
+    if "content" not in message:
+        raise MalformedReply("choices[0].message has no content")
+    content = message["content"]
+    if content is None:
+        raise MalformedReply("choices[0].message.content is null (no text to train on)")
+    if not isinstance(content, str):
+        raise MalformedReply(f"choices[0].message.content is {type(content).__name__}, "
+                             "expected text")
+    for name in ("reasoning_content", "reasoning"):  # SGLang/vLLM, and OpenRouter's spelling
+        value = message.get(name)
+        if value is not None and not isinstance(value, str):
+            raise MalformedReply(f"choices[0].message.{name} is {type(value).__name__}, "
+                                 "expected text")
+    reasoning = message.get("reasoning_content") or message.get("reasoning")
+    finish_reason = choice.get("finish_reason")
+    if finish_reason is not None and not isinstance(finish_reason, str):
+        raise MalformedReply(f"choices[0].finish_reason is {type(finish_reason).__name__}, "
+                             "expected text")
+    usage = data.get("usage")
+    if usage is None:
+        usage = {}
+    if not isinstance(usage, dict):
+        raise MalformedReply(f"usage is {type(usage).__name__}, expected an object")
+    return Completion(content=content, reasoning=reasoning or None,
+                      prompt_tokens=_count(usage, "prompt_tokens"),
+                      completion_tokens=_count(usage, "completion_tokens"),
+                      finish_reason=finish_reason)
 
 
 class Journal:
@@ -119,8 +209,13 @@ class Journal:
     def failures(self) -> list[Failure]:
         if not self.errors_path.is_file():
             return []
-        return [Failure(**json.loads(line)) for line in
-                self.errors_path.read_text().splitlines() if line.strip()]
+        out = []
+        for line in self.errors_path.read_text().splitlines():
+            try:
+                out.append(Failure(**json.loads(line)))
+            except (json.JSONDecodeError, TypeError):
+                continue  # torn by a crash: that request is still unanswered, so retried
+        return out
 
     def _append(self, path: Path, obj: Any) -> None:
         with open(path, "a", encoding="utf-8") as f:
@@ -145,14 +240,14 @@ def resolve_api_key(endpoint: EndpointConfig, secret_value: str | None = None) -
     if secret_value is not None:
         return secret_value
     if endpoint.api_key_secret is not None:
-        raise GenerateError(
+        raise GenerateInputError(
             f"generate.endpoint.api_key_secret={endpoint.api_key_secret!r} is a Prefect Secret "
             "block, resolved only when the stage runs under Prefect (draftsmith run); outside "
             "Prefect set generate.endpoint.api_key_env to an environment variable instead")
     if endpoint.api_key_env is not None:
         value = os.environ.get(endpoint.api_key_env)
         if not value:
-            raise GenerateError(
+            raise GenerateInputError(
                 f"generate.endpoint.api_key_env={endpoint.api_key_env!r}: that environment "
                 "variable is not set (or empty); export it before the run")
         return value
@@ -223,7 +318,21 @@ class RequestProgress(Progress):
 def _retryable(err: BaseException) -> bool:
     if isinstance(err, HTTPStatusFailure):
         return err.status in RETRYABLE_STATUS
-    return isinstance(err, (httpx.TimeoutException, httpx.TransportError))
+    if isinstance(err, httpx.UnsupportedProtocol):  # base_url is not http(s): no retry helps
+        return False
+    # DecodingError: a body that does not decompress, garbled on the way like a bad JSON body.
+    return isinstance(err, (MalformedReply, httpx.TimeoutException, httpx.TransportError,
+                            httpx.DecodingError))
+
+
+def _cause(err: BaseException) -> str:
+    if isinstance(err, HTTPStatusFailure):
+        return "http_status"
+    if isinstance(err, (MalformedReply, httpx.DecodingError)):
+        return "malformed_reply"
+    if isinstance(err, httpx.TimeoutException):
+        return "timeout"
+    return "connection"
 
 
 def _retry_after(headers: httpx.Headers) -> float | None:
@@ -251,6 +360,8 @@ class _Backoff:
 def _describe(err: BaseException) -> str:
     if isinstance(err, HTTPStatusFailure):
         return str(err)
+    if isinstance(err, MalformedReply):
+        return f"malformed reply: {err}"
     return f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
 
 
@@ -283,21 +394,14 @@ class OpenAIRegenerator:
         if response.status_code != 200:
             raise HTTPStatusFailure(response.status_code, response.text,
                                     _retry_after(response.headers))
-        data = response.json()
-        try:
-            choice = data["choices"][0]
-            message = choice["message"]
-        except (KeyError, IndexError, TypeError):
-            raise HTTPStatusFailure(502, f"no choices in the response: {response.text}",
-                                    None) from None
-        reasoning = message.get("reasoning_content") or message.get("reasoning")
-        usage = data.get("usage") or {}
+        completion = parse_completion(response.content)
         return Answer(
-            key=request.key, record_id=request.record_id, content=message.get("content") or "",
-            reasoning=reasoning if isinstance(reasoning, str) and reasoning else None,
-            prompt_tokens=int(usage.get("prompt_tokens") or request.prompt_tokens),
-            completion_tokens=int(usage.get("completion_tokens") or 0),
-            finish_reason=choice.get("finish_reason"))
+            key=request.key, record_id=request.record_id, content=completion.content,
+            reasoning=completion.reasoning,
+            prompt_tokens=(completion.prompt_tokens if completion.prompt_tokens is not None
+                           else request.prompt_tokens),
+            completion_tokens=completion.completion_tokens or 0,
+            finish_reason=completion.finish_reason)
 
     async def _answer(self, client: httpx.AsyncClient, request: Request, partition: Partition,
                       totals: RunTotals) -> Answer | Failure:
@@ -318,9 +422,9 @@ class OpenAIRegenerator:
                 with attempt:
                     attempts = attempt.retry_state.attempt_number
                     return await self._post(client, request, partition)
-        except (HTTPStatusFailure, httpx.HTTPError) as err:
+        except (HTTPStatusFailure, MalformedReply, httpx.HTTPError) as err:
             return Failure(key=request.key, record_id=request.record_id, error=_describe(err),
-                           attempts=attempts, retryable=_retryable(err))
+                           attempts=attempts, retryable=_retryable(err), cause=_cause(err))
         raise AssertionError("unreachable: tenacity either returns or re-raises")
 
     async def run(self, requests: Sequence[Request]) -> RunTotals:
@@ -334,6 +438,7 @@ class OpenAIRegenerator:
             if index is None:  # no retry can fix it; recorded, never sent
                 self.journal.add_failure(Failure(
                     key=request.key, record_id=request.record_id, attempts=0, retryable=False,
+                    cause="prompt_too_long",
                     error=f"prompt has {request.prompt_tokens} tokens, more than the largest "
                           f"partition's max_prompt_tokens={partitions[-1].max_prompt_tokens}"))
                 totals.failed += 1
@@ -379,6 +484,9 @@ class OpenAIRegenerator:
             await asyncio.gather(*workers)
         totals.seconds = time.monotonic() - started
         progress.close()
+        if totals.answered + totals.failed != len(requests):  # every request ends one way
+            raise AssertionError(f"generate: {totals.answered} answered + {totals.failed} failed "
+                                 f"!= {len(requests)} requests")
         return totals
 
 

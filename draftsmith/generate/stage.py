@@ -2,6 +2,12 @@
 
 The drafter can only learn the target's own distribution, so prompt-only records are answered
 by the target itself (and with `regenerate: all`, every record's last answer is replaced).
+
+Answers are journaled per source (`<run_root>/generate/answers/<source>-<settings>/`), keyed
+by the record and its prompt, and kept after the stage finishes: a run whose data changed asks
+only for the prompts no journal holds, so an unchanged source is not answered again and a grown
+one only for its new records. The journal's name covers the generate settings and the target,
+so new settings or a new target answer everything again.
 """
 
 from __future__ import annotations
@@ -10,16 +16,26 @@ import asyncio
 import concurrent.futures
 import json
 import logging
-import shutil
+import time
+from collections import Counter
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
-from draftsmith.config import DataConfig, DataSource, GenerateConfig, TargetConfig
+from draftsmith.config import (
+    DataConfig,
+    DataSource,
+    EndpointConfig,
+    GenerateConfig,
+    TargetConfig,
+    key_settings,
+    slug,
+)
 from draftsmith.data.formats import Message, Record, SourceStats, load_source
 from draftsmith.generate.openai_client import (
     ERRORS_FILE,
     Answer,
-    GenerateError,
+    EndpointError,
+    GenerateInputError,
     Journal,
     OpenAIRegenerator,
     Request,
@@ -46,10 +62,47 @@ def _prompt_part(record: Record, mode: str) -> list[Message] | None:
     return None
 
 
-def journal_dir(plan: StagePlan) -> Path:
-    """Beside the stage directory, not in it: a retry clears the stage directory, and the
-    answers of a 55-hour run must survive that."""
-    return plan.dir.parent / f"{plan.key}.journal"
+ANSWERS_DIR = "answers"
+
+
+def journal_dir(plan: StagePlan, cfg: GenerateConfig, source: DataSource,
+                target: Descriptor, target_dtype: str = "float32") -> Path:
+    """The answer journal of one source: beside the stage directories, not in them (a retry
+    clears the stage directory, and the answers of a 55-hour run must survive that), named
+    after the source, the generate settings and the target that answered."""
+    settings = hash_json({"generate": key_settings(cfg), "target": target.fingerprint,
+                          "target_dtype": target_dtype})[:12]
+    return plan.dir.parent / ANSWERS_DIR / f"{slug(source.name)}-{settings}"
+
+
+class SourceJournals:
+    """The journals of a run's sources behind one journal's interface: each answer and failure
+    goes to the journal of the source whose record asked."""
+
+    def __init__(self, journals: dict[str, Journal], root: Path):
+        self.journals = journals  # source name -> its journal
+        self.dir = root
+        self.source_of: dict[str, str] = {}  # request key -> source name
+
+    def answers(self) -> dict[str, Answer]:
+        return {k: a for j in self.journals.values() for k, a in j.answers().items()}
+
+    def failures(self) -> list:
+        return [f for j in self.journals.values() for f in j.failures()]
+
+    def add_answer(self, answer: Answer) -> None:
+        self.journals[self.source_of[answer.key]].add_answer(answer)
+
+    def add_failure(self, failure) -> None:
+        self.journals[self.source_of[failure.key]].add_failure(failure)
+
+    def start_attempt(self) -> None:
+        for journal in self.journals.values():
+            journal.start_attempt()
+
+    def errors_text(self) -> str:
+        return "".join(j.errors_path.read_text() for j in self.journals.values()
+                       if j.errors_path.is_file())
 
 
 def load_data_source(source: DataSource, max_drop_rate: float) -> tuple[list[Record], SourceStats]:
@@ -74,7 +127,7 @@ def _wire_messages(prompt: list[Message]) -> list[dict]:
 
 
 def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
-                              requests: list[Request], journal: Journal) -> RunTotals:
+                              requests: list[Request], journal: SourceJournals) -> RunTotals:
     from draftsmith.generate.transformers_backend import TransformersGenerator
     from draftsmith.target import load_target_model, load_tokenizer
 
@@ -85,6 +138,7 @@ def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, tar
         top_p=cfg.top_p, seed=cfg.seed,
     )
     totals = RunTotals()
+    started = time.monotonic()
     # Similar lengths per batch keep left-padding waste small.
     ordered = sorted(requests, key=lambda r: r.prompt_tokens)
     progress = Progress("generate", total=len(ordered), unit="request")
@@ -103,7 +157,16 @@ def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, tar
             totals.completion_tokens += completion.completion_tokens
         progress.update(len(batch), tokens=totals.completion_tokens)
     progress.close()
+    totals.seconds = time.monotonic() - started
     return totals
+
+
+def with_completion_budget(endpoint: EndpointConfig, max_new_tokens: int) -> EndpointConfig:
+    """The endpoint with every partition's max_tokens set: its own, else generate's
+    max_new_tokens (without it a server applies its own limit, often far longer)."""
+    return endpoint.model_copy(update={"partitions": [
+        p if p.max_tokens is not None else p.model_copy(update={"max_tokens": max_new_tokens})
+        for p in endpoint.partitions]})
 
 
 def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
@@ -123,7 +186,9 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
 
     todo = [(i, prompt) for i, r in enumerate(records)
             if (prompt := _prompt_part(r, cfg.regenerate)) is not None]
-    journal = Journal(journal_dir(plan))
+    journal = SourceJournals({
+        source.name: Journal(journal_dir(plan, cfg, source, target, target_cfg.dtype))
+        for source in data.sources}, plan.dir.parent / ANSWERS_DIR)
     requests: list[Request] = []
     request_for: dict[int, Request] = {}  # record index -> its request
     if todo:
@@ -136,30 +201,34 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                 prompt_tokens = len(tokenizer.apply_chat_template(
                     wire, add_generation_prompt=True, tokenize=True, return_dict=False))
             except Exception as err:  # jinja raises what the template's author chose
-                raise GenerateError(
+                raise GenerateInputError(
                     f"record {records[index].id} ({records[index].source}): the target's chat "
                     f"template cannot render its prompt: {type(err).__name__}: {err}") from None
             request_for[index] = Request(
                 key=hash_json([records[index].id, wire])[:24], record_id=records[index].id,
                 messages=wire, prompt_tokens=prompt_tokens)
+            journal.source_of[request_for[index].key] = records[index].source
         requests = list(request_for.values())
     done_before = journal.answers()
     # Records repeated with the same id and prompt share one request (and its answer).
-    missing = list({r.key: r for r in requests if r.key not in done_before}.values())
-    answered_before = len({r.key for r in requests} & done_before.keys())
-    if done_before:
-        log.info("generate: resuming: %d of %d prompts already answered (journal %s), %d to go",
-                 answered_before, len(requests), journal.dir, len(missing))
+    unique = {r.key: r for r in requests}
+    missing = [r for key, r in unique.items() if key not in done_before]
+    answered_before = len(unique.keys() & done_before.keys())
+    if answered_before:
+        log.info("generate: %d of %d prompts answered before (earlier runs or attempts; "
+                 "journals under %s), %d to ask", answered_before, len(unique), journal.dir,
+                 len(missing))
     totals = RunTotals()
     if missing and cfg.backend == "openai":
         assert cfg.endpoint is not None  # the config refuses openai without an endpoint
         regenerator = OpenAIRegenerator(
-            cfg.endpoint, journal, api_key=resolve_api_key(cfg.endpoint, api_key),
-            temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+            with_completion_budget(cfg.endpoint, cfg.max_new_tokens), journal,
+            api_key=resolve_api_key(cfg.endpoint, api_key), temperature=cfg.temperature,
+            top_p=cfg.top_p, seed=cfg.seed,
             backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
         log.info("generate: %d requests to %s (model %s), partitions %s", len(missing),
                  regenerator.url, cfg.endpoint.model,
-                 [p.model_dump() for p in cfg.endpoint.partitions])
+                 [p.model_dump() for p in regenerator.endpoint.partitions])
         totals = _run_async(regenerator.run(missing))
     elif missing:
         journal.start_attempt()
@@ -167,15 +236,24 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
 
     answers = journal.answers()
     failures = {f.key: f for f in journal.failures()}
-    unanswered = [r for r in requests if r.key not in answers]
-    if unanswered and len(unanswered) > cfg.max_failure_rate * len(requests):
+    unanswered = [r for key, r in unique.items() if key not in answers]
+    # Every request is answered (before or now) or failed, exactly once.
+    if answered_before + totals.answered + len(unanswered) != len(unique):
+        raise AssertionError(f"generate: {answered_before} answered before + {totals.answered} "
+                             f"now + {len(unanswered)} failed != {len(unique)} requests")
+    if unanswered and len(unanswered) > cfg.max_failure_rate * len(unique):
         first = failures.get(unanswered[0].key)
-        raise GenerateError(
-            f"generate: {len(unanswered)} of {len(requests)} requests failed after every retry "
-            f"(more than generate.max_failure_rate={cfg.max_failure_rate}); first: "
-            f"{unanswered[0].record_id}: {first.error if first else 'no answer'}. Errors: "
-            f"{journal.errors_path}. The {len(answers)} answers so far are kept in "
-            f"{journal.dir}; running the stage again asks only for the missing ones")
+        # Retrying the stage helps only when some failure may pass (5xx, timeouts, garbage
+        # replies); a server that refuses every request (4xx) refuses it again.
+        kind = (EndpointError if any(f.retryable for f in failures.values()) or
+                len(failures) < len(unanswered) else GenerateInputError)
+        raise kind(
+            f"generate: {len(unanswered)} of {len(unique)} requests failed after every retry "
+            f"(more than generate.max_failure_rate={cfg.max_failure_rate}); causes "
+            f"{_causes(failures.values())}; first: {unanswered[0].record_id}: "
+            f"{first.error if first else 'no answer'}. Errors: errors.jsonl of each source's "
+            f"journal under {journal.dir}. The {len(answers)} answers so far are kept there; "
+            "running the stage again asks only for the missing ones")
 
     kept: list[Record] = []
     answered_keys = set()
@@ -196,27 +274,38 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     prompt_tokens = sum(a.prompt_tokens for a in used)
     completion_tokens = sum(a.completion_tokens for a in used)
     with_reasoning = sum(a.reasoning is not None for a in used)
+    unparsed = think_tags_without_reasoning(used)
+    if unparsed:
+        log.warning(
+            "generate: %d of %d answers carry think tags in their content and no reasoning "
+            "field (first: %s): the server separates no reasoning, so training sees the think "
+            "text as answer text, rendered unlike the target's own turns. Start the server "
+            "with a reasoning parser (SGLang: --reasoning-parser, kimi_k2 for Kimi-K2.5) and "
+            "regenerate", len(unparsed), len(used), unparsed[0].record_id)
     finished = sum(a.finish_reason == "stop" for a in used)
     cost = cost_usd(cfg.endpoint, prompt_tokens, completion_tokens) if cfg.endpoint else None
     summary = {
         "backend": cfg.backend,
-        "requests": len(requests),
+        "requests": len(unique),
         "answered": len(used),
         "answered_this_attempt": totals.answered,
         "answered_before": answered_before,
         "failed": len(unanswered),
+        "failed_by_cause": _causes(failures[r.key] for r in unanswered if r.key in failures),
         "retries_this_attempt": totals.retries,
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "mean_completion_tokens": round(completion_tokens / len(used), 1) if used else 0.0,
         "finished_turns": finished,
         "with_reasoning": with_reasoning,
+        "think_tags_without_reasoning": len(unparsed),
         "seconds_this_attempt": round(totals.seconds, 2),
         "requests_per_s": round(totals.answered / totals.seconds, 3) if totals.seconds else None,
         "tokens_per_s": (round(totals.completion_tokens / totals.seconds, 1)
                          if totals.seconds else None),
         "cost_usd": round(cost, 6) if cost is not None else None,
         "per_partition": totals.per_partition,
+        "per_source": per_source_counts(requests, journal.source_of, done_before, answers),
     }
     with stage_output(plan) as out:
         with open(out / RECORDS_FILE, "w") as f:
@@ -225,7 +314,10 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
         (out / "stats.json").write_text(json.dumps([s.model_dump() for s in stats], indent=2))
         (out / GENERATION_FILE).write_text(json.dumps(summary, indent=2))
         if unanswered:
-            shutil.copy(journal.errors_path, out / ERRORS_FILE)
+            failed = {r.key for r in unanswered}
+            (out / ERRORS_FILE).write_text("".join(
+                line + "\n" for line in journal.errors_text().splitlines()
+                if line.strip() and json.loads(line)["key"] in failed))
     log.info("generate: %d records, %d answered by the target (%d this attempt, %d from the "
              "journal), %d failed, %d prompt + %d completion tokens (mean completion %.1f), %d "
              "ended their turn, %d carried reasoning%s", len(kept), len(used), totals.answered,
@@ -241,9 +333,39 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                  "tokens_per_s": summary["tokens_per_s"],
                  "requests_per_s": summary["requests_per_s"]},
     )
-    # Everything the journal held is in the finished directory now.
-    shutil.rmtree(journal.dir, ignore_errors=True)
+    # The journals stay: they are the per-source answer caches of later runs.
     return descriptor
+
+
+def per_source_counts(requests: list[Request], source_of: dict[str, str],
+                      before: dict[str, Answer], now: dict[str, Answer]
+                      ) -> dict[str, dict[str, int]]:
+    """Per source: its distinct prompts, those answered in earlier runs or attempts, and those
+    answered in this one."""
+    out: dict[str, dict[str, int]] = {}
+    for key in {r.key for r in requests}:
+        counts = out.setdefault(source_of[key], {"requests": 0, "answered_before": 0,
+                                                 "answered_this_attempt": 0})
+        counts["requests"] += 1
+        if key in before:
+            counts["answered_before"] += 1
+        elif key in now:
+            counts["answered_this_attempt"] += 1
+    return dict(sorted(out.items()))
+
+
+def _causes(failures) -> dict[str, int]:
+    return dict(sorted(Counter(f.cause for f in failures).items()))
+
+
+# What reasoning models print around their thinking when no reasoning parser takes it out
+# of the content: <think> (Kimi-K2.5, DeepSeek-R1, Qwen3), ◁think▷ (Kimi-VL).
+THINK_TAGS = ("<think>", "</think>", "\u25c1think\u25b7", "\u25c1/think\u25b7")
+
+
+def think_tags_without_reasoning(answers: list) -> list:
+    return [a for a in answers
+            if a.reasoning is None and any(tag in a.content for tag in THINK_TAGS)]
 
 
 def read_records(generated: Descriptor) -> list[Record]:

@@ -54,41 +54,63 @@ class Eagle3Config(BaseModel):
     hidden_act: str = "silu"
 
     @classmethod
-    def from_target(cls, target_config: dict, aux_layer_ids: list[int],
-                    draft_vocab_size: int) -> Eagle3Config:
-        hidden = target_config["hidden_size"]
-        heads = target_config["num_attention_heads"]
+    def from_hf(cls, hf: dict, **rest) -> Eagle3Config:
+        """The shape fields of a Hugging Face Llama-style config (a target's, or the one layer
+        of an exported drafter); `rest` gives the EAGLE-3 fields. The one place HF names map
+        to the drafter's."""
+        heads = hf["num_attention_heads"]
         # transformers 5 keeps RoPE settings under rope_parameters; older configs at top level.
-        rope = target_config.get("rope_parameters") or {}
-        rope_theta = target_config.get("rope_theta", rope.get("rope_theta", 10000.0))
-        rope_scaling = target_config.get("rope_scaling")
+        rope = hf.get("rope_parameters") or {}
+        rope_scaling = hf.get("rope_scaling")
         if rope_scaling is None and rope.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
         return cls(
-            hidden_size=hidden,
-            intermediate_size=target_config["intermediate_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
             num_attention_heads=heads,
-            num_key_value_heads=target_config.get("num_key_value_heads") or heads,
-            head_dim=target_config.get("head_dim") or hidden // heads,
-            rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
             rope_scaling=rope_scaling,
-            max_position_embeddings=target_config.get("max_position_embeddings", 4096),
-            vocab_size=target_config["vocab_size"],
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=hidden,
-            aux_layer_ids=aux_layer_ids,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            vocab_size=hf["vocab_size"],
+            hidden_act=hf.get("hidden_act", "silu"),
+            **rest,
         )
 
+    @classmethod
+    def from_target(cls, target_config: dict, aux_layer_ids: list[int],
+                    draft_vocab_size: int) -> Eagle3Config:
+        # The drafter's MLP is Llama's SiLU MLP whatever the target's activation.
+        return cls.from_hf({**target_config, "hidden_act": "silu"},
+                           draft_vocab_size=draft_vocab_size,
+                           target_hidden_size=target_config["hidden_size"],
+                           aux_layer_ids=aux_layer_ids)
+
+    def hf_fields(self) -> dict:
+        """The drafter's one decoder layer as Hugging Face Llama config fields (what exported
+        configs carry, and what LlamaConfig is built from)."""
+        return {
+            "model_type": "llama",
+            "num_hidden_layers": 1,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "tie_word_embeddings": False,
+        }
+
     def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-            rope_scaling=self.rope_scaling, max_position_embeddings=self.max_position_embeddings,
-            vocab_size=self.vocab_size, hidden_act=self.hidden_act, num_hidden_layers=1,
-        )
+        fields = {k: v for k, v in self.hf_fields().items() if k != "model_type"}
+        return LlamaConfig(**fields)
 
 
 class Eagle3Attention(nn.Module):

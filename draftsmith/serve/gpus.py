@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from dataclasses import dataclass
 
+from draftsmith.errors import TransientError
+
 
 @dataclass
 class GpuProcess:
@@ -16,7 +18,7 @@ class GpuProcess:
     used_mib: int
 
 
-class GpusBusyError(RuntimeError):
+class GpusBusyError(TransientError, RuntimeError):
     pass
 
 

@@ -1,6 +1,7 @@
 """Readiness, not liveness: a server is ready for the pipeline only when its port is open,
-/health answers 200, /server_info shows the speculative settings we launched it with, and one
-real generation returns tokens (a seeds' health check said 200 before the model had loaded)."""
+/health answers 200, /server_info reports a supported SGLang version and shows the speculative
+settings we launched it with, and one real generation returns tokens (a seeds' health check
+said 200 before the model had loaded)."""
 
 from __future__ import annotations
 
@@ -13,15 +14,20 @@ from typing import Any
 import httpx
 
 from draftsmith.config import DeployConfig
+from draftsmith.errors import TransientError
 from draftsmith.serve.process import ManagedProcess
+from draftsmith.serve.sglang_launch import UnsupportedSGLangError, check_sglang_version
 
 log = logging.getLogger(__name__)
 
 
-class ReadinessError(RuntimeError):
+class ReadinessError(TransientError, RuntimeError):
     def __init__(self, check: str, why: str):
         super().__init__(f"server not ready: {check} check failed: {why}")
-        self.check = check
+        self.check, self.why = check, why
+
+    def __reduce__(self):  # pickled into Prefect's task state: rebuilt from both arguments
+        return type(self), (self.check, self.why)
 
 
 def port_open(host: str, port: int) -> bool:
@@ -52,6 +58,13 @@ def server_info(client: httpx.Client) -> dict[str, Any]:
     raise ReadinessError("server_info", "neither /server_info nor /get_server_info answers 200")
 
 
+def check_server_version(info: dict[str, Any], url: str) -> None:
+    try:
+        check_sglang_version(info.get("version"), f"the server at {url}")
+    except UnsupportedSGLangError as err:
+        raise ReadinessError("version", str(err)) from None
+
+
 def check_speculative_settings(info: dict[str, Any], cfg: DeployConfig,
                                drafter_dir: str | None) -> None:
     if drafter_dir is None:  # a baseline server must not speculate
@@ -79,7 +92,7 @@ def check_speculative_settings(info: dict[str, Any], cfg: DeployConfig,
 def wait_until_ready(url: str, cfg: DeployConfig, drafter_dir: str | None,
                      process: ManagedProcess | None = None,
                      timeout_s: float | None = None) -> dict[str, Any]:
-    """Run the four checks in order; return the server's info. Raises ReadinessError naming
+    """Run the checks in order; return the server's info. Raises ReadinessError naming
     the check that failed and why."""
     started = time.monotonic()
     timeout_s = timeout_s if timeout_s is not None else cfg.startup_timeout_s
@@ -91,6 +104,7 @@ def wait_until_ready(url: str, cfg: DeployConfig, drafter_dir: str | None,
             raise ReadinessError("health", f"/health answered {health.status_code}: "
                                  f"{health.text[:200]}")
         info = server_info(client)
+        check_server_version(info, url)
         check_speculative_settings(info, cfg, drafter_dir)
         response = client.post("/generate", json={
             "text": "Speculative decoding is", "sampling_params": {"max_new_tokens": 8,

@@ -4,28 +4,64 @@ Every constraint SGLang checks late (or not at all) is checked here, before minu
 loading (REFERENCE.md section 4): EAGLE3 and never EAGLE for an EAGLE-3 drafter, a draft path,
 steps / topk / draft tokens given all together and consistent, a draft context no shorter than
 the served context. When sglang is importable, its own argument parser reads the list too, so a
-misspelt or renamed flag fails in a second.
+misspelt or renamed flag fails in a second, and the installed version must be one draftsmith
+supports (SUPPORTED_SGLANG; servers report theirs at readiness and are checked again there).
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import importlib.util
 import io
+import logging
 import shlex
 import sys
 from pathlib import Path
 
+from packaging.specifiers import SpecifierSet
+from packaging.version import InvalidVersion, Version
 from pydantic import BaseModel
 
-from draftsmith.config import DeployConfig, TargetConfig
+from draftsmith.config import SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS, DeployConfig, TargetConfig
+from draftsmith.errors import InputError
 from draftsmith.export.convert import read_drafter
 
+log = logging.getLogger(__name__)
+
 ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
+# The SGLang versions draftsmith's SGLang code was checked against: 0.5.23's own parser,
+# registry and source (tests/test_sglang_conformance.py). 0.5.9 lacks what the Kimi-K2.5 path
+# needs (set_eagle3_layers_to_capture on its class, --cuda-graph-max-bs-decode). The `sglang`
+# extra of pyproject.toml pins the same range (a test compares them).
+SUPPORTED_SGLANG = ">=0.5.23,<0.6"
 
 
-class LaunchError(ValueError):
+class LaunchError(InputError, ValueError):
     pass
+
+
+class UnsupportedSGLangError(InputError, RuntimeError):
+    """An SGLang outside the supported range: it fails the same way on every attempt."""
+
+
+def check_sglang_version(version: str | None, where: str) -> None:
+    """Refuse an SGLang outside SUPPORTED_SGLANG, naming where the version came from."""
+    fix = (f"install a supported one (pip install 'draftsmith[sglang]', i.e. "
+           f"sglang{SUPPORTED_SGLANG})")
+    if not version:
+        raise UnsupportedSGLangError(f"{where} reports no SGLang version; draftsmith supports "
+                                     f"SGLang {SUPPORTED_SGLANG}: {fix}")
+    try:
+        parsed = Version(version)
+    except InvalidVersion:
+        raise UnsupportedSGLangError(f"{where} reports SGLang version {version!r}, which is "
+                                     f"not a version number; {fix}") from None
+    if not SpecifierSet(SUPPORTED_SGLANG).contains(parsed, prereleases=True):
+        raise UnsupportedSGLangError(
+            f"{where} runs SGLang {version}; draftsmith supports SGLang {SUPPORTED_SGLANG} "
+            f"(its capture, launch flags and metrics were checked against those versions' "
+            f"code): {fix}")
 
 
 class SGLangLaunch(BaseModel):
@@ -64,6 +100,9 @@ def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str |
         argv += ["--context-length", str(context)]
     if cfg.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(cfg.mem_fraction_static)]
+    # The same cap on both servers: SGLang caps a speculative server at 48 running requests
+    # when it is unset and leaves a plain one uncapped, which understates the speedup above 48.
+    argv += ["--max-running-requests", str(max_running_requests(cfg))]
     if cfg.cuda_graph_max_bs_decode is not None:
         argv += ["--cuda-graph-max-bs-decode", str(cfg.cuda_graph_max_bs_decode)]
     if cfg.enable_metrics:
@@ -105,29 +144,65 @@ def _speculative_arguments(cfg: DeployConfig, target_cfg: TargetConfig, drafter_
     return argv
 
 
+def max_running_requests(cfg: DeployConfig) -> int:
+    """deploy.max_running_requests, or the cap SGLang gives an EAGLE server when it is unset."""
+    if cfg.max_running_requests is not None:
+        return cfg.max_running_requests
+    return SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS
+
+
 def server_arguments(launch: SGLangLaunch) -> list[str]:
     """The flags after the program (`python -m sglang.launch_server`)."""
     first_flag = next(i for i, a in enumerate(launch.argv) if a == "--model-path")
     return launch.argv[first_flag:]
 
 
-def check_with_sglang_parser(launch: SGLangLaunch) -> bool:
-    """Parse the flags with SGLang's own parser when sglang is installed. Returns whether it
-    ran; raises LaunchError with the parser's message when SGLang rejects a flag."""
+def installed_sglang_version() -> str | None:
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_with_sglang_parser(launch: SGLangLaunch) -> list[str] | None:
+    """Parse the flags with SGLang's own parser when sglang is installed, as
+    `sglang.srt.server_args.prepare_server_args` does (without its logging setup). Returns
+    None when sglang is not installed, else the deprecated flags the command uses (logged as
+    warnings); raises LaunchError with the parser's message when SGLang rejects a flag, and
+    UnsupportedSGLangError for an installed version outside SUPPORTED_SGLANG."""
     if importlib.util.find_spec("sglang") is None:
-        return False
+        return None
+    check_sglang_version(installed_sglang_version(), "the installed sglang package")
     import argparse
 
     from sglang.srt.server_args import ServerArgs
 
-    parser = argparse.ArgumentParser(prog="sglang.launch_server", exit_on_error=False)
+    parser = argparse.ArgumentParser(prog="sglang serve", exit_on_error=False)
     ServerArgs.add_cli_args(parser)
+    argv = server_arguments(launch)
     errors = io.StringIO()
     try:
-        with contextlib.redirect_stderr(errors):
-            parser.parse_args(server_arguments(launch))
-    except (SystemExit, argparse.ArgumentError) as err:
+        with contextlib.redirect_stderr(errors), contextlib.redirect_stdout(io.StringIO()):
+            ServerArgs.from_cli_args(parser.parse_args(argv))
+    except (SystemExit, argparse.ArgumentError, TypeError, ValueError) as err:
         reason = errors.getvalue().strip() or err
         raise LaunchError(f"SGLang's argument parser rejects the launch command: {reason}\n"
                           f"command: {launch.shell()}") from None
-    return True
+    deprecated = deprecated_flags(parser, argv)
+    for flag in deprecated:
+        log.warning("SGLang deprecates %s in this command; it may stop working in a later "
+                    "release", flag)
+    return deprecated
+
+
+def deprecated_flags(parser, argv: list[str]) -> list[str]:
+    """The flags of `argv` that SGLang registers with one of its Deprecated* actions, each
+    with the replacement SGLang names."""
+    found = []
+    for action in parser._actions:
+        if not type(action).__name__.startswith("Deprecated"):
+            continue
+        for option in action.option_strings:
+            if any(a == option or a.startswith(option + "=") for a in argv):
+                found.append(f"{option} (use {getattr(action, 'new_flag', 'its replacement')})")
+    return found

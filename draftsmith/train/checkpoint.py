@@ -20,6 +20,7 @@ import torch
 
 from draftsmith.artifacts import atomic_path
 from draftsmith.distributed import Dist
+from draftsmith.errors import CheckpointError, ConfigValueError
 from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.train.optim import MasterWeightAdamW
 from draftsmith.train.state import MetricsWindow, TrainState, restore_rng, rng_state
@@ -60,14 +61,14 @@ class Checkpointer:
         saved = torch.load(self.path, map_location="cpu", weights_only=False)
         state = TrainState.from_dict(saved["position"])
         if state.world != self.dist.world:
-            raise ValueError(f"{self.path} was written by {state.world} process(es); resume "
-                             f"with train.nproc_per_node={state.world} (now {self.dist.world}), "
-                             "or delete it to start over")
+            raise ConfigValueError(f"{self.path} was written by {state.world} process(es); "
+                                   f"resume with train.nproc_per_node={state.world} (now "
+                                   f"{self.dist.world}), or delete it to start over")
         saved_parallel = saved.get("parallel", "ddp")
         if saved_parallel != self.parallel:
-            raise ValueError(f"{self.path} was written with train.parallel={saved_parallel}; "
-                             f"resume with that setting (now {self.parallel}), or delete it to "
-                             "start over")
+            raise ConfigValueError(f"{self.path} was written with train.parallel="
+                                   f"{saved_parallel}; resume with that setting (now "
+                                   f"{self.parallel}), or delete it to start over")
         self._load(saved)
         self.scheduler.load_state_dict(saved["scheduler"])
         rank = min(self.dist.rank, len(saved["rng"]) - 1)
@@ -125,8 +126,8 @@ class FSDPCheckpointer(Checkpointer):
 
         shard_path = self.path.parent / saved["shards"][self.dist.rank]
         if not shard_path.is_file():
-            raise ValueError(f"{self.path} names {shard_path}, which is missing; delete "
-                             f"{self.path.parent} to start over")
+            raise CheckpointError(f"{self.path} names {shard_path}, which is missing; delete "
+                                  f"{self.path.parent} to start over")
         shard = torch.load(shard_path, map_location="cpu", weights_only=False)
         fsdp.load_local_state(self.drafter, shard["model"])
         fsdp.load_local_optimizer_state(self.optimizer.optimizer, shard["optimizer"])

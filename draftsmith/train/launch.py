@@ -17,17 +17,29 @@ from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, atomic_write_json
 from draftsmith.config import TrainConfig
+from draftsmith.errors import InputError, WorkerCrashError
 from draftsmith.serve.process import ManagedProcess
 
 log = logging.getLogger(__name__)
 
 JOB_FILE = "torchrun_job.json"
 RESULT_FILE = "torchrun_result.json"
+INPUT_ERROR_FILE = "torchrun_input_error.rank{rank}.json"  # a rank's InputError, for the parent
 LOG_FILE = "train.log"
 
 
 class TrainLaunchError(RuntimeError):
-    pass
+    """The training job did not finish; one of the two kinds below says whether to retry."""
+
+
+class TrainCrashError(WorkerCrashError, TrainLaunchError):
+    """A rank died or failed for a reason that is not the input's (killed, out of memory, a
+    lost peer): another attempt resumes from the last checkpoint."""
+
+
+class TrainInputError(InputError, TrainLaunchError):
+    """The job cannot run as configured (devices, a drafter to fine-tune, a resume state):
+    every attempt fails the same way."""
 
 
 def torchrun_argv(cfg: TrainConfig, job: Path) -> list[str]:
@@ -45,6 +57,8 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
     job = out / JOB_FILE
     result_path = out / RESULT_FILE
     result_path.unlink(missing_ok=True)
+    for stale in out.glob(INPUT_ERROR_FILE.format(rank="*")):
+        stale.unlink()
     atomic_write_json(job, {"train": cfg.model_dump(), "hidden": hidden.model_dump(mode="json"),
                             "merged": merged.model_dump(mode="json"),
                             "target": target.model_dump(mode="json"), "out": str(out),
@@ -65,11 +79,16 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
     code = process.exit_code()
     process.stop(grace_s=10)  # stragglers of the group, and the reader thread
     if code != 0 or not result_path.is_file():
+        input_errors = sorted(out.glob(INPUT_ERROR_FILE.format(rank="*")))
+        if input_errors:  # a rank refused its input: the same on every attempt
+            error = json.loads(input_errors[0].read_text())
+            raise TrainInputError(f"train: {error['type']}: {error['message']} (torchrun exited "
+                                  f"with code {code}; log {out / LOG_FILE})")
         cause = worker_error(out / LOG_FILE)
-        raise TrainLaunchError(f"torchrun exited with code {code}"
-                               + (f"; a worker failed with {cause}" if cause else "")
-                               + f"; the last lines of {out / LOG_FILE}:\n"
-                               + process.recent_output())
+        raise TrainCrashError(f"torchrun exited with code {code}"
+                              + (f"; a worker failed with {cause}" if cause else "")
+                              + f"; the last lines of {out / LOG_FILE}:\n"
+                              + process.recent_output())
     result = json.loads(result_path.read_text())
     result_path.unlink()
     job.unlink()
@@ -84,12 +103,12 @@ def check_devices(cfg: TrainConfig) -> None:
     import torch
 
     if not torch.cuda.is_available():
-        raise TrainLaunchError(f"train.device={cfg.device}: torch {torch.__version__} sees no "
+        raise TrainInputError(f"train.device={cfg.device}: torch {torch.__version__} sees no "
                                "CUDA device here; set train.device=cpu (gloo) or run the train "
                                "stage on the GPU host")
     visible = torch.cuda.device_count()
     if cfg.nproc_per_node > visible:
-        raise TrainLaunchError(
+        raise TrainInputError(
             f"train.nproc_per_node={cfg.nproc_per_node} but {visible} GPU(s) are visible "
             f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')}): one "
             "process per GPU; lower train.nproc_per_node or make more GPUs visible")

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from draftsmith.distributed import Dist
+from draftsmith.errors import ConfigValueError
 from draftsmith.model.eagle3 import Eagle3Drafter
 
 
@@ -100,8 +101,8 @@ class FSDP(DDP):
 def parallel_mode(name: str, dist: Dist) -> DDP:
     if name == "fsdp":
         if not dist.grouped:
-            raise ValueError("train.parallel=fsdp shards the drafter over a process group: run "
-                             "it through run_train (which starts torchrun), or set "
-                             "train.parallel=ddp")
+            raise ConfigValueError("train.parallel=fsdp shards the drafter over a process "
+                                   "group: run it through run_train (which starts torchrun), "
+                                   "or set train.parallel=ddp")
         return FSDP(dist)
     return DDP(dist)

@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 
 from draftsmith.config import TrainConfig
+from draftsmith.errors import ConfigValueError
 from draftsmith.extract.store import Sample
 from draftsmith.model.eagle3 import Eagle3Drafter
 from draftsmith.train.loss import TargetHead
@@ -49,8 +50,8 @@ class RowRunner:
         self.pad_to = cfg.batch_tokens if attention == "flex" else None  # static shapes
         self.step_weights = step_weights_of(cfg)
         if len(self.step_weights) != cfg.ttt_steps:
-            raise ValueError(f"train.step_weights has {len(self.step_weights)} entries, "
-                             f"ttt_steps is {cfg.ttt_steps}: give one weight per step")
+            raise ConfigValueError(f"train.step_weights has {len(self.step_weights)} entries, "
+                                   f"ttt_steps is {cfg.ttt_steps}: give one weight per step")
         # FSDP: what a rank without a row runs, so that it joins every collective (made when
         # needed: an 8192-token row of an 8B-shaped target is ~270 MB of zeros).
         self._padding_like = padding_like if mode.sharded else None

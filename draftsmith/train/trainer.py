@@ -34,7 +34,9 @@ import torch
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
 from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
 from draftsmith.distributed import Dist
+from draftsmith.errors import CheckpointError, ConfigValueError
 from draftsmith.extract.store import Sample, ShardReader
+from draftsmith.figures import TRAIN_METRICS_FILE
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 from draftsmith.progress import Progress
 from draftsmith.train.checkpoint import RESUME_DIR, STATE_FILE, Checkpointer, checkpointer_for
@@ -49,7 +51,7 @@ from draftsmith.train.state import MetricsWindow, TrainState
 
 log = logging.getLogger(__name__)
 
-METRICS_FILE = "metrics.jsonl"
+METRICS_FILE = TRAIN_METRICS_FILE
 __all__ = ["METRICS_FILE", "RESUME_DIR", "STATE_FILE", "Trainer", "run_train", "train_loop",
            "step_weights_of"]
 
@@ -99,22 +101,23 @@ def build_drafter(cfg: TrainConfig, drafter_cfg: Eagle3Config, embed: torch.Tens
         try:
             ckpt = read_drafter(cfg.init_from, family=cfg.init_family)
         except (ExportError, ValueError, FileNotFoundError) as err:
-            raise ValueError(f"train.init_from={cfg.init_from!r}: {err}") from None
+            raise CheckpointError(f"train.init_from={cfg.init_from!r}: {err}") from None
         theirs = ckpt.config.model_dump(exclude={"max_position_embeddings", "rope_scaling"})
         ours = drafter_cfg.model_dump(exclude={"max_position_embeddings", "rope_scaling"})
         diff = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
         if diff:
-            raise ValueError(f"train.init_from={cfg.init_from!r} does not fit this target and "
-                             f"data (theirs, ours): {diff}; fine-tune a drafter built for the "
-                             "same target, aux layers and draft vocab, or train from scratch")
+            raise ConfigValueError(
+                f"train.init_from={cfg.init_from!r} does not fit this target and data (theirs, "
+                f"ours): {diff}; fine-tune a drafter built for the same target, aux layers and "
+                "draft vocab, or train from scratch")
         state = {k: v for k, v in ckpt.tensors.items() if k != "embed_tokens.weight"}
         missing = drafter.load_state_dict(state, strict=False)
         if set(missing.missing_keys) - {"embed_tokens.weight"} or missing.unexpected_keys:
-            raise ValueError(f"train.init_from={cfg.init_from!r}: missing "
-                             f"{missing.missing_keys}, unexpected {missing.unexpected_keys}")
+            raise CheckpointError(f"train.init_from={cfg.init_from!r}: missing "
+                                  f"{missing.missing_keys}, unexpected {missing.unexpected_keys}")
         if not torch.equal(drafter.d2t.cpu(), d2t.cpu()):
-            raise ValueError(f"train.init_from={cfg.init_from!r}: its draft vocab (d2t) differs "
-                             "from the one built from this data")
+            raise ConfigValueError(f"train.init_from={cfg.init_from!r}: its draft vocab (d2t) "
+                                   "differs from the one built from this data")
         log.info("train: fine-tuning %s drafter from %s", ckpt.layout, cfg.init_from)
     drafter.lm_head.weight.requires_grad_(not cfg.freeze_lm_head)
     return drafter
@@ -209,8 +212,8 @@ class Trainer:
         device = dist.device(cfg.device)
         if cfg.mode == "online":
             if online is None:
-                raise ValueError("train.mode=online needs the extract and target settings the "
-                                 "target's prefill follows: run it through run_train")
+                raise ConfigValueError("train.mode=online needs the extract and target settings "
+                                       "the target's prefill follows: run it through run_train")
             train_samples = token_samples(merged, "train", online.extract.shard_tokens)
             validation = token_samples(merged, "validation", online.extract.shard_tokens)
             aux_ids = hidden.figures["aux_layer_ids"]

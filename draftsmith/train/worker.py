@@ -10,6 +10,7 @@ from pathlib import Path
 from draftsmith.artifacts import Descriptor, atomic_write_json
 from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
 from draftsmith.distributed import Dist
+from draftsmith.errors import InputError
 from draftsmith.train.trainer import OnlineInputs, train_loop
 
 
@@ -32,6 +33,12 @@ def main(job_path: str) -> None:
         if dist.is_main:
             atomic_write_json(Path(job["out"]) / "torchrun_result.json", result)
         dist.barrier()
+    except InputError as err:  # tell the parent it is the input's fault, not a crash
+        from draftsmith.train.launch import INPUT_ERROR_FILE
+
+        atomic_write_json(Path(job["out"]) / INPUT_ERROR_FILE.format(rank=dist.rank),
+                          {"type": type(err).__name__, "message": str(err)})
+        raise
     finally:
         dist.close()
 

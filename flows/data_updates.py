@@ -1,0 +1,56 @@
+"""New data that sticks. A dataset update (the payload of a draftsmith.dataset.updated event, or
+the form's `dataset` field) is recorded in a Prefect Variable of the pipeline,
+`draftsmith-<name>-data` ({source: path}), and every run of that pipeline reads its sources
+from there: a later scheduled or UI run trains on the new data, not on the config's old files.
+Delete the variable (`prefect variable unset draftsmith-<name>-data`) to go back to the
+config's files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prefect import get_run_logger
+from prefect.variables import Variable
+
+from draftsmith.config import ConfigError, DatasetUpdate, PipelineConfig, with_source
+
+
+def variable_name(config: PipelineConfig) -> str:
+    return f"draftsmith-{config.pipeline_name}-data"
+
+
+def recorded(config: PipelineConfig) -> dict[str, str]:
+    """The updates recorded for this pipeline: source name -> the file it reads."""
+    value = Variable.get(variable_name(config), default=None)
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
+        raise ConfigError(f"Prefect variable {variable_name(config)} holds {value!r}; expected "
+                          "{source name: dataset file}: fix it in the UI (Variables) or delete "
+                          "it to read the config's files")
+    return value
+
+
+def apply(config: PipelineConfig, dataset: DatasetUpdate | None) -> PipelineConfig:
+    """The config with every recorded update applied, `dataset` first recorded (it sticks)."""
+    updates = recorded(config)
+    name = variable_name(config)
+    if dataset is not None:
+        if not Path(dataset.path).is_file():
+            raise ConfigError(f"dataset update {dataset.source}={dataset.path}: no such file on "
+                              "this worker; the file must lie where the workers can read it")
+        updates[dataset.source] = dataset.path
+        Variable.set(name, updates, overwrite=True)
+        get_run_logger().info("new data: source %s reads %s from now on (Prefect variable %s)",
+                              dataset.source, dataset.path, name)
+    for source, path in updates.items():
+        if not Path(path).is_file():
+            raise ConfigError(
+                f"data source {source}: reads {path} since a new-data update (Prefect variable "
+                f"{name}), and that file is gone; restore it, record a new one (draftsmith "
+                f"prefect notify-new-data), or delete the variable to read the config's files")
+        config = with_source(config, source, path)
+    if updates and dataset is None:
+        get_run_logger().info("data: %s (recorded updates, Prefect variable %s)",
+                              ", ".join(f"{s} reads {p}" for s, p in updates.items()), name)
+    return config

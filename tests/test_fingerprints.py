@@ -1,0 +1,36 @@
+"""Input fingerprints are remembered by file identity: an unchanged file is not read again,
+and any write (even one that keeps the size and the modification time) is seen."""
+
+from __future__ import annotations
+
+import os
+
+from draftsmith import fingerprints
+
+
+def test_a_digest_is_remembered_until_the_file_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("DRAFTSMITH_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(fingerprints, "_remembered", None)
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"id": 1}\n')
+    reads = []
+
+    def digest(path):
+        reads.append(path)
+        return fingerprints.sha256_file(path)
+
+    first = fingerprints.remembered_digest(data, digest)
+    assert fingerprints.remembered_digest(data, digest) == first and len(reads) == 1
+    monkeypatch.setattr(fingerprints, "_remembered", None)  # a new process reads the file
+    assert fingerprints.remembered_digest(data, digest) == first and len(reads) == 1
+
+    # Same size, modification time put back: the change time still moves.
+    stat = data.stat()
+    data.write_text('{"id": 2}\n')
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    second = fingerprints.remembered_digest(data, digest)
+    assert second != first and len(reads) == 2
+    # Replaced by a copy with the old content: another inode, hashed again.
+    data.unlink()
+    (tmp_path / "data.jsonl").write_text('{"id": 1}\n')
+    assert fingerprints.remembered_digest(data, digest) == first and len(reads) == 3

