@@ -187,10 +187,26 @@ class EndpointConfig(StrictModel):
         return self
 
 
+class VLLMGenerateConfig(StrictModel):
+    """The server generate.backend=vllm starts for the stage: `vllm serve` of the target alone,
+    on loopback, stopped when the stage ends."""
+
+    host: str = operational("127.0.0.1")
+    port: int = operational(30112, ge=1, le=65535)
+    concurrency: int = operational(16, ge=1, description="Requests in flight.")
+    extra_args: list[str] = operational(default_factory=list, description=(
+        "Passed to vLLM as is, e.g. [--enforce-eager] on a CPU."))
+    env: dict[str, str] = operational(default_factory=dict, description=(
+        "e.g. VLLM_CPU_KVCACHE_SPACE on a CPU."))
+    startup_timeout_s: float = operational(1800.0, gt=0)
+
+
 class GenerateConfig(StrictModel):
     """Answer prompts with the target itself, so the drafter learns the target's distribution."""
 
-    backend: Literal["transformers", "openai"] = keyed("transformers")
+    backend: Literal["transformers", "openai", "vllm"] = keyed("transformers", description=(
+        "transformers: in this process; openai: a server you run (generate.endpoint); vllm: "
+        "`vllm serve` of the target, started for the stage (generate.vllm) and stopped after."))
     regenerate: Literal["missing", "all", "none"] = keyed(
         "missing",
         description="missing: answer records whose last turn is not the assistant's; "
@@ -205,6 +221,7 @@ class GenerateConfig(StrictModel):
     seed: int = keyed(0)
     endpoint: EndpointConfig | None = keyed(None, description=(
         "The OpenAI-compatible server that answers (backend: openai only)."))
+    vllm: VLLMGenerateConfig = operational(default_factory=VLLMGenerateConfig)
     max_failure_rate: float = operational(0.0, ge=0.0, le=1.0, description=(
         "Requests that fail after every retry go to errors.jsonl, never into the data; a "
         "larger share than this fails the stage (a rerun retries only those)."))

@@ -126,6 +126,37 @@ def _wire_messages(prompt: list[Message]) -> list[dict]:
     return [m.model_dump(exclude_none=True, exclude={"reasoning"}) for m in prompt]
 
 
+def _answer_with_vllm(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
+                      requests: list[Request], journal: SourceJournals,
+                      backoff_initial_s: float, backoff_max_s: float) -> RunTotals:
+    """`vllm serve` of the target for this stage (greedy answers from the target itself, at
+    the speed of a serving engine), asked as any OpenAI endpoint is, then stopped."""
+    from draftsmith.config import DeployConfig, EndpointConfig, Partition
+    from draftsmith.serve.vllm_launch import build_vllm_launch, start_vllm
+
+    server = cfg.vllm
+    deploy = DeployConfig(engine="vllm", host=server.host, port=server.port, env=server.env,
+                          extra_args=server.extra_args, startup_timeout_s=server.startup_timeout_s)
+    launch = build_vllm_launch(deploy, target_cfg, None, target.figures["family"], target.path)
+    journal.dir.mkdir(parents=True, exist_ok=True)
+    log.info("generate: starting vLLM for the target at %s (log %s)", launch.url,
+             journal.dir / "vllm-server.log")
+    process, _ = start_vllm(launch, journal.dir / "vllm-server.log", "vllm-generate",
+                            server.startup_timeout_s)
+    try:
+        endpoint = EndpointConfig(base_url=f"{launch.url}/v1", model=launch.model, partitions=[
+            Partition(max_prompt_tokens=1 << 30, concurrency=server.concurrency)])
+        regenerator = OpenAIRegenerator(
+            with_completion_budget(endpoint, cfg.max_new_tokens), journal, api_key=None,
+            temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+            backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
+        log.info("generate: %d requests to vLLM at %s, %d in flight", len(requests),
+                 launch.url, server.concurrency)
+        return _run_async(regenerator.run(requests))
+    finally:
+        process.stop()
+
+
 def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
                               requests: list[Request], journal: SourceJournals) -> RunTotals:
     from draftsmith.generate.transformers_backend import TransformersGenerator
@@ -230,6 +261,9 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                  regenerator.url, cfg.endpoint.model,
                  [p.model_dump() for p in regenerator.endpoint.partitions])
         totals = _run_async(regenerator.run(missing))
+    elif missing and cfg.backend == "vllm":
+        totals = _answer_with_vllm(cfg, target_cfg, target, missing, journal,
+                                   backoff_initial_s, backoff_max_s)
     elif missing:
         journal.start_attempt()
         totals = _answer_with_transformers(cfg, target_cfg, target, missing, journal)
