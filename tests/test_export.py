@@ -384,6 +384,23 @@ def test_speculators_norm_before_residual_true_is_refused(exported_speculators):
         read_drafter(out)
 
 
+def test_a_drafter_saved_by_speculators_own_trainer_is_read(exported_speculators, tmp_path):
+    """speculators 0.9.0's Eagle3DraftModel.save_pretrained writes its class name as the
+    architecture (seen on its trainer's output); the layout and tensors are the same."""
+    drafter, _, out, _ = exported_speculators
+    rewrite_config(out, lambda c: c.update({"architectures": ["Eagle3DraftModel"]}))
+    report = import_drafter(out, tmp_path / "native")
+    assert report.layout == "speculators"
+    back = read_drafter(tmp_path / "native")
+    shared = [n for n in drafter.state_dict() if n in back.tensors]
+    assert len(shared) >= 10
+    for name in shared:
+        assert torch.equal(back.tensors[name], drafter.state_dict()[name]), name
+    rewrite_config(out, lambda c: c.update({"architectures": ["SomethingElse"]}))
+    with pytest.raises(ExportError):
+        read_drafter(out)
+
+
 def test_speculators_missing_config_fields_are_named(exported_speculators):
     out = exported_speculators[2]
     rewrite_config(out, lambda c: c.pop("speculators_config"))
