@@ -68,13 +68,29 @@ def trained_target_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def vllm_chain(trained_target_cache, tmp_path_factory):
-    """The demo's stages through export in the speculators layout, on the trained tiny target:
-    the drafter every vLLM test serves (tests/vllm_chain.py)."""
+def tiny_config(tmp_path_factory) -> dict:
+    """The config of the session's pipeline run (tests/tiny_run.py)."""
+    from tests.tiny_run import base_config
+
+    return base_config(tmp_path_factory.mktemp("tiny-run"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(prefect_api, trained_target_cache, tiny_config) -> dict[str, dict]:
+    """The session's one full run of the real flow, every stage computed: the e2e tests check
+    it and rerun from it, the vLLM tests serve the drafter it trained."""
+    from tests.tiny_run import run_pipeline
+
+    return run_pipeline(tiny_config)
+
+
+@pytest.fixture(scope="session")
+def vllm_chain(tiny_run, tiny_config, tmp_path_factory):
+    """The session run's stages, with the drafter exported in the speculators layout: what
+    every vLLM test serves (tests/vllm_chain.py)."""
     from tests.vllm_chain import build_chain
 
-    kept = os.environ.get("DRAFTSMITH_VLLM_CHAIN_ROOT")  # a developer's root, reused
-    return build_chain(Path(kept) if kept else tmp_path_factory.mktemp("vllm-chain"))
+    return build_chain(tmp_path_factory.mktemp("vllm-chain"), tiny_run, tiny_config)
 
 
 @pytest.fixture()
