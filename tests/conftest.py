@@ -113,6 +113,25 @@ def prefect_api():
         yield
 
 
+@pytest.fixture(autouse=True)
+def _session_servers_out_of_reach(request):
+    """A flow run that fails stops every child process its process started, and one with
+    deploy.keep_serving false every server its process registered: in this one test process
+    that would be the session's vLLM server too (tests/vllm_chain.py), and the next vLLM test
+    would wait minutes for another start. Only the vLLM tests see it."""
+    from draftsmith.serve import process, servers
+
+    if request.node.get_closest_marker("vllm"):
+        yield
+        return
+    kept_servers, kept_children = dict(servers._running), list(process._started)
+    servers._running.clear()
+    process._started.clear()
+    yield
+    servers._running.update(kept_servers)
+    process._started[:0] = kept_children
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _stop_servers_at_exit():
     yield

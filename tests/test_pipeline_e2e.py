@@ -32,19 +32,6 @@ def base_raw(tiny_config):
     return json.loads(json.dumps(tiny_config))  # a copy: the session's config stays as it ran
 
 
-@pytest.fixture(autouse=True)
-def _session_servers_kept_out_of_these_runs():
-    """A flow run with deploy.keep_serving false stops every server its process registered:
-    these runs would stop the session's vLLM server (tests/vllm_chain.py) too, and the vLLM
-    tests after them would wait for another start. They see no server but their own."""
-    from draftsmith.serve import servers
-
-    kept = dict(servers._running)
-    servers._running.clear()
-    yield
-    servers._running.update(kept)
-
-
 def states(results: dict[str, dict]) -> dict[str, str]:
     return {stage: r["state"] for stage, r in results.items()}
 
