@@ -217,7 +217,8 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
     elif setup.lm_head != lm_head:
         raise ValueError(f"this setup was sharded with lm_head {setup.lm_head}, not {lm_head}")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0)
+    optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0,
+                                  single_pass=args.single_pass_adamw)
     weights = [0.8**j for j in range(steps)]
 
     prefetcher = RowPrefetcher(torch.device(device))
@@ -311,8 +312,11 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--computed-argmax", action="store_true", help=(
         "rows without the stored target argmax: the trainer applies the full-vocab head"))
-    parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
+    parser.add_argument("--attention", default="flex",
+                        choices=["flex", "sdpa", "cudnn", "flash"])
     parser.add_argument("--small", action="store_true", help="tiny shape, to check the script")
+    parser.add_argument("--single-pass-adamw", action="store_true",
+                        help="MasterWeightAdamW(single_pass=True): the one-pass update")
     parser.add_argument("--parallel", default="none", choices=["none", "fsdp"], help=(
         "fsdp: the drafter sharded as train.parallel=fsdp shards it, in a world of one"))
     parser.add_argument("--profile", type=Path,
