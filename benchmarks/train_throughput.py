@@ -209,7 +209,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
+def bench(args, setup: Setup, steps: int, lm_head: str, adamw: str = "auto") -> dict:
     device = args.device
     drafter, T = setup.drafter, args.tokens
     if setup.lm_head is None:
@@ -218,7 +218,8 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
         raise ValueError(f"this setup was sharded with lm_head {setup.lm_head}, not {lm_head}")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
     optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0,
-                                  single_pass=args.single_pass_adamw)
+                                  single_pass={"auto": None, "torch": False,
+                                               "single_pass": True}[adamw])
     weights = [0.8**j for j in range(steps)]
 
     prefetcher = RowPrefetcher(torch.device(device))
@@ -259,6 +260,7 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
                           stored_argmax=not args.computed_argmax)
     result = {
         "parallel": args.parallel,
+        "adamw": "single_pass" if optimizer.single_pass else "torch",
         "tokens_per_row": T, "doc_tokens": args.doc, "ttt_steps": steps, "lm_head": lm_head,
         "compiled_layer": setup.compiled, "target_argmax": "computed" if args.computed_argmax
         else "stored", "seconds_per_step": round(seconds, 4),
@@ -315,8 +317,10 @@ def main() -> None:
     parser.add_argument("--attention", default="flex",
                         choices=["flex", "sdpa", "cudnn", "flash"])
     parser.add_argument("--small", action="store_true", help="tiny shape, to check the script")
-    parser.add_argument("--single-pass-adamw", action="store_true",
-                        help="MasterWeightAdamW(single_pass=True): the one-pass update")
+    parser.add_argument("--adamw", nargs="+", default=["auto"],
+                        choices=["auto", "torch", "single_pass"], help=(
+                            "MasterWeightAdamW's step: the trainer's (auto: one pass on CUDA), "
+                            "torch's fused AdamW after float32 gradient copies, or one pass"))
     parser.add_argument("--parallel", default="none", choices=["none", "fsdp"], help=(
         "fsdp: the drafter sharded as train.parallel=fsdp shards it, in a world of one"))
     parser.add_argument("--profile", type=Path,
@@ -361,10 +365,11 @@ def main() -> None:
     settings = [(steps, lm_head) for steps in args.ttt for lm_head in args.lm_head]
     if args.parallel == "fsdp":  # one Setup per lm_head setting: each setting's runs together
         settings = [(steps, lm_head) for lm_head in args.lm_head for steps in args.ttt]
-    for steps, lm_head in settings:
+    settings = [(*setting, adamw) for setting in settings for adamw in args.adamw]
+    for steps, lm_head, adamw in settings:
         setup = setup_for(lm_head)
         try:
-            emit(bench(args, setup, steps, lm_head))
+            emit(bench(args, setup, steps, lm_head, adamw))
         except Exception as err:  # noqa: BLE001 - one failed setting must not hide the rest
             emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": setup.compiled,
                   "error": f"{type(err).__name__}: {err}"[:3000]})
@@ -378,7 +383,7 @@ def main() -> None:
                 for p in setup.drafter.parameters():
                     p.grad = None
                 try:
-                    emit(bench(args, setup, steps, lm_head))
+                    emit(bench(args, setup, steps, lm_head, adamw))
                 except Exception as err2:  # noqa: BLE001
                     emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": False,
                           "error": f"{type(err2).__name__}: {err2}"[:3000]})

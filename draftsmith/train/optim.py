@@ -5,16 +5,17 @@ every matmul); AdamW runs on float32 masters and writes them back in bf16, so sm
 that bf16 would round away accumulate in the masters. With float32 parameters the masters are
 the parameters themselves.
 
-The default step is torch's: float32 copies of the gradients, clip_grad_norm_, fused AdamW,
-a copy back. `single_pass=True` runs `adamw_on_masters` instead (compiled on CUDA): per
-parameter it reads the bf16 gradient, master, exp_avg and exp_avg_sq once and writes master,
-both moments and the bf16 parameter once. Timed alone on an H200 for an 8B-shaped drafter it
-takes 3.0 ms against 5.1 ms, with 0.55 GiB of temporaries against 1.64
-(benchmarks/train_kernels.py). It is not the default: its first end-to-end run was slower
-(README, "Training speed"), because that version built the learning-rate tensor from a Python
-float each step, a host-device sync that let the GPU idle while the next row's masks were
-built; the version here fills a kept tensor instead and has not been timed end to end yet.
-Both paths keep torch's AdamW state layout, so checkpoints load in either.
+On CUDA, with low-precision parameters, the step is one pass over memory (`adamw_on_masters`,
+compiled): per parameter it reads the bf16 gradient, master, exp_avg and exp_avg_sq once and
+writes master, both moments and the bf16 parameter once. Elsewhere it is torch's: float32
+copies of the gradients, clip_grad_norm_, AdamW, a copy back. For an 8B-shaped drafter on an
+H200 the one-pass step takes 3.0 ms against 5.1 ms alone, with 0.55 GiB of temporaries against
+1.64 (benchmarks/train_kernels.py), and the whole training step gains 1.8-2.5% (same process,
+interleaved: benchmarks/results/train_attempts_h200/adamw_single_pass_ab.jsonl). The learning
+rate is a kept device tensor, filled each step: building it from a Python float would be a
+host-to-device copy that waits for the GPU, and the GPU would then idle while the host builds
+the next row (a first version did that and lost 3-5% end to end). Both paths keep torch's
+AdamW state layout, so checkpoints load in either.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _compiled_adamw_on_masters():
 
 class MasterWeightAdamW:
     """single_pass: run `adamw_on_masters` (compiled on CUDA, eager elsewhere) instead of torch's
-    AdamW (low-precision parameters only)."""
+    AdamW, for low-precision parameters; default: on CUDA."""
 
     def __init__(self, params: list[torch.nn.Parameter], lr: float, weight_decay: float,
                  betas: tuple[float, float] = (0.9, 0.999), single_pass: bool | None = None):
@@ -72,7 +73,9 @@ class MasterWeightAdamW:
         on_cuda = bool(self.master) and self.master[0].is_cuda
         self.optimizer = torch.optim.AdamW(self.master, lr=lr, weight_decay=weight_decay,
                                            betas=betas, fused=on_cuda or None)
-        self.single_pass = bool(single_pass) and self.low_precision
+        if single_pass is None:
+            single_pass = on_cuda
+        self.single_pass = single_pass and self.low_precision
         self._compiled = on_cuda
         # The learning rate as a device tensor, filled each step: a tensor built from a Python
         # float would be a host-to-device copy, which waits for the GPU.
