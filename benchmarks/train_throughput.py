@@ -209,7 +209,7 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
-def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
+def bench(args, setup: Setup, steps: int, lm_head: str, adamw: str = "auto") -> dict:
     device = args.device
     drafter, T = setup.drafter, args.tokens
     if setup.lm_head is None:
@@ -217,7 +217,9 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
     elif setup.lm_head != lm_head:
         raise ValueError(f"this setup was sharded with lm_head {setup.lm_head}, not {lm_head}")
     trainable = [p for p in drafter.parameters() if p.requires_grad]
-    optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0)
+    optimizer = MasterWeightAdamW(trainable, lr=1e-5, weight_decay=0.0,
+                                  single_pass={"auto": None, "torch": False,
+                                               "single_pass": True}[adamw])
     weights = [0.8**j for j in range(steps)]
 
     prefetcher = RowPrefetcher(torch.device(device))
@@ -258,6 +260,7 @@ def bench(args, setup: Setup, steps: int, lm_head: str) -> dict:
                           stored_argmax=not args.computed_argmax)
     result = {
         "parallel": args.parallel,
+        "adamw": "single_pass" if optimizer.single_pass else "torch",
         "tokens_per_row": T, "doc_tokens": args.doc, "ttt_steps": steps, "lm_head": lm_head,
         "compiled_layer": setup.compiled, "target_argmax": "computed" if args.computed_argmax
         else "stored", "seconds_per_step": round(seconds, 4),
@@ -311,8 +314,13 @@ def main() -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--computed-argmax", action="store_true", help=(
         "rows without the stored target argmax: the trainer applies the full-vocab head"))
-    parser.add_argument("--attention", default="flex", choices=["flex", "sdpa"])
+    parser.add_argument("--attention", default="flex",
+                        choices=["flex", "sdpa", "cudnn", "flash"])
     parser.add_argument("--small", action="store_true", help="tiny shape, to check the script")
+    parser.add_argument("--adamw", nargs="+", default=["auto"],
+                        choices=["auto", "torch", "single_pass"], help=(
+                            "MasterWeightAdamW's step: the trainer's (auto: one pass on CUDA), "
+                            "torch's fused AdamW after float32 gradient copies, or one pass"))
     parser.add_argument("--parallel", default="none", choices=["none", "fsdp"], help=(
         "fsdp: the drafter sharded as train.parallel=fsdp shards it, in a world of one"))
     parser.add_argument("--profile", type=Path,
@@ -357,10 +365,11 @@ def main() -> None:
     settings = [(steps, lm_head) for steps in args.ttt for lm_head in args.lm_head]
     if args.parallel == "fsdp":  # one Setup per lm_head setting: each setting's runs together
         settings = [(steps, lm_head) for lm_head in args.lm_head for steps in args.ttt]
-    for steps, lm_head in settings:
+    settings = [(*setting, adamw) for setting in settings for adamw in args.adamw]
+    for steps, lm_head, adamw in settings:
         setup = setup_for(lm_head)
         try:
-            emit(bench(args, setup, steps, lm_head))
+            emit(bench(args, setup, steps, lm_head, adamw))
         except Exception as err:  # noqa: BLE001 - one failed setting must not hide the rest
             emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": setup.compiled,
                   "error": f"{type(err).__name__}: {err}"[:3000]})
@@ -374,7 +383,7 @@ def main() -> None:
                 for p in setup.drafter.parameters():
                     p.grad = None
                 try:
-                    emit(bench(args, setup, steps, lm_head))
+                    emit(bench(args, setup, steps, lm_head, adamw))
                 except Exception as err2:  # noqa: BLE001
                     emit({"ttt_steps": steps, "lm_head": lm_head, "compiled_layer": False,
                           "error": f"{type(err2).__name__}: {err2}"[:3000]})

@@ -367,8 +367,11 @@ class TrainConfig(StrictModel):
     init_from: str | None = keyed(None, description="Fine-tune this drafter (native, SGLang, "
                                   "SpecForge or speculators layout) instead of starting fresh.")
     init_family: str = keyed("llama", description="Target family init_from's layer ids follow.")
-    attention: Literal["auto", "flex", "sdpa"] = keyed(
-        "auto", description="auto: compiled flex_attention block masks on CUDA, SDPA on CPU.")
+    attention: Literal["auto", "flex", "sdpa", "cudnn", "flash"] = keyed(
+        "auto", description=(
+            "auto: compiled flex_attention block masks on CUDA, SDPA on CPU. cudnn / flash: "
+            "a dense causal kernel per document with the TTT diagonals merged in by "
+            "log-sum-exp (draftsmith/model/ttt_attention.py), on CUDA."))
     compile: bool = keyed(True, description="torch.compile the decoder layer on CUDA.")
     compile_cache: str | None = operational(
         None, description="Directory of the inductor/Triton compile cache (default: "

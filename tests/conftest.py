@@ -10,7 +10,11 @@ import torch
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-torch.set_num_threads(2)
+# One thread per process, children included (OMP_NUM_THREADS): the models here are tiny, and on
+# a busy 2-core machine a second OpenMP thread waits for a core at every op. A 3-layer target's
+# sampled generation took 810 ms with two threads and 21 ms with one (load average 6.5).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -75,13 +79,29 @@ def smollm2_target(trained_target_cache):
 
 
 @pytest.fixture(scope="session")
-def vllm_chain(trained_target_cache, tmp_path_factory):
-    """The demo's stages through export in the speculators layout, on the trained tiny target:
-    the drafter every vLLM test serves (tests/vllm_chain.py)."""
+def tiny_config(tmp_path_factory) -> dict:
+    """The config of the session's pipeline run (tests/tiny_run.py)."""
+    from tests.tiny_run import base_config
+
+    return base_config(tmp_path_factory.mktemp("tiny-run"))
+
+
+@pytest.fixture(scope="session")
+def tiny_run(prefect_api, trained_target_cache, tiny_config) -> dict[str, dict]:
+    """The session's one full run of the real flow, every stage computed: the e2e tests check
+    it and rerun from it, the vLLM tests serve the drafter it trained."""
+    from tests.tiny_run import run_pipeline
+
+    return run_pipeline(tiny_config)
+
+
+@pytest.fixture(scope="session")
+def vllm_chain(tiny_run, tiny_config, tmp_path_factory):
+    """The session run's stages, with the drafter exported in the speculators layout: what
+    every vLLM test serves (tests/vllm_chain.py)."""
     from tests.vllm_chain import build_chain
 
-    kept = os.environ.get("DRAFTSMITH_VLLM_CHAIN_ROOT")  # a developer's root, reused
-    return build_chain(Path(kept) if kept else tmp_path_factory.mktemp("vllm-chain"))
+    return build_chain(tmp_path_factory.mktemp("vllm-chain"), tiny_run, tiny_config)
 
 
 @pytest.fixture()
@@ -102,6 +122,25 @@ def prefect_api():
 
     with prefect_test_harness(server_startup_timeout=300):
         yield
+
+
+@pytest.fixture(autouse=True)
+def _session_servers_out_of_reach(request):
+    """A flow run that fails stops every child process its process started, and one with
+    deploy.keep_serving false every server its process registered: in this one test process
+    that would be the session's vLLM server too (tests/vllm_chain.py), and the next vLLM test
+    would wait minutes for another start. Only the vLLM tests see it."""
+    from draftsmith.serve import process, servers
+
+    if request.node.get_closest_marker("vllm"):
+        yield
+        return
+    kept_servers, kept_children = dict(servers._running), list(process._started)
+    servers._running.clear()
+    process._started.clear()
+    yield
+    servers._running.update(kept_servers)
+    process._started[:0] = kept_children
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -365,6 +365,51 @@ def test_flex_and_sdpa_differ_when_the_mask_is_wrong(monkeypatch):
     assert max(result["output_max_diff"]) > 1e-3
 
 
+def test_merged_path_gives_the_sdpa_outputs_and_gradients_on_a_packed_row():
+    """The merged path (a causal kernel per document, the TTT diagonals merged in by
+    log-sum-exp, gradients from the kernel's backward given the merged output) with its float32
+    reference kernel, against SDPA over the dense mask: outputs and every parameter's
+    gradient. The cuDNN and FlashAttention kernels keep the same contract (on a GPU:
+    `python -m draftsmith.model.attention_check --device cuda --path cudnn`)."""
+    from draftsmith.model.attention_check import compare_attention_paths
+
+    result = compare_attention_paths("cpu", doc_lengths=[40, 3, 70, 15], steps=3, grads=True,
+                                     path="reference")
+    assert result["output_max_abs"] > 1.0
+    assert max(result["output_max_diff"]) < 1e-5
+    assert max(result["grad_max_rel_diff"].values()) < 1e-5
+
+
+def test_merged_path_differs_when_documents_leak(monkeypatch):
+    """The comparison above can fail: one segment for the whole row lets documents see each
+    other."""
+    from draftsmith.model import ttt_attention
+    from draftsmith.model.attention_check import compare_attention_paths
+
+    monkeypatch.setattr(ttt_attention, "document_segments",
+                        lambda ids: ((0, ids.numel()),))
+    result = compare_attention_paths("cpu", doc_lengths=[40, 30], steps=2, grads=False,
+                                     path="reference")
+    assert max(result["output_max_diff"]) > 1e-3
+
+
+def test_packed_rows_carry_their_documents_on_the_host():
+    from draftsmith.extract.store import Sample
+    from draftsmith.model.ttt_attention import document_segments
+    from draftsmith.train.packing import concat_row, padding_row
+
+    def sample(n):
+        return Sample(id=f"s{n}", input_ids=torch.arange(n), loss_mask=torch.ones(n),
+                      aux=torch.zeros(n, 6), final=torch.zeros(n, 2))
+
+    row = concat_row([sample(5), sample(3), sample(4)], row_tokens=8, pad_to=16)
+    assert row.documents == ((0, 5), (5, 8), (8, 12), (12, 16))  # the last run is padding
+    assert row.documents == document_segments(row.document_ids)
+    assert row.map(lambda t: t.clone()).documents == row.documents
+    assert all(isinstance(t, torch.Tensor) for t in row.tensors())
+    assert padding_row(sample(2), 7).documents == ((0, 7),)
+
+
 def test_hf_config_fields_map_to_the_drafter_and_back(random_target_dir):
     """One mapping between Hugging Face config fields and Eagle3Config serves the target's
     config, the exported drafter configs and LlamaConfig; it reads transformers 5's

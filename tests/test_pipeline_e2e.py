@@ -1,8 +1,9 @@
 """The real Prefect flow, end to end, on the tiny target trained as the demo trains it.
 
-One Prefect test harness (a temporary API and database) serves the whole module. The runs
-share one run root, in order: a full run, a rerun (all cached), a benchmark-only change, a
-data change, a deleted stage directory, and the CLI on the finished outputs.
+One Prefect test harness (a temporary API and database) serves the session. The runs share one
+run root, in order: the session's full run (tests/tiny_run.py, which the vLLM tests serve too),
+a rerun (all cached), a benchmark-only change, a data change, a deleted stage directory, and
+the CLI on the finished outputs.
 """
 
 from __future__ import annotations
@@ -18,45 +19,26 @@ from pathlib import Path
 import pytest
 import yaml
 
-from draftsmith.config import parse_config
 from draftsmith.stages import names
 from tests.conftest import REPO
+from tests.tiny_run import RECORDS_PER_SOURCE, run_pipeline
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(1800)]  # first_run: the whole pipeline
 STAGES = tuple(names())
 
 
-@pytest.fixture(scope="module")
-def base_raw(tmp_path_factory):
-    """examples/tiny.yaml, smaller: fewer records and epochs, data copied so a test can edit it."""
-    data_dir = tmp_path_factory.mktemp("data")
-    raw = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
-    for source in raw["data"]["sources"]:
-        copy = data_dir / os.path.basename(source["path"])
-        shutil.copy(REPO / "examples" / source["path"], copy)
-        source["path"] = str(copy)
-        source["limit"] = 90
-    raw["run_root"] = str(tmp_path_factory.mktemp("runs") / "tiny")
-    raw["train"]["epochs"] = 6
-    raw["benchmark"]["num_prompts"] = 8
-    return raw
-
-
-def run_pipeline(raw: dict, stages: list[str] | None = None) -> dict[str, dict]:
-    """The flow as `draftsmith run` starts it: the whole config in full_config."""
-    from flows.pipeline import pipeline
-
-    parse_config(json.loads(json.dumps(raw)))  # a bad test config fails here, not in Prefect
-    return pipeline(full_config=raw, stages=stages or [])
+@pytest.fixture()
+def base_raw(tiny_config):
+    return json.loads(json.dumps(tiny_config))  # a copy: the session's config stays as it ran
 
 
 def states(results: dict[str, dict]) -> dict[str, str]:
     return {stage: r["state"] for stage, r in results.items()}
 
 
-@pytest.fixture(scope="module")
-def first_run(prefect_api, trained_target_cache, base_raw):
-    return run_pipeline(base_raw)
+@pytest.fixture()
+def first_run(tiny_run):
+    return tiny_run
 
 
 def test_full_run_completes_every_stage_and_the_drafter_pays(first_run):
@@ -67,7 +49,8 @@ def test_full_run_completes_every_stage_and_the_drafter_pays(first_run):
     train = first_run["train"]["descriptor"]["figures"]
     assert train["tau"] > 1.5 and 0 < train["full_acc_0"] <= 1
     generate = first_run["generate"]["descriptor"]["counts"]
-    assert generate["records"] == 180 and generate["generated"] == 180
+    both = 2 * RECORDS_PER_SOURCE
+    assert generate["records"] == both and generate["generated"] == both
 
 
 def test_second_run_is_all_cached(first_run, base_raw):
@@ -97,24 +80,25 @@ def test_a_cached_stage_whose_directory_is_gone_is_recomputed(first_run, base_ra
 def test_new_data_reruns_from_generate(first_run, base_raw, tmp_path):
     raw = json.loads(json.dumps(base_raw))
     source = raw["data"]["sources"][1]
+    n = RECORDS_PER_SOURCE
     grown = tmp_path / "openai-grown.jsonl"  # a new file: the other tests keep the old data
-    shutil.copy(source["path"], grown)
-    with open(grown, "a") as f:
-        f.write(json.dumps({"id": "new-1", "messages": [
-            {"role": "user", "content": "Complete this function from demo.py:\ndef add(a, b):"}
-        ]}) + "\n")
+    # The records the first run read, the 10 after them and a new one.
+    lines = Path(source["path"]).read_text().splitlines(keepends=True)[: n + 10]
+    grown.write_text("".join(lines) + json.dumps({"id": "new-1", "messages": [
+        {"role": "user", "content": "Complete this function from demo.py:\ndef add(a, b):"}
+    ]}) + "\n")
     source["path"], source["limit"] = str(grown), None
     results = run_pipeline(raw, ["generate", "merge", "extract"])
     assert states(results) == {"generate": "Completed", "merge": "Completed",
                                "extract": "Completed"}
     generated = results["generate"]["descriptor"]
-    assert generated["counts"]["records"] == 90 + 151
+    assert generated["counts"]["records"] == n + n + 11
     # Answers are journaled per source: the unchanged source asked for nothing, the grown one
-    # only for the prompts no earlier run had answered (its first 90 were).
+    # only for the prompts no earlier run had answered (its first n were).
     summary = json.loads((Path(generated["path"]) / "generation.json").read_text())
     assert summary["per_source"] == {
-        "stdlib-openai": {"requests": 151, "answered_before": 90, "answered_this_attempt": 61},
-        "stdlib-sharegpt": {"requests": 90, "answered_before": 90, "answered_this_attempt": 0}}
+        "stdlib-openai": {"requests": n + 11, "answered_before": n, "answered_this_attempt": 11},
+        "stdlib-sharegpt": {"requests": n, "answered_before": n, "answered_this_attempt": 0}}
     assert summary["seconds_this_attempt"] > 0 and summary["tokens_per_s"] > 0
 
 
@@ -267,8 +251,8 @@ def test_served_deploy_launches_benchmarks_and_stops_the_server(first_run, base_
         assert "--speculative-eagle-topk 2" in " ".join(point_log.read_text().split())
         with pytest.raises(OSError):
             socket.create_connection(("127.0.0.1", port), timeout=2).close()
-    finally:
-        servers.stop_all()
+    finally:  # this test's server only: the session's vLLM server stays up for its tests
+        servers.stop(f"http://127.0.0.1:{port}")
 
 
 def test_generate_and_merge_publish_their_stats_as_table_artifacts(first_run):
@@ -288,11 +272,12 @@ def test_generate_and_merge_publish_their_stats_as_table_artifacts(first_run):
         tables.setdefault(artifact.key, data)
     assert set(tables) == set(keys) and all(a.type == "table" for a in artifacts)
     sources = {row["source"]: row for row in tables["draftsmith-tiny-generate-sources"]}
+    n = RECORDS_PER_SOURCE
     assert {s: (r["read"], r["kept"], r["dropped"], r["answered now"])
             for s, r in sources.items()} == {
-        "stdlib-sharegpt": (90, 90, 0, 90), "stdlib-openai": (90, 90, 0, 90)}
+        "stdlib-sharegpt": (n, n, 0, n), "stdlib-openai": (n, n, 0, n)}
     summary = {row["figure"]: row["value"] for row in tables["draftsmith-tiny-generate-summary"]}
-    assert summary["answered"] == "180" and summary["failed"] == "0"
+    assert summary["answered"] == str(2 * n) and summary["failed"] == "0"
     # The in-process backend times itself too (it reported 0.0 s and no throughput).
     assert float(summary["seconds_this_attempt"]) > 0 and float(summary["tokens_per_s"]) > 0
     merged = {row["source"]: row for row in tables["draftsmith-tiny-merge-sources"]}

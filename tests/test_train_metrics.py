@@ -446,6 +446,54 @@ def test_master_weight_optimizer_state_round_trips():
     assert torch.equal(p1, p2) and torch.equal(o1.master[0], o2.master[0])
 
 
+def test_the_single_pass_step_is_torchs_adamw_with_clipping():
+    """The one-pass update the GPU runs (adamw_on_masters) against torch's AdamW after
+    clip_grad_norm_ on float32 gradient copies: same masters, moments and bf16 params, with
+    clipping and weight decay active; its state loads into the torch path and back."""
+    import io
+
+    from draftsmith.train.optim import MasterWeightAdamW
+
+    def make(single_pass: bool):
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(7, 5).bfloat16()),
+                  torch.nn.Parameter(torch.randn(11).bfloat16())]
+        return params, MasterWeightAdamW(params, lr=1e-2, weight_decay=0.1,
+                                         single_pass=single_pass)
+
+    def step(params, opt, i, clip=0.5):
+        g = torch.Generator().manual_seed(100 + i)
+        for p in params:
+            p.grad = (torch.randn(p.shape, generator=g) * (i + 1)).bfloat16()
+        return opt.step(clip)
+
+    (ref_p, ref), (new_p, new) = make(False), make(True)
+    assert new.single_pass and not ref.single_pass
+    for i in range(4):
+        ref_norm, new_norm = step(ref_p, ref, i), step(new_p, new, i)
+        assert ref_norm > 0.5  # clipping is active
+        torch.testing.assert_close(new_norm, ref_norm, rtol=1e-6, atol=0)
+    for a, b in zip(new.master, ref.master, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(new_p, ref_p, strict=True):
+        assert (a.float() - b.float()).abs().max() <= 2 ** -7 * b.float().abs().max()
+    for m_new, m_ref in zip(new.master, ref.master, strict=True):
+        s_new, s_ref = new.optimizer.state[m_new], ref.optimizer.state[m_ref]
+        assert s_new["step"].item() == s_ref["step"].item() == 4
+        torch.testing.assert_close(s_new["exp_avg_sq"], s_ref["exp_avg_sq"], rtol=1e-6,
+                                   atol=1e-9)
+    # A checkpoint of one path goes on in the other, as it would have gone on in its own.
+    saved = io.BytesIO()
+    torch.save(new.state_dict(), saved)  # as the checkpointer does: no tensor shared
+    saved.seek(0)
+    p2, o2 = make(False)
+    o2.load_state_dict(torch.load(saved))
+    step(p2, o2, 9)
+    step(new_p, new, 9)
+    for a, b in zip(o2.master, new.master, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 # --------------------------------------------------------------------------- packing plan
 
 
@@ -510,3 +558,13 @@ def test_replayed_acceptance_of_a_perfect_drafter_is_steps_plus_one():
     # An answer with no prompt before it (the document starts with it) is not decoded.
     assert replay_chain_decoding(torch.full((5,), 2), torch.ones(5).bool(), torch.zeros(5)) \
         == (0, 0)
+
+
+def test_the_merged_attention_kernels_ask_for_a_cuda_device():
+    from draftsmith.config import TrainConfig
+    from draftsmith.errors import ConfigValueError
+    from draftsmith.train.runner import resolve_attention
+
+    assert resolve_attention(TrainConfig(device="cpu")) == "sdpa"
+    with pytest.raises(ConfigValueError, match="train.attention=cudnn.*CUDA.*train.device=cpu"):
+        resolve_attention(TrainConfig(device="cpu", attention="cudnn"))

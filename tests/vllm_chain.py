@@ -1,6 +1,6 @@
-"""The stages the vLLM tests share: the demo's pipeline, smaller, through export in the
-speculators layout, on the trained tiny target; then one `vllm serve` of target + drafter,
-started by the deploy stage itself and reused by every test of the session.
+"""The stages the vLLM tests share: the session's pipeline run (tests/tiny_run.py) on the
+trained tiny target, with its drafter exported in the speculators layout; then one `vllm serve`
+of target + drafter, started by the deploy stage itself and reused by every test of the session.
 
 vLLM takes about a minute to start on a CPU, so the session starts it once; the deploy stage
 reuses a server that still passes its readiness checks and launches it again otherwise (the
@@ -9,23 +9,19 @@ benchmark's baseline stops it).
 
 from __future__ import annotations
 
+import shutil
 import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.artifacts import Descriptor, plan_stage, read_descriptor
+from draftsmith.artifacts import Descriptor, plan_stage
 from draftsmith.config import (
     BenchmarkConfig,
-    DataConfig,
     DeployConfig,
     ExportConfig,
-    ExtractConfig,
-    GenerateConfig,
-    MergeConfig,
     TargetConfig,
-    TrainConfig,
+    parse_config,
 )
-from tests.conftest import REPO
 
 # KV cache of the test server, in GiB (vLLM's CPU backend reserves it up front).
 KV_CACHE_GIB = "1"
@@ -48,13 +44,6 @@ class Chain:
     def plan(self, stage: str, *inputs: Descriptor, material: dict | None = None):
         return plan_stage(self.root, stage, material or {}, list(inputs))
 
-    def run(self, stage: str, fn, *args, inputs: tuple[Descriptor, ...]) -> Descriptor:
-        """A stage of the chain, or its finished output when the root already holds it (a
-        developer can keep a root between sessions with DRAFTSMITH_VLLM_CHAIN_ROOT)."""
-        plan = self.plan(stage, *inputs)
-        self.out[stage] = read_descriptor(plan) if plan.is_complete() else fn(*args, plan)
-        return self.out[stage]
-
     @property
     def drafter_dir(self) -> str:
         return self.out["export"].figures["drafter_dir"]
@@ -63,15 +52,14 @@ class Chain:
         return BenchmarkConfig(**{"num_prompts": 8, "max_new_tokens": 48, **overrides})
 
 
-def build_chain(root: Path) -> Chain:
-    from draftsmith.data.merge import run_merge
+def build_chain(root: Path, run: dict[str, dict], config: dict) -> Chain:
+    """The chain from the session run's outputs: its target, data and trained drafter, exported
+    again in the speculators layout. The hidden-state store is copied into `root`: the e2e
+    retention test deletes the run's own."""
     from draftsmith.export.stage import run_export
-    from draftsmith.extract.stage import run_extract
-    from draftsmith.generate.stage import run_generate
     from draftsmith.target import resolve_target
-    from draftsmith.train.trainer import run_train
 
-    target_cfg = TargetConfig(model="builtin:tiny")
+    target_cfg = parse_config(config).target
     target = resolve_target(target_cfg)
     deploy_cfg = DeployConfig(
         engine="vllm", num_steps=3, eagle_topk=1, num_draft_tokens=4, port=free_port(),
@@ -85,23 +73,14 @@ def build_chain(root: Path) -> Chain:
                     "--max-num-seqs", "16", "--enforce-eager"],
         startup_timeout_s=900)
     chain = Chain(root, target_cfg, target, deploy_cfg)
-    data = DataConfig(sources=[
-        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 48},
-        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 48},
-    ])
     out = chain.out
-    chain.run("generate", run_generate, GenerateConfig(max_new_tokens=64, batch_size=32), data,
-              target_cfg, target, inputs=(target,))
-    chain.run("merge", run_merge, MergeConfig(max_length=512, validation_fraction=0.15,
-                                              draft_vocab_size=1024),
-              out["generate"], target, inputs=(out["generate"],))
-    chain.run("extract", run_extract, ExtractConfig(batch_size=16, shard_tokens=16384),
-              target_cfg, out["merge"], target, inputs=(out["merge"],))
-    chain.run("train", run_train, TrainConfig(ttt_steps=3, lr=3e-3, warmup_ratio=0.05, epochs=6,
-                                              batch_tokens=2048, log_every=20),
-              out["extract"], out["merge"], target, inputs=(out["extract"],))
-    chain.run("export", run_export, ExportConfig(format="speculators"), target_cfg,
-              out["train"], target, inputs=(out["train"],))
+    for stage in ("generate", "merge", "extract", "train"):
+        out[stage] = Descriptor.model_validate(run[stage]["descriptor"])
+    store = root / "extract-copy"
+    shutil.copytree(out["extract"].path, store)
+    out["extract"] = out["extract"].model_copy(update={"path": str(store)})
+    out["export"] = run_export(ExportConfig(format="speculators"), target_cfg, out["train"],
+                               target, chain.plan("export", out["train"]))
     return chain
 
 

@@ -7,8 +7,6 @@ as sum(completion_tokens) / sum(spec_verify_ct).
 
 from __future__ import annotations
 
-import asyncio
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -17,6 +15,7 @@ from typing import Any
 import httpx
 
 from draftsmith.bench.acceptance import acceptance_length
+from draftsmith.bench.streaming import run_bounded, stream_events
 
 
 @dataclass
@@ -41,23 +40,14 @@ async def _one_request(client: httpx.AsyncClient, prompt: list[int], max_new_tok
     first = last = None
     gaps: list[float] = []
     final: dict[str, Any] = {}
-    async with client.stream("POST", "/generate", json=payload) as response:
-        if response.status_code != 200:
-            body = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"/generate answered {response.status_code}: {body[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line.removeprefix("data:").strip()
-            if data == "[DONE]":
-                break
-            now = time.perf_counter()
-            if first is None:
-                first = now
-            else:
-                gaps.append(now - last)
-            last = now
-            final = json.loads(data)
+    async for event in stream_events(client, "/generate", payload):
+        now = time.perf_counter()
+        if first is None:
+            first = now
+        else:
+            gaps.append(now - last)
+        last = now
+        final = event
     if first is None:
         raise RuntimeError("/generate streamed no chunk")
     return RequestResult(len(prompt), list(final.get("output_ids", [])),
@@ -69,16 +59,9 @@ async def run_load(url: str, prompts: list[list[int]], *, max_new_tokens: int,
                    timeout_s: float = 600.0) -> tuple[list[RequestResult], float]:
     """Send every prompt with at most `concurrency` in flight; returns results (in prompt
     order) and the wall time."""
-    limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
-
-        async def bounded(prompt: list[int]) -> RequestResult:
-            async with limit:
-                return await _one_request(client, prompt, max_new_tokens, temperature)
-
-        started = time.perf_counter()
-        results = await asyncio.gather(*(bounded(p) for p in prompts))
-    return list(results), time.perf_counter() - started
+    return await run_bounded(
+        url, len(prompts), concurrency, timeout_s,
+        lambda client, i: _one_request(client, prompts[i], max_new_tokens, temperature))
 
 
 def summarize(results: list[RequestResult], wall_s: float, speculative: bool = True

@@ -9,14 +9,14 @@ chunk divided by the tokens that came after it.
 
 from __future__ import annotations
 
-import asyncio
-import json
 import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+
+from draftsmith.bench.streaming import run_bounded, stream_events
 
 
 @dataclass
@@ -46,26 +46,17 @@ async def stream_completion(client: httpx.AsyncClient, model: str, prompt: list[
     output: list[int] = []
     chunks: list[int] = []
     finish = None
-    async with client.stream("POST", "/v1/completions", json=body) as response:
-        if response.status_code != 200:
-            text = (await response.aread()).decode(errors="replace")
-            raise RuntimeError(f"/v1/completions answered {response.status_code}: {text[:300]}")
-        async for line in response.aiter_lines():
-            if not line.startswith("data:"):
-                continue
-            data = line.removeprefix("data:").strip()
-            if data == "[DONE]":
-                break
-            choice = (json.loads(data).get("choices") or [{}])[0]
-            ids = choice.get("token_ids") or []
-            finish = choice.get("finish_reason") or finish
-            if not ids:
-                continue
-            now = time.perf_counter()
-            first = first if first is not None else now
-            last = now
-            output += ids
-            chunks.append(len(ids))
+    async for event in stream_events(client, "/v1/completions", body):
+        choice = (event.get("choices") or [{}])[0]
+        ids = choice.get("token_ids") or []
+        finish = choice.get("finish_reason") or finish
+        if not ids:
+            continue
+        now = time.perf_counter()
+        first = first if first is not None else now
+        last = now
+        output += ids
+        chunks.append(len(ids))
     if first is None:
         raise RuntimeError("/v1/completions streamed no token (is return_token_ids supported? "
                            "vLLM 0.10+ has it)")
@@ -76,17 +67,10 @@ async def run_completions(url: str, model: str, prompts: list[list[int]], *, max
                           temperature: float = 0.0, concurrency: int = 1,
                           timeout_s: float = 600.0) -> tuple[list[Completion], float]:
     """Every prompt, at most `concurrency` in flight; results in prompt order, and wall time."""
-    limit = asyncio.Semaphore(concurrency)
-    async with httpx.AsyncClient(base_url=url, timeout=timeout_s) as client:
-
-        async def bounded(i: int, prompt: list[int]) -> Completion:
-            async with limit:
-                return await stream_completion(client, model, prompt, max_tokens, temperature,
-                                               seed=i)
-
-        started = time.perf_counter()
-        results = await asyncio.gather(*(bounded(i, p) for i, p in enumerate(prompts)))
-    return list(results), time.perf_counter() - started
+    return await run_bounded(
+        url, len(prompts), concurrency, timeout_s,
+        lambda client, i: stream_completion(client, model, prompts[i], max_tokens, temperature,
+                                            seed=i))
 
 
 def summarize(results: list[Completion], wall_s: float) -> dict[str, Any]:

@@ -39,7 +39,13 @@ from draftsmith.extract.sglang_dump import (
     content_key,
     dump_name,
 )
-from draftsmith.extract.store import AsyncShardWriter, ShardSpec, finished_shard, free_disk_bytes
+from draftsmith.extract.store import (
+    AsyncShardWriter,
+    ShardSpec,
+    finished_shard,
+    free_disk_bytes,
+    gather_shard,
+)
 from draftsmith.figures import TargetFigures
 from draftsmith.progress import Progress
 from draftsmith.serve.process import ManagedProcess
@@ -202,17 +208,7 @@ class CaptureClient:
 
     def capture_shard(self, spec: ShardSpec, rows: dict[str, dict], store_dtype,
                       pool: ThreadPoolExecutor) -> dict[str, Any]:
-        futures = [pool.submit(self.capture, i, rows[i]["input_ids"]) for i in spec.ids]
-        results = [f.result() for f in futures]
-        lengths = torch.tensor(spec.tokens)  # [n]
-        return {
-            "input_ids": torch.cat([r["input_ids"] for r in results]),  # [T]
-            "loss_mask": torch.cat([torch.tensor(rows[i]["loss_mask"], dtype=torch.uint8)
-                                    for i in spec.ids]),  # [T]
-            "aux": [r["aux"].to(store_dtype) for r in results],  # blocks of [n, K*H]
-            "final": [r["final"].to(store_dtype) for r in results],  # blocks of [n, H]
-            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [n+1]
-        }
+        return gather_shard(self.capture, spec, rows, store_dtype, pool)
 
 
 def default_dump_dir(out: Path) -> Path:

@@ -24,7 +24,8 @@ import mmap
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -123,6 +124,25 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor | list[t
             digest.update(part)
             f.write(part)
     return 8 + len(text) + position, digest.hexdigest()
+
+
+def gather_shard(capture: Callable[[str, list[int]], dict[str, torch.Tensor]], spec: ShardSpec,
+                 rows: dict[str, dict], store_dtype: torch.dtype, pool: ThreadPoolExecutor
+                 ) -> dict[str, Any]:
+    """A shard's tensors (write_shard's layout) from one capture per sample, run on the pool:
+    the server backends, where each sample is one request. capture(sample_id, input_ids)
+    returns input_ids [n], aux [n, K*H] and final [n, H]."""
+    futures = [pool.submit(capture, i, rows[i]["input_ids"]) for i in spec.ids]
+    results = [f.result() for f in futures]
+    lengths = torch.tensor(spec.tokens)  # [n]
+    return {
+        "input_ids": torch.cat([r["input_ids"] for r in results]),  # [T]
+        "loss_mask": torch.cat([torch.tensor(rows[i]["loss_mask"], dtype=torch.uint8)
+                                for i in spec.ids]),  # [T]
+        "aux": [r["aux"].to(store_dtype) for r in results],  # blocks of [n, K*H]
+        "final": [r["final"].to(store_dtype) for r in results],  # blocks of [n, H]
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [n+1]
+    }
 
 
 def write_shard(root: str | Path, spec: ShardSpec,

@@ -30,7 +30,13 @@ import torch
 from safetensors import safe_open
 
 from draftsmith.config import ExtractConfig, TargetConfig
-from draftsmith.extract.store import AsyncShardWriter, ShardSpec, finished_shard, free_disk_bytes
+from draftsmith.extract.store import (
+    AsyncShardWriter,
+    ShardSpec,
+    finished_shard,
+    free_disk_bytes,
+    gather_shard,
+)
 from draftsmith.progress import Progress
 from draftsmith.serve.process import ManagedProcess
 from draftsmith.serve.readiness import wait_for_port
@@ -153,17 +159,7 @@ class VLLMCaptureClient:
 
     def capture_shard(self, spec: ShardSpec, rows: dict[str, dict], store_dtype,
                       pool: ThreadPoolExecutor) -> dict[str, Any]:
-        futures = [pool.submit(self.capture, i, rows[i]["input_ids"]) for i in spec.ids]
-        results = [f.result() for f in futures]
-        lengths = torch.tensor(spec.tokens)  # [n]
-        return {
-            "input_ids": torch.cat([r["input_ids"] for r in results]),  # [T]
-            "loss_mask": torch.cat([torch.tensor(rows[i]["loss_mask"], dtype=torch.uint8)
-                                    for i in spec.ids]),  # [T]
-            "aux": [r["aux"].to(store_dtype) for r in results],  # blocks of [n, K*H]
-            "final": [r["final"].to(store_dtype) for r in results],  # blocks of [n, H]
-            "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),  # [n+1]
-        }
+        return gather_shard(self.capture, spec, rows, store_dtype, pool)
 
 
 def run_vllm_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: Path,

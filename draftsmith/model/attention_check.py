@@ -1,5 +1,6 @@
-"""Check that the two TTT attention paths agree: SDPA with a dense mask and flex_attention with
-a block mask (compiled on CUDA), on one packed row of several documents.
+"""Check that a fast TTT attention path agrees with SDPA over a dense mask, on one packed row of
+several documents: flex_attention with a block mask (compiled on CUDA), or a merged path (a
+dense causal kernel per document, the diagonals merged in: `cudnn`, `flash`, `reference`).
 
 Run it on a new GPU before trusting the fast path there (`python -m
 draftsmith.model.attention_check --device cuda`). flex_attention has no backward pass on a CPU,
@@ -45,11 +46,12 @@ def packed_row(drafter: Eagle3Drafter, doc_lengths: list[int], seed: int = 1):
 
 def compare_attention_paths(device: str = "cpu", doc_lengths: list[int] | None = None,
                             steps: int = 3, dtype: torch.dtype = torch.float32,
-                            grads: bool = True, compiled_layer: bool = False) -> dict:
-    """Max absolute differences between the SDPA and flex paths: per-step outputs (the
+                            grads: bool = True, compiled_layer: bool = False,
+                            path: str = "flex") -> dict:
+    """Max absolute differences between the SDPA path and `path`: per-step outputs (the
     drafter's norm output) and, with grads, every parameter's gradient of one scalar loss.
-    compiled_layer: run the flex side through the torch.compile'd decoder layer, as the
-    trainer does on CUDA."""
+    compiled_layer: run `path` through the torch.compile'd decoder layer, as the trainer
+    does on CUDA."""
     doc_lengths = doc_lengths or [300, 17, 500, 200, 7]
     drafter = small_drafter()
     with torch.no_grad():
@@ -75,10 +77,11 @@ def compare_attention_paths(device: str = "cpu", doc_lengths: list[int] | None =
 
     dense_out, dense_grads = run("sdpa")
     drafter.compile_layer(compiled_layer)
-    flex_out, flex_grads = run("flex")
+    flex_out, flex_grads = run(path)
     drafter.compile_layer(False)
     result = {
-        "device": device, "dtype": str(dtype).removeprefix("torch."), "steps": steps,
+        "path": path, "device": device, "dtype": str(dtype).removeprefix("torch."),
+        "steps": steps,
         "compiled_layer": compiled_layer,
         "doc_lengths": doc_lengths,
         "output_max_abs": max(o.abs().max().item() for o in dense_out),
@@ -97,12 +100,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--path", default="flex")
     args = parser.parse_args()
-    grads = not args.device.startswith("cpu")
+    grads = not args.device.startswith("cpu") or args.path != "flex"
     for dtype in (torch.float32, torch.bfloat16):
         for compiled in (False, True) if grads else (False,):
             print(json.dumps(compare_attention_paths(args.device, steps=args.steps, dtype=dtype,
-                                                     grads=grads, compiled_layer=compiled)))
+                                                     grads=grads, compiled_layer=compiled,
+                                                     path=args.path)))
 
 
 if __name__ == "__main__":

@@ -11,9 +11,11 @@ the embedding of token t+j+1 and predicts token t+j+2; its hidden input is step 
 the same anchor. It attends causally to the step-0 keys of its document and to its own keys of
 steps 1..j (one diagonal per step), which is exactly what it sees when drafting a chain.
 
-Two attention paths compute that mask: `sdpa` builds it densely ([T, (j+1)T] booleans, fine on a
-CPU and for tests) and `flex` describes it as a flex_attention block mask, so only the blocks
-that hold allowed pairs are computed and no dense mask exists (compiled on CUDA).
+Three attention paths compute that mask: `sdpa` builds it densely ([T, (j+1)T] booleans, fine
+on a CPU and for tests), `flex` describes it as a flex_attention block mask, so only the blocks
+that hold allowed pairs are computed and no dense mask exists (compiled on CUDA), and the merged
+paths (`cudnn`, `flash`; `reference` in float32 math for tests) run a dense causal kernel per
+document and merge the diagonals in by log-sum-exp (`draftsmith/model/ttt_attention.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +33,10 @@ from transformers.models.llama.modeling_llama import (
     LlamaRotaryEmbedding,
     apply_rotary_pos_emb,
 )
+
+from draftsmith.model import ttt_attention
+
+MERGED_ATTENTION = tuple(ttt_attention.KERNELS)  # attention paths that merge per document
 
 
 class Eagle3Config(BaseModel):
@@ -124,13 +130,20 @@ class Eagle3Attention(nn.Module):
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, past_kv, mask):
-        """x [B, T, 2H]; past_kv (k, v) [B, n_kv, S, d] or None; mask [B|1, 1, T, S+T] bool.
-        Returns the output [B, T, H] and this call's (k, v) [B, n_kv, T, d]."""
+        """x [B, T, 2H]; past_kv (k, v) [B, n_kv, S, d] or None; mask [B|1, 1, T, S+T] bool,
+        a BlockMask, or the name of a merged path (then past_kv holds lists of the earlier
+        steps' k and v, each [B, n_kv, T, d]). Returns the output [B, T, H] and this call's
+        (k, v) [B, n_kv, T, d]."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
         k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
         v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        if isinstance(mask, str):
+            past_k, past_v = past_kv if past_kv is not None else ([], [])
+            y = merged_attention_of_row(q, [*past_k, k], [*past_v, v], mask)  # [B, nh, T, d]
+            y = y.transpose(1, 2).reshape(B, T, self.n_heads * self.head_dim)  # [B, T, nh*d]
+            return self.o_proj(y), (k, v)
         keys = k if past_kv is None else torch.cat([past_kv[0], k], dim=2)  # [B, nkv, S+T, d]
         values = v if past_kv is None else torch.cat([past_kv[1], v], dim=2)  # [B, nkv, S+T, d]
         if isinstance(mask, BlockMask):
@@ -259,29 +272,54 @@ class Eagle3Drafter(nn.Module):
         return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, K*Ht] -> [B, T, H]
 
     def forward_ttt_hidden(self, input_ids, aux, position_ids, document_ids, steps: int,
-                           attention: str = "sdpa") -> list[torch.Tensor]:
+                           attention: str = "sdpa", documents: ttt_attention.Segments = ()
+                           ) -> list[torch.Tensor]:
         """Unrolled TTT over packed rows, up to lm_head's input: norm(out) per step, each
         [B, T, H], where step j at anchor t goes on to predict token t+j+2. input_ids,
         position_ids, document_ids [B, T] (position ids restart at 0 in each document); aux
-        [B, T, K*Ht]. The trainer applies lm_head fused with the loss, so [T, draft_vocab]
-        logits never persist."""
-        masks = ttt_block_masks(document_ids, steps) if attention == "flex" else \
-            ttt_masks(document_ids, steps)
+        [B, T, K*Ht]. documents: the row's (start, end) runs of document ids, known on the
+        host (merged paths; read from document_ids, with a device sync, when not given). The
+        trainer applies lm_head fused with the loss, so [T, draft_vocab] logits never
+        persist."""
+        merged = attention in MERGED_ATTENTION
+        if merged:
+            if document_ids.shape[0] != 1:
+                raise ValueError(f"attention {attention!r} takes one packed row at a time, "
+                                 f"not a batch of {document_ids.shape[0]}")
+            documents = documents or ttt_attention.document_segments(document_ids[0].cpu())
+            masks = [attention] * steps
+        elif attention == "flex":
+            masks = ttt_block_masks(document_ids, steps)
+        else:
+            masks = ttt_masks(document_ids, steps)
         hidden = self.project_aux(aux)  # [B, T, H]
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         normed = []
-        for j in range(steps):
-            next_tokens = shift_left(input_ids, j + 1)  # [B, T] token t+j+1 at anchor t
-            past = (torch.cat(keys, dim=2), torch.cat(values, dim=2)) if keys else None
-            embeds = self.embed_tokens(next_tokens).to(hidden.dtype)  # [B, T, H]
-            cos, sin = self.rope(hidden, position_ids + j)
-            hidden, normed_j, (k, v) = self.layer_fn(embeds, hidden, cos, sin, past,
-                                                     masks[j])  # [B, T, H] each
-            keys.append(k)
-            values.append(v)
-            normed.append(normed_j)
+        with ttt_attention.row_documents(documents):
+            for j in range(steps):
+                next_tokens = shift_left(input_ids, j + 1)  # [B, T] token t+j+1 at anchor t
+                past = None
+                if keys:
+                    past = (list(keys), list(values)) if merged else \
+                        (torch.cat(keys, dim=2), torch.cat(values, dim=2))  # [B, nkv, jT, d]
+                embeds = self.embed_tokens(next_tokens).to(hidden.dtype)  # [B, T, H]
+                cos, sin = self.rope(hidden, position_ids + j)
+                hidden, normed_j, (k, v) = self.layer_fn(embeds, hidden, cos, sin, past,
+                                                         masks[j])  # [B, T, H] each
+                keys.append(k)
+                values.append(v)
+                normed.append(normed_j)
         return normed
+
+
+@torch.compiler.disable
+def merged_attention_of_row(q, keys, values, kernel: str):
+    """The merged TTT attention over the documents of the row being run, outside the compiled
+    layer: the documents change with every row, and a compiled graph would be rebuilt for
+    each layout."""
+    return ttt_attention.merged_ttt_attention(q, keys, values, ttt_attention.current_documents(),
+                                              kernel)
 
 
 def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:

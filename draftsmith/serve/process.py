@@ -18,9 +18,31 @@ import threading
 from collections import deque
 from pathlib import Path
 
+from pydantic import BaseModel
+
 from draftsmith.serve import watchdog
 
 log = logging.getLogger("draftsmith.child")
+
+
+class ServerLaunch(BaseModel):
+    """How a server is started: its argv (never through a shell) and environment, and where it
+    listens. drafter_dir None: served without speculation (the benchmark's baseline)."""
+
+    argv: list[str]
+    env: dict[str, str]
+    host: str
+    port: int
+    drafter_dir: str | None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def shell(self) -> str:
+        """For people to read and paste; the launcher itself never goes through a shell."""
+        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        return (env + " " if env else "") + shlex.join(self.argv)
 
 # Every child this process started and has not stopped: a cancelled or failed run stops them all
 # (they run in their own sessions, so a signal to the run's process group misses them).

@@ -15,17 +15,16 @@ import importlib.metadata
 import importlib.util
 import io
 import logging
-import shlex
 import sys
 from pathlib import Path
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
-from pydantic import BaseModel
 
 from draftsmith.config import SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS, DeployConfig, TargetConfig
 from draftsmith.errors import InputError
 from draftsmith.export.convert import read_drafter
+from draftsmith.serve.process import ServerLaunch
 
 log = logging.getLogger(__name__)
 
@@ -64,21 +63,8 @@ def check_sglang_version(version: str | None, where: str) -> None:
             f"code): {fix}")
 
 
-class SGLangLaunch(BaseModel):
-    argv: list[str]
-    env: dict[str, str]
-    host: str
-    port: int
-    drafter_dir: str | None  # None: served without speculation
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def shell(self) -> str:
-        """For people to read and paste; the launcher itself never goes through a shell."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        return (env + " " if env else "") + shlex.join(self.argv)
+class SGLangLaunch(ServerLaunch):
+    """An SGLang server's launch (`sglang.launch_server`)."""
 
 
 def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str | Path | None,

@@ -20,7 +20,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shlex
 import subprocess
 import sys
 import time
@@ -28,11 +27,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from pydantic import BaseModel
 
 from draftsmith.config import DeployConfig, TargetConfig
 from draftsmith.export.convert import read_drafter
-from draftsmith.serve.process import ManagedProcess
+from draftsmith.serve.process import ManagedProcess, ServerLaunch
 from draftsmith.serve.readiness import ReadinessError, wait_for_port
 
 log = logging.getLogger(__name__)
@@ -50,23 +48,9 @@ class VLLMLaunchError(ValueError):
     pass
 
 
-class VLLMLaunch(BaseModel):
-    argv: list[str]
-    env: dict[str, str]
-    host: str
-    port: int
+class VLLMLaunch(ServerLaunch):
     model: str  # the served model name: the target's path, as clients must send it
-    drafter_dir: str | None  # None: served without speculation (the benchmark's baseline)
     num_speculative_tokens: int | None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def shell(self) -> str:
-        """For people to read and paste; the launcher itself never goes through a shell."""
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
-        return (env + " " if env else "") + shlex.join(self.argv)
 
 
 def vllm_program() -> list[str]:

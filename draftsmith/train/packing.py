@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
@@ -20,16 +21,20 @@ class PackedRow:
     position_ids: torch.Tensor  # [T] restarts at 0 in each sample
     document_ids: torch.Tensor  # [T] index of the sample within the row
     target_argmax: torch.Tensor | None = None  # [T] int32 when every sample's store has it
+    # (start, end) of each document, padding included, known on the host: the merged TTT
+    # attention kernels run once per document (draftsmith/model/ttt_attention.py).
+    documents: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.numel()
 
     def tensors(self) -> list[torch.Tensor]:
-        return [t for f in fields(self) if (t := getattr(self, f.name)) is not None]
+        return [t for f in fields(self) if isinstance(t := getattr(self, f.name), torch.Tensor)]
 
     def map(self, fn) -> PackedRow:
-        return PackedRow(*(None if (t := getattr(self, f.name)) is None else fn(t)
+        """fn applied to every tensor; the host-side fields are kept."""
+        return PackedRow(*(fn(t) if isinstance(t := getattr(self, f.name), torch.Tensor) else t
                            for f in fields(self)))
 
 
@@ -137,6 +142,7 @@ def concat_row(samples: list[Sample], row_tokens: int, pad_to: int | None = None
     argmax = None
     if all(s.target_argmax is not None for s in samples):
         argmax = laid_out([s.target_argmax[:n] for s, n in parts])  # [L]
+    ends = list(itertools.accumulate(n for _, n in parts)) + ([length] if length > real else [])
     return PackedRow(
         input_ids=laid_out([s.input_ids[:n] for s, n in parts]),  # [L]
         loss_mask=laid_out([s.loss_mask[:n].bool() for s, n in parts]),  # [L]
@@ -146,6 +152,7 @@ def concat_row(samples: list[Sample], row_tokens: int, pad_to: int | None = None
         document_ids=laid_out([torch.full((n,), i) for i, (_, n) in enumerate(parts)],
                               fill=-1),  # [L]
         target_argmax=argmax,
+        documents=tuple(zip([0, *ends[:-1]], ends, strict=True)),
     )
 
 
@@ -165,4 +172,5 @@ def padding_row(like: Sample, length: int, device: torch.device | str = "cpu") -
         document_ids=torch.full((length,), -1, device=device),  # [L]
         target_argmax=None if like.target_argmax is None else
         torch.zeros(length, dtype=like.target_argmax.dtype, device=device),  # [L]
+        documents=((0, length),),
     )

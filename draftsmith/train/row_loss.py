@@ -52,7 +52,7 @@ def _row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead, steps: i
         aux = (aux.float() + aux_noise_std * rms * noise).to(dtype)  # [T, K*Ht]
     normed = drafter.forward_ttt_hidden(
         row.input_ids[None].to(device), aux[None], row.position_ids[None].to(device),
-        row.document_ids[None].to(device), steps, attention,
+        row.document_ids[None].to(device), steps, attention, row.documents,
     )  # steps x [1, T, H]
     T = row.num_tokens
     docs = row.document_ids.to(device)

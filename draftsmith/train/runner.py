@@ -13,7 +13,7 @@ import torch
 from draftsmith.config import TrainConfig
 from draftsmith.errors import ConfigValueError
 from draftsmith.extract.store import Sample
-from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.eagle3 import MERGED_ATTENTION, Eagle3Drafter
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.metrics import StepCounts, replay_chain_decoding
 from draftsmith.train.packing import PackedRow, concat_row, padding_row
@@ -30,6 +30,10 @@ def step_weights_of(cfg: TrainConfig) -> list[float]:
 
 
 def resolve_attention(cfg: TrainConfig) -> str:
+    if cfg.attention in MERGED_ATTENTION and not cfg.device.startswith("cuda"):
+        raise ConfigValueError(f"train.attention={cfg.attention} runs cuDNN / FlashAttention "
+                               f"kernels, which need a CUDA device (train.device="
+                               f"{cfg.device}): use train.attention=auto or sdpa")
     if cfg.attention != "auto":
         return cfg.attention
     return "flex" if cfg.device.startswith("cuda") else "sdpa"
@@ -37,7 +41,8 @@ def resolve_attention(cfg: TrainConfig) -> str:
 
 class RowRunner:
     """attention and compiled say how rows run now; `fallback` moves them down one rung.
-    Rows are padded to batch_tokens on the flex path (compiled kernels see one shape)."""
+    Rows are padded to batch_tokens on the flex and merged paths (compiled kernels see one
+    shape)."""
 
     def __init__(self, cfg: TrainConfig, drafter: Eagle3Drafter, target_head: TargetHead,
                  device: torch.device, mode: DDP, attention: str, compiled: bool,
@@ -47,7 +52,7 @@ class RowRunner:
         self.device, self.mode = device, mode
         self.attention, self.compiled = attention, compiled
         drafter.compile_layer(compiled)
-        self.pad_to = cfg.batch_tokens if attention == "flex" else None  # static shapes
+        self.pad_to = cfg.batch_tokens if attention != "sdpa" else None  # static shapes
         self.step_weights = step_weights_of(cfg)
         if len(self.step_weights) != cfg.ttt_steps:
             raise ConfigValueError(f"train.step_weights has {len(self.step_weights)} entries, "
@@ -129,11 +134,14 @@ class RowRunner:
                     p.grad = None
 
     def fallback(self, err: BaseException) -> bool:
-        """Move down one rung (compiled layer -> eager layer -> SDPA); False at the bottom,
-        or for an error no rung fixes."""
+        """Move down one rung (merged kernels -> flex; compiled layer -> eager layer -> SDPA);
+        False at the bottom, or for an error no rung fixes."""
         if isinstance(err, torch.OutOfMemoryError):  # not a compiler problem: report it
             return False
-        if self.compiled:
+        if self.attention in MERGED_ATTENTION:
+            rung = "flex attention"
+            self.attention = "flex"
+        elif self.compiled:
             rung = "eager decoder layer with compiled flex attention" \
                 if self.attention == "flex" else "eager decoder layer"
             self.compiled = False
