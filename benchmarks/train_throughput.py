@@ -9,9 +9,11 @@ gradient clipping.
 
 FLOPs counted (model FLOPs, 2 per multiply-add, recomputation not counted):
   * fc: forward, and its weight gradient (the aux input needs none): 2 x 2*T*3Ht*H.
-  * per TTT step: q/k/v (2H inputs), o, gate/up/down and lm_head, forward 2*T*(...) and
-    backward twice that (input and weight gradients); a frozen lm_head has no weight
-    gradient, so 1x instead of 2x for it.
+  * per TTT step: q/k/v over the hidden half of their input (H), o, gate/up/down and
+    lm_head, forward 2*T*(...) and backward twice that (input and weight gradients); a
+    frozen lm_head has no weight gradient, so 1x instead of 2x for it.
+  * once a row: q/k/v over the embedding half of their input (H columns), which every TTT
+    step reads shifted (`Eagle3Drafter.embedding_projections`), forward and backward.
   * attention: only allowed (query, key) pairs, 4*head_dim*heads FLOPs each (QK^T and PV),
     forward + 2x backward. Step j: causal pairs within each document (sum L(L+1)/2) plus
     j*T diagonal pairs. The blocks flex skips or masks inside are not counted.
@@ -73,7 +75,9 @@ def flops_per_row(cfg: Eagle3Config, doc_lengths: list[int], steps: int,
     q, kv = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
     k_in = len(cfg.aux_layer_ids) * cfg.target_hidden_size
     fc = 2 * (2 * T * k_in * H)
-    layer = 3 * steps * 2 * T * (2 * H * (q + 2 * kv) + q * H + 3 * H * I)
+    per_step = H * (q + 2 * kv) + q * H + 3 * H * I  # hidden half of q/k/v, o, MLP
+    embedding_half = H * (q + 2 * kv)  # once a row, over T + steps - 1 positions
+    layer = 3 * 2 * (steps * T * per_step + (T + steps - 1) * embedding_half)
     lm_head = (3 if lm_head_trainable else 2) * steps * 2 * T * H * cfg.draft_vocab_size
     causal_pairs = sum(n * (n + 1) // 2 for n in doc_lengths)
     pairs = sum(causal_pairs + j * T for j in range(steps))

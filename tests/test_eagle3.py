@@ -284,6 +284,67 @@ def test_packed_documents_do_not_see_each_other(random_target_dir):
                                    rtol=1e-4, atol=1e-5)
 
 
+def per_step_ttt(drafter: Eagle3Drafter, ids, aux, pos, docs, steps: int) -> list[torch.Tensor]:
+    """TTT as written in the paper's terms: at every step the embeddings of tokens t+j+1 are
+    looked up and concatenated with the hidden input, and the whole [T, 2H] goes through q, k
+    and v (no projection shared between steps)."""
+    from draftsmith.model.eagle3 import shift_left
+
+    masks = ttt_masks(docs, steps)
+    hidden = drafter.project_aux(aux)  # [1, T, H]
+    keys, values, normed = [], [], []
+    for j in range(steps):
+        embeds = drafter.embed_tokens(shift_left(ids, j + 1))  # [1, T, H]
+        cos, sin = drafter.rope(hidden, pos + j)
+        past = (torch.cat(keys, 2), torch.cat(values, 2)) if keys else None
+        hidden, (k, v) = drafter.midlayer(embeds, hidden, cos, sin, past, masks[j])
+        keys.append(k)
+        values.append(v)
+        normed.append(drafter.norm(hidden))  # [1, T, H]
+    return normed
+
+
+def test_embedding_projections_shared_by_the_steps_give_the_per_step_outputs_and_gradients(
+        random_target_dir, monkeypatch):
+    """Training projects the embedding half of q, k and v once a row and gives step j its
+    window j: outputs and every parameter's gradient equal per-step projection. A window one
+    step off is caught."""
+    import draftsmith.model.eagle3 as eagle3
+
+    drafter = make_drafter(random_target_dir).train()
+    T, steps = 23, 3
+    ids, aux = random_row(drafter, T, seed=4)
+    pos = torch.cat([torch.arange(15), torch.arange(8)])[None]
+    docs = torch.cat([torch.zeros(15), torch.ones(8)]).long()[None]
+    probe = [torch.randn(1, T, drafter.config.hidden_size, generator=torch.Generator()
+                         .manual_seed(j)) for j in range(steps)]
+
+    def outputs_and_grads(fn):
+        drafter.zero_grad()
+        normed = fn(drafter, ids, aux, pos, docs, steps)
+        sum((x * p).sum() for x, p in zip(normed, probe)).backward()
+        grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+        return [x.detach() for x in normed], grads
+
+    reference, reference_grads = outputs_and_grads(per_step_ttt)
+    shared, shared_grads = outputs_and_grads(Eagle3Drafter.forward_ttt_hidden)
+    assert set(shared_grads) == set(reference_grads) and "midlayer.input_layernorm.weight" in \
+        shared_grads
+    for j in range(steps):
+        torch.testing.assert_close(shared[j], reference[j], rtol=1e-5, atol=1e-5)
+    for name, grad in reference_grads.items():  # float32 rounding: relative to the largest
+        error = (shared_grads[name] - grad).abs().max() / grad.abs().max()
+        assert error < 1e-5, f"{name}: gradients differ by {error:.2e} of the largest"
+
+    real_layer = Eagle3Drafter.layer_and_norm
+    monkeypatch.setattr(Eagle3Drafter, "layer_and_norm",
+                        lambda self, qkv, offset, *a: real_layer(self, qkv, max(offset - 1, 0),
+                                                                 *a))
+    off_by_one, _ = outputs_and_grads(eagle3.Eagle3Drafter.forward_ttt_hidden)
+    torch.testing.assert_close(off_by_one[0], reference[0], rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(off_by_one[2], reference[2], atol=1e-3)
+
+
 @pytest.mark.parametrize("steps", [1, 4])
 def test_forward_ttt_returns_one_logit_tensor_per_step(random_target_dir, steps):
     drafter = make_drafter(random_target_dir)

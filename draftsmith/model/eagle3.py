@@ -129,15 +129,27 @@ class Eagle3Attention(nn.Module):
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, past_kv, mask):
-        """x [B, T, 2H]; past_kv (k, v) [B, n_kv, S, d] or None; mask [B|1, 1, T, S+T] bool,
-        a BlockMask, or the name of a merged path (then past_kv holds lists of the earlier
-        steps' k and v, each [B, n_kv, T, d]). Returns the output [B, T, H] and this call's
-        (k, v) [B, n_kv, T, d]."""
+    @property
+    def projections(self) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+        return self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x, cos, sin, past_kv, mask, embedding_qkv=None):
+        """x [B, T, 2H] (both normed inputs, concatenated), or only the normed hidden [B, T, H]
+        when embedding_qkv holds the embedding half of q, k and v already projected
+        ([B, T, nh*d], [B, T, nkv*d] x 2). past_kv (k, v) [B, n_kv, S, d] or None; mask
+        [B|1, 1, T, S+T] bool, a BlockMask, or the name of a merged path (then past_kv holds
+        lists of the earlier steps' k and v, each [B, n_kv, T, d]). Returns the output
+        [B, T, H] and this call's (k, v) [B, n_kv, T, d]."""
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        if embedding_qkv is None:
+            q, k, v = (p(x) for p in self.projections)  # [B, T, nh*d], [B, T, nkv*d] x 2
+        else:
+            H = x.shape[-1]  # the hidden half of each weight's input columns
+            q, k, v = (e + F.linear(x, p.weight[:, H:])
+                       for e, p in zip(embedding_qkv, self.projections))  # as above
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         if isinstance(mask, str):
             past_k, past_v = past_kv if past_kv is not None else ([], [])
@@ -169,9 +181,25 @@ class Eagle3DecoderLayer(nn.Module):
     def forward(self, embeds, hidden, cos, sin, past_kv=None, mask=None):
         x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B,T,2H]
         attn, kv = self.self_attn(x, cos, sin, past_kv, mask)  # [B, T, H]
+        return self._residual_and_mlp(hidden, attn), kv
+
+    def embedding_qkv(self, embeds):
+        """The embedding half of q, k and v: input_layernorm(embeds) through the first H input
+        columns of each weight. embeds [B, S, H] -> [B, S, nh*d], [B, S, nkv*d] x 2."""
+        x = self.input_layernorm(embeds)  # [B, S, H]
+        H = x.shape[-1]
+        return tuple(F.linear(x, p.weight[:, :H]) for p in self.self_attn.projections)
+
+    def forward_projected(self, embedding_qkv, hidden, cos, sin, past_kv=None, mask=None):
+        """forward, with the embedding half of q, k and v given (embedding_qkv's output for
+        these T positions): the sum of the two halves is the projection of the concatenation."""
+        x = self.hidden_norm(hidden)  # [B, T, H]
+        attn, kv = self.self_attn(x, cos, sin, past_kv, mask, embedding_qkv)  # [B, T, H]
+        return self._residual_and_mlp(hidden, attn), kv
+
+    def _residual_and_mlp(self, hidden, attn):
         hidden = hidden + attn  # [B, T, H]
-        hidden = hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, T, H]
-        return hidden, kv
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, T, H]
 
 
 class Eagle3Drafter(nn.Module):
@@ -211,11 +239,31 @@ class Eagle3Drafter(nn.Module):
             if target_head is not None:
                 self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
 
-    def layer_and_norm(self, embeds, hidden, cos, sin, past_kv=None, mask=None):
-        """The decoder layer, then the final norm: out [B, T, H] (the next step's hidden),
-        norm(out) [B, T, H] (lm_head's input) and this step's (k, v)."""
-        out, kv = self.midlayer(embeds, hidden, cos, sin, past_kv, mask)  # [B, T, H]
+    def layer_and_norm(self, embedding_qkv, offset, hidden, cos, sin, past_kv=None, mask=None):
+        """The decoder layer at TTT step `offset`, then the final norm: out [B, T, H] (the next
+        step's hidden), norm(out) [B, T, H] (lm_head's input) and this step's (k, v).
+        embedding_qkv: the row's embedding projections ([B, T+steps-1, .] each,
+        `embedding_projections`), of which this step reads positions offset..offset+T-1."""
+        T = hidden.shape[1]
+        window = tuple(p[:, offset:offset + T] for p in embedding_qkv)  # [B, T, .] each
+        out, kv = self.midlayer.forward_projected(window, hidden, cos, sin, past_kv,
+                                                  mask)  # [B, T, H]
         return out, self.norm(out), kv
+
+    def embedding_projections(self, input_ids, steps: int, dtype: torch.dtype):
+        """The embedding half of q, k and v for every TTT step of a row, computed once.
+
+        Step j reads the embedding of token t+j+1 at anchor t: window j of the row's tokens
+        shifted by one and padded by `steps - 1`. input_layernorm and the projections act on
+        each position alone, so step j's embedding projections are window j of one
+        projection: one GEMM a row instead of one a step, forward and backward (autograd
+        sums the steps' gradients over the windows first). input_ids [B, T] ->
+        [B, T+steps-1, nh*d], [B, T+steps-1, nkv*d] x 2."""
+        tokens = shift_left(input_ids, 1)  # [B, T]: token t+1 at t, 0 past the end
+        tokens = F.pad(tokens, (0, steps - 1))  # [B, T+steps-1]
+        embeds = self.embed_tokens(tokens).to(dtype)  # [B, T+steps-1, H]
+        fn = self.__dict__.get("_compiled_embedding_qkv", self.midlayer.embedding_qkv)
+        return fn(embeds)
 
     @property
     def layer_fn(self):
@@ -236,8 +284,11 @@ class Eagle3Drafter(nn.Module):
                     setattr(torch._dynamo.config, name, max(64, getattr(torch._dynamo.config,
                                                                         name)))
             self.__dict__["_compiled_layer"] = torch.compile(self.layer_and_norm, dynamic=False)
+            self.__dict__["_compiled_embedding_qkv"] = torch.compile(
+                self.midlayer.embedding_qkv, dynamic=False)
         else:
             self.__dict__.pop("_compiled_layer", None)
+            self.__dict__.pop("_compiled_embedding_qkv", None)
 
     @property
     def compiled(self) -> bool:
@@ -293,20 +344,19 @@ class Eagle3Drafter(nn.Module):
         else:
             masks = ttt_masks(document_ids, steps)
         hidden = self.project_aux(aux)  # [B, T, H]
+        embedding_qkv = self.embedding_projections(input_ids, steps, hidden.dtype)
         keys: list[torch.Tensor] = []
         values: list[torch.Tensor] = []
         normed = []
         with ttt_attention.row_documents(documents):
             for j in range(steps):
-                next_tokens = shift_left(input_ids, j + 1)  # [B, T] token t+j+1 at anchor t
                 past = None
                 if keys:
                     past = (list(keys), list(values)) if merged else \
                         (torch.cat(keys, dim=2), torch.cat(values, dim=2))  # [B, nkv, jT, d]
-                embeds = self.embed_tokens(next_tokens).to(hidden.dtype)  # [B, T, H]
                 cos, sin = self.rope(hidden, position_ids + j)
-                hidden, normed_j, (k, v) = self.layer_fn(embeds, hidden, cos, sin, past,
-                                                         masks[j])  # [B, T, H] each
+                hidden, normed_j, (k, v) = self.layer_fn(embedding_qkv, j, hidden, cos, sin,
+                                                         past, masks[j])  # [B, T, H] each
                 keys.append(k)
                 values.append(v)
                 normed.append(normed_j)
