@@ -568,3 +568,9 @@ def test_the_merged_attention_kernels_ask_for_a_cuda_device():
     assert resolve_attention(TrainConfig(device="cpu")) == "sdpa"
     with pytest.raises(ConfigValueError, match="train.attention=cudnn.*CUDA.*train.device=cpu"):
         resolve_attention(TrainConfig(device="cpu", attention="cudnn"))
+    # cuDNN's kernel returns NaN for float32 inputs: refused before a step runs.
+    with pytest.raises(ConfigValueError, match="train.attention=flash.*float32.*"
+                                               "train.dtype=bfloat16"):
+        resolve_attention(TrainConfig(device="cuda", attention="flash"))
+    assert resolve_attention(TrainConfig(device="cuda", attention="cudnn",
+                                         dtype="bfloat16")) == "cudnn"

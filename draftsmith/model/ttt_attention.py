@@ -20,6 +20,8 @@ import threading
 
 import torch
 
+from draftsmith.compiling import compiled_once
+
 Segments = tuple[tuple[int, int], ...]  # (start, end) of each document of the row
 
 _ROW = threading.local()
@@ -135,6 +137,10 @@ class CudnnCausal:
         return k.contiguous(), v.contiguous()
 
     def forward(self, q, k, v, segments: Segments, scale: float):
+        if q.dtype not in (torch.bfloat16, torch.float16):
+            # cuDNN given float32 returns NaN without an error (seen on an H200).
+            raise ValueError(f"the {self.name} kernel takes bfloat16 or float16, not {q.dtype}:"
+                             f" train in bfloat16, or use the reference kernel for float32")
         out = torch.empty_like(q)  # [B, nh, T, d]
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)  # [B, nh, T]
         saved = []
@@ -230,17 +236,10 @@ def merge_diagonals_backward(q, dout, out, lse, ks, vs, scale: float):
     return dq.reshape(B, H, T, d), dks, dvs
 
 
-_COMPILED: dict = {}
-
-
 def _on_device(fn, x: torch.Tensor):
     """fn compiled on CUDA (its dozen elementwise passes fused into a few kernels), eager
     elsewhere."""
-    if not x.is_cuda:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn, dynamic=False)
-    return _COMPILED[fn]
+    return compiled_once(fn, dynamic=False) if x.is_cuda else fn
 
 
 class _MergedTTTAttention(torch.autograd.Function):

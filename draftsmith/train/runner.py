@@ -34,6 +34,11 @@ def resolve_attention(cfg: TrainConfig) -> str:
         raise ConfigValueError(f"train.attention={cfg.attention} runs cuDNN / FlashAttention "
                                f"kernels, which need a CUDA device (train.device="
                                f"{cfg.device}): use train.attention=auto or sdpa")
+    if cfg.attention in MERGED_ATTENTION and cfg.dtype == "float32":
+        # Seen on an H200: cuDNN's kernel given float32 returns NaN, and nothing fails.
+        raise ConfigValueError(f"train.attention={cfg.attention} runs half-precision kernels, "
+                               f"and train.dtype is float32: set train.dtype=bfloat16, or "
+                               f"train.attention=auto for float32")
     if cfg.attention != "auto":
         return cfg.attention
     return "flex" if cfg.device.startswith("cuda") else "sdpa"
