@@ -322,7 +322,7 @@ def test_embedding_projections_shared_by_the_steps_give_the_per_step_outputs_and
     def outputs_and_grads(fn):
         drafter.zero_grad()
         normed = fn(drafter, ids, aux, pos, docs, steps)
-        sum((x * p).sum() for x, p in zip(normed, probe)).backward()
+        sum((x * p).sum() for x, p in zip(normed, probe, strict=True)).backward()
         grads = {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
         return [x.detach() for x in normed], grads
 

@@ -34,6 +34,7 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
+from draftsmith.compiling import compiled_once
 from draftsmith.model import ttt_attention
 
 MERGED_ATTENTION = tuple(ttt_attention.KERNELS)  # attention paths that merge per document
@@ -145,8 +146,8 @@ class Eagle3Attention(nn.Module):
             q, k, v = (p(x) for p in self.projections)  # [B, T, nh*d], [B, T, nkv*d] x 2
         else:
             H = x.shape[-1]  # the hidden half of each weight's input columns
-            q, k, v = (e + F.linear(x, p.weight[:, H:])
-                       for e, p in zip(embedding_qkv, self.projections))  # as above
+            q, k, v = (embedding_qkv[i] + F.linear(x, p.weight[:, H:])
+                       for i, p in enumerate(self.projections))  # as above
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # [B, nh, T, d]
         k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # [B, nkv, T, d]
@@ -408,18 +409,13 @@ except ImportError:  # pragma: no cover - old torch
     BlockMask = type("BlockMask", (), {})
     create_block_mask = flex_attention = None
 
-_FLEX: dict[str, object] = {}
-
-
 def flex_attention_fn():
     """flex_attention, compiled on CUDA (eager flex is a dense reference implementation, far
     slower than SDPA). The trainer falls back to the SDPA path, with a warning, when
     compiling fails (the seeds hit a Triton shared-memory limit on Blackwell)."""
-    if "fn" not in _FLEX:
-        _FLEX["fn"] = flex_attention
-        if torch.cuda.is_available():
-            _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
-    return _FLEX["fn"]
+    if torch.cuda.is_available():
+        return compiled_once(flex_attention, dynamic=False)
+    return flex_attention
 
 
 def ttt_mask_mod(document_ids: torch.Tensor, T: int):

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.compiling import compiled_once
+
 
 class TargetHead:
     """The frozen target head, split into the draft vocab's rows and the rest."""
@@ -84,17 +86,10 @@ def _chunk_ce(logits: torch.Tensor, probs: torch.Tensor, weights: torch.Tensor,
     return ce, logits.argmax(-1), grad.to(grad_dtype)
 
 
-_COMPILED: dict = {}
-
-
 def _maybe_compiled(fn, compiled: bool):
     """fn, or its torch.compile'd form: the float32 passes over a [c, D] chunk (about ten in
     _chunk_ce) fused into one or two kernels; the matmuls around them stay cuBLAS calls."""
-    if not compiled:
-        return fn
-    if fn not in _COMPILED:
-        _COMPILED[fn] = torch.compile(fn)
-    return _COMPILED[fn]
+    return compiled_once(fn) if compiled else fn
 
 
 def _draft_probs(logits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from draftsmith.compiling import compiled_once
+
 
 def adamw_on_masters(params: list[torch.Tensor], grads: list[torch.Tensor],
                      masters: list[torch.Tensor], exp_avgs: list[torch.Tensor],
@@ -47,15 +49,6 @@ def adamw_on_masters(params: list[torch.Tensor], grads: list[torch.Tensor],
         master.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() / bias2_sqrt + eps))
         param.copy_(master)
     return norm
-
-
-_COMPILED_STEP: dict[str, object] = {}
-
-
-def _compiled_adamw_on_masters():
-    if "fn" not in _COMPILED_STEP:
-        _COMPILED_STEP["fn"] = torch.compile(adamw_on_masters, fullgraph=True, dynamic=False)
-    return _COMPILED_STEP["fn"]
 
 
 class MasterWeightAdamW:
@@ -116,7 +109,8 @@ class MasterWeightAdamW:
         torch._foreach_add_(steps, 1.0)
         lr = self._lr.fill_(float(group["lr"]))
         beta1, beta2 = group["betas"]
-        update = _compiled_adamw_on_masters() if self._compiled else adamw_on_masters
+        update = compiled_once(adamw_on_masters, fullgraph=True, dynamic=False) \
+            if self._compiled else adamw_on_masters
         with torch.no_grad():
             return update([p.data for p in self.params], [p.grad for p in self.params],
                           self.master, [s["exp_avg"] for s in states],
