@@ -12,9 +12,10 @@ bf16 for compute when `train.dtype` is bfloat16, and gradients are reduce-scatte
 
 A parameter is whole only inside a forward of the module that owns it, so the trainer's row
 (TTT forward and the loss fused with lm_head) runs through `Eagle3Drafter.in_forward`,
-registered here as a forward method. Every rank must join every all-gather and reduce-scatter:
-a rank without a row runs an all-padding row (zero loss, zero gradients), in training and in
-validation alike.
+registered here as a forward method, and so are the decoder layer's `embedding_qkv` and
+`forward_projected`, which the row calls instead of its forward. Every rank must join every
+all-gather and reduce-scatter: a rank without a row runs an all-padding row (zero loss, zero
+gradients), in training and in validation alike.
 
 Checkpoints: each rank saves and loads its own shards (plain tensors); the best drafter is
 gathered whole (a collective every rank joins) and written by rank 0.
@@ -31,6 +32,9 @@ from torch import nn
 from draftsmith.model.eagle3 import Eagle3Drafter
 
 FORWARD_METHOD = "in_forward"
+# The decoder layer's methods that the TTT row calls in place of its forward (the embedding
+# half of q/k/v once a row, then each step): its parameters must be whole in them too.
+LAYER_FORWARD_METHODS = ("embedding_qkv", "forward_projected")
 
 
 def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, device: torch.device,
@@ -54,6 +58,8 @@ def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, device: to
     fully_shard(drafter.midlayer, mesh=mesh, mp_policy=policy)
     fully_shard(drafter, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(drafter, FORWARD_METHOD)
+    for method in LAYER_FORWARD_METHODS:
+        register_fsdp_forward_method(drafter.midlayer, method)
     # The decoder layer returns its value tensor as a view (transpose); the trainer only
     # concatenates it, never writes into it, which is the case this warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
