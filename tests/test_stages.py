@@ -244,6 +244,11 @@ def test_benchmark_sweep_measures_each_drafting_config_once(chain, random_target
     report = json.loads((first.dir / "report.json").read_text())
     assert [c["config"] for c in report["configs"]] == ["chain, 2 steps", "tree 2x2/5"]
     assert all(c["lossless"] for c in report["configs"]) and first.figures["lossless"] is True
+    for c in report["configs"]:  # each round: 1 own token + its accepted drafts, by position
+        assert len(c["accepted_per_position"]) == c["num_steps"]
+        assert c["acceptance_length"] == pytest.approx(1 + sum(c["accepted_per_position"]),
+                                                       abs=2e-3)
+        assert c["accepted_per_position"] == sorted(c["accepted_per_position"], reverse=True)
     assert first.figures["best_config"] in ("chain, 2 steps", "tree 2x2/5")
     assert "## Drafting configs" in (first.dir / "report.md").read_text()
     assert len(list((tmp_path / "benchmark-point").glob("*/manifest.json"))) == 1

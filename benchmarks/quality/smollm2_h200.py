@@ -96,11 +96,10 @@ def write_answers(records, path: Path) -> None:
 
 def decode_side_by_side(target, drafters: dict[str, str], prompts: list[list[int]],
                         bench_cfg, steps: int, device: str) -> dict:
-    """Each drafter (a directory in any layout) in the embedded engine on the same prompts:
-    acceptance length (tokens per verify round), per-position acceptance (the share of rounds
-    whose j-th draft was accepted) and identity with plain greedy decoding (the benchmark
-    stage's own baseline, decoded once and shared)."""
-    from draftsmith.bench.benchmark import plain_decoding
+    """Each drafter (a directory in any layout) in the embedded engine on the same prompts, as
+    the benchmark stage measures it (`measure_embedded`): acceptance length, per-position
+    acceptance and identity with plain greedy decoding (decoded once and shared)."""
+    from draftsmith.bench.benchmark import measure_embedded, plain_decoding
     from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
     from draftsmith.target import load_target_model, load_tokenizer
 
@@ -112,27 +111,14 @@ def decode_side_by_side(target, drafters: dict[str, str], prompts: list[list[int
         engine = EmbeddedSpeculativeEngine.load(model, directory, num_steps=steps)
         if plain is None:
             plain = plain_decoding(engine.runner, prompts, bench_cfg, eos)
-        rounds, tokens, accepted, identical, seconds = 0, 0, [0] * steps, 0, 0.0
-        for prompt, reference in zip(prompts, plain, strict=True):
-            out = engine.generate(prompt, bench_cfg.max_new_tokens, eos)
-            seconds += out.seconds
-            rounds += out.verify_rounds
-            tokens += sum(out.round_tokens)
-            for kept in out.round_tokens:  # kept = accepted drafts + the target's own token
-                for j in range(min(kept - 1, steps)):
-                    accepted[j] += 1
-            identical += out.tokens == reference.tokens
-        plain_s = sum(p.seconds for p in plain)
-        plain_tokens = sum(len(p.tokens) for p in plain)
+        summary, per_prompt = measure_embedded(engine, prompts, bench_cfg, eos, name, plain)
         result[name] = {
-            "prompts": len(prompts), "verify_rounds": rounds, "tokens": tokens,
-            "acceptance_length": round(tokens / max(rounds, 1), 4),
-            "accepted_per_position": [round(a / max(rounds, 1), 4) for a in accepted],
-            "identical_to_greedy": f"{identical}/{len(prompts)}",
-            "speculative_tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
-            "greedy_tokens_per_s": round(plain_tokens / max(plain_s, 1e-9), 1)}
-        result[name]["speedup"] = round(result[name]["speculative_tokens_per_s"]
-                                        / max(result[name]["greedy_tokens_per_s"], 1e-9), 3)
+            "prompts": len(prompts), "verify_rounds": sum(p["verify_rounds"] for p in per_prompt),
+            "tokens": sum(p["round_tokens"] for p in per_prompt),
+            **{key: summary[key] for key in ("acceptance_length", "accepted_per_position",
+                                             "speculative_tokens_per_s", "greedy_tokens_per_s",
+                                             "speedup")},
+            "identical_to_greedy": summary["identical_outputs"]}
         log.info("side by side: %s %s", name, result[name])
     return result
 
@@ -146,7 +132,7 @@ def train_speculators(config: PipelineConfig, outputs: dict, out_dir: Path, devi
     on draftsmith's extracted store: the same samples, packed into rows of train.batch_tokens
     by its CollateFn after its shift_batch, for the same epochs and TTT steps. Its defaults
     are kept (muon + AdamW, lr 1e-3, linear schedule, kl_div loss, clip 1.0; attention SDPA and
-the eager loss, as draftsmith runs eager SDPA here) except where the
+    the eager loss, as draftsmith runs eager SDPA here) except where the
     architecture must be the plain EAGLE-3 that draftsmith, SGLang and vLLM run:
     norm_before_residual, norm_before_fc and norm_output false (the import refuses
     norm_before_residual=true; the other two change what the served drafter computes). Two

@@ -66,6 +66,16 @@ def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
                             Sampling(cfg.temperature, seed=i)) for i, prompt in enumerate(prompts)]
 
 
+def accepted_by_position(round_tokens: list[int], num_steps: int) -> list[int]:
+    """How many verify rounds accepted a j-th draft, j = 0..num_steps-1: a round keeps its
+    accepted drafts and the target's own token."""
+    accepted = [0] * num_steps
+    for kept in round_tokens:
+        for j in range(min(kept - 1, num_steps)):
+            accepted[j] += 1
+    return accepted
+
+
 def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
                      eos: int | None, label: str,
                      plain: list[Generation]) -> tuple[dict, list[dict]]:
@@ -87,6 +97,8 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
             "plain_tokens": len(greedy.tokens),
             "verify_rounds": speculative.verify_rounds,
             "round_tokens": sum(speculative.round_tokens),
+            "accepted_by_position": accepted_by_position(speculative.round_tokens,
+                                                         engine.num_steps),
             "speculative_s": speculative.seconds,
             "greedy_s": greedy.seconds,
             "identical": None if sampled else speculative.tokens == greedy.tokens,
@@ -96,6 +108,8 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
 
     rounds = sum(p["verify_rounds"] for p in per_prompt)
     acceptance = sum(p["round_tokens"] for p in per_prompt) / max(rounds, 1)
+    accepted = [sum(col) for col in zip(*(p["accepted_by_position"] for p in per_prompt),
+                                        strict=True)]
     spec_tokens = sum(p["completion_tokens"] for p in per_prompt)
     spec_tps = spec_tokens / sum(p["speculative_s"] for p in per_prompt)
     greedy_tps = sum(p["plain_tokens"] for p in per_prompt) / sum(p["greedy_s"] for p in per_prompt)
@@ -105,6 +119,8 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
         "num_draft_tokens": engine.num_draft_tokens, "prompts": len(per_prompt),
         "completion_tokens": spec_tokens,
         "acceptance_length": round(acceptance, 3),
+        # Share of verify rounds whose j-th draft was accepted, as vLLM's counters report it.
+        "accepted_per_position": [round(a / max(rounds, 1), 4) for a in accepted],
         "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
         "speedup": round(spec_tps / greedy_tps, 3), "lossless": lossless,
         "identical_outputs": (f"n/a (sampled at temperature {cfg.temperature})" if sampled else
