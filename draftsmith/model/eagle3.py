@@ -260,8 +260,7 @@ class Eagle3Drafter(nn.Module):
         projection: one GEMM a row instead of one a step, forward and backward (autograd
         sums the steps' gradients over the windows first). input_ids [B, T] ->
         [B, T+steps-1, nh*d], [B, T+steps-1, nkv*d] x 2."""
-        tokens = shift_left(input_ids, 1)  # [B, T]: token t+1 at t, 0 past the end
-        tokens = F.pad(tokens, (0, steps - 1))  # [B, T+steps-1]
+        tokens = F.pad(input_ids[:, 1:], (0, steps))  # [B, T+steps-1]: token t+1 at t, then 0
         embeds = self.embed_tokens(tokens).to(dtype)  # [B, T+steps-1, H]
         fn = self.__dict__.get("_compiled_embedding_qkv", self.midlayer.embedding_qkv)
         return fn(embeds)
@@ -408,6 +407,7 @@ try:  # flex_attention exists from torch 2.5; the SDPA path needs nothing of it
 except ImportError:  # pragma: no cover - old torch
     BlockMask = type("BlockMask", (), {})
     create_block_mask = flex_attention = None
+
 
 def flex_attention_fn():
     """flex_attention, compiled on CUDA (eager flex is a dense reference implementation, far
