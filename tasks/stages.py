@@ -134,7 +134,7 @@ def task_for(stage: Stage) -> Task:
     return _TASKS[stage]
 
 
-@task(name="resolve-target", retries=1)
+@task(name="resolve-target", retries=1, retry_condition_fn=retry_unless_hopeless)
 def resolve_target(cfg: TargetConfig) -> Descriptor:
     from draftsmith.target import resolve_target as resolve
 

@@ -64,3 +64,34 @@ def test_a_stage_task_fails_an_input_error_at_once_and_retries_the_rest(
     state = states[0]
     assert state.is_failed() and str(error) in state.message
     assert len(calls) == attempts  # retries=2: three attempts, unless hopeless
+
+
+@pytest.mark.parametrize("error_name, attempts", [("TargetFileError", 1), ("TargetFetchError", 2)])
+def test_resolving_the_target_fails_an_input_error_at_once(prefect_api, monkeypatch,
+                                                           error_name, attempts):
+    """A missing converter package or a wrong model file fails the same way again; a fetch
+    that failed (the registry down) may pass on the retry."""
+    from prefect import flow
+
+    from draftsmith import smollm2_target, target
+    from draftsmith.config import TargetConfig
+    from tasks.stages import resolve_target
+
+    error = getattr(smollm2_target, error_name)("target builtin:smollm2-135m-instruct: no")
+    calls = []
+
+    def fails(_cfg):
+        calls.append(1)
+        raise error
+
+    monkeypatch.setattr(target, "resolve_target", fails)
+    states = []
+
+    @flow
+    def resolve_only() -> None:
+        states.append(resolve_target.with_options(retry_delay_seconds=0)(
+            TargetConfig(model="builtin:smollm2-135m-instruct"), return_state=True))
+
+    resolve_only()
+    assert states[0].is_failed() and "no" in states[0].message
+    assert len(calls) == attempts
