@@ -260,3 +260,16 @@ def test_the_sglang_layout_carries_the_provenance_too(smollm2_run, smollm2_targe
                           smollm2_target, plan)
     written = json.loads((Path(exported.figures["drafter_dir"]) / "config.json").read_text())
     assert written["draftsmith"]["target_provenance"] == smollm2_target.figures["provenance"]
+
+
+def test_an_unknown_builtin_prompt_set_is_named_with_the_choices():
+    from draftsmith.data.packaged import (
+        PackagedSourceError,
+        builtin_fingerprint,
+        builtin_rows,
+        check_installed,
+    )
+
+    for read in (builtin_rows, check_installed, builtin_fingerprint):
+        with pytest.raises(PackagedSourceError, match="'humaneval2'.*humaneval, python-functions"):
+            read("humaneval2")

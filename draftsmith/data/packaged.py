@@ -176,8 +176,7 @@ def builtin_rows(name: str, limit: int | None = None) -> Iterator[tuple[int, dic
         return humaneval_rows()
     if name == PYTHON_FUNCTIONS:
         return python_function_rows(limit)
-    raise PackagedSourceError(f"unknown builtin prompt set {name!r}; choose from "
-                              f"{', '.join(BUILTIN_SOURCES)}")
+    raise _unknown(name)
 
 
 def check_installed(name: str) -> None:
@@ -185,8 +184,7 @@ def check_installed(name: str) -> None:
     if name == HUMANEVAL:
         _humaneval_file()
     elif name != PYTHON_FUNCTIONS:
-        raise PackagedSourceError(f"unknown builtin prompt set {name!r}; choose from "
-                                  f"{', '.join(BUILTIN_SOURCES)}")
+        raise _unknown(name)
 
 
 def builtin_fingerprint(name: str, limit: int | None = None) -> str:
@@ -195,6 +193,12 @@ def builtin_fingerprint(name: str, limit: int | None = None) -> str:
     if name == HUMANEVAL:
         digest = hashlib.sha256(_humaneval_file().read_bytes()).hexdigest()
         return f"{HUMANEVAL_PACKAGE}-{importlib.metadata.version(HUMANEVAL_PACKAGE)}-{digest[:16]}"
-    material = json.dumps(list(python_function_prompts(limit)) if name == PYTHON_FUNCTIONS
-                          else [row for _, row in builtin_rows(name, limit)])
+    if name != PYTHON_FUNCTIONS:
+        raise _unknown(name)
+    material = json.dumps(list(python_function_prompts(limit)))
     return hashlib.sha256(material.encode()).hexdigest()[:16]
+
+
+def _unknown(name: str) -> PackagedSourceError:
+    return PackagedSourceError(f"unknown builtin prompt set {name!r}; choose from "
+                               f"{', '.join(BUILTIN_SOURCES)}")
