@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 from pathlib import Path
 
 import pytest
@@ -29,6 +28,7 @@ from draftsmith.smollm2_target import (
     sha256_of,
 )
 from tests.conftest import REPO
+from tests.vllm_chain import VLLM_TEST_ENV, free_port
 
 pytestmark = [pytest.mark.timeout(1800)]  # the first test builds the target (fetch + convert)
 
@@ -154,12 +154,6 @@ def test_python_function_prompts_do_not_overlap_humaneval(humaneval):
 # -- the pipeline on the real target ---------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 PROMPTS, TOKENS, BENCH_PROMPTS = 10, 24, 3
 
 
@@ -184,10 +178,10 @@ def smollm2_run(smollm2_target, tmp_path_factory):
     raw["run_root"] = str(tmp_path_factory.mktemp("runs") / "smollm2")
     raw["data"]["sources"][0]["limit"] = PROMPTS
     raw["generate"].update(max_new_tokens=TOKENS)
-    raw["generate"]["vllm"].update(port=_free_port(), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    raw["generate"]["vllm"].update(port=free_port(), env=VLLM_TEST_ENV)
     raw["merge"].update(validation_fraction=0.2, draft_vocab_size=2048)
     raw["train"].update(epochs=2, batch_tokens=2048)
-    raw["deploy"].update(port=_free_port(), env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+    raw["deploy"].update(port=free_port(), env=VLLM_TEST_ENV)
     raw["benchmark"].update(num_prompts=BENCH_PROMPTS, max_new_tokens=TOKENS, concurrency=[1],
                             baseline=False)
     config = parse_config(raw)
