@@ -105,20 +105,26 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError("prefect server not healthy:\n" + self.log("server")[-3000:])
 
-    def stop(self) -> None:
+    def stop(self, grace_s: float = 20) -> None:
+        """SIGTERM to every process group, one shared grace period, then SIGKILL. What each
+        process did is written to stop.log in the server's root."""
         self.api.close()
         for process in self.processes.values():
             if process.poll() is None:
                 os.killpg(process.pid, signal.SIGTERM)
-        for name, process in self.processes.items():
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-            with contextlib.suppress(ProcessLookupError):  # stragglers of its group
-                os.killpg(process.pid, signal.SIGKILL)
-            assert process.returncode is not None, name
+        started = time.monotonic()
+        with open(self.root / "stop.log", "w") as log:
+            for name, process in self.processes.items():
+                try:
+                    process.wait(timeout=max(0.0, started + grace_s - time.monotonic()))
+                    log.write(f"{name}: exited {process.returncode} after "
+                              f"{time.monotonic() - started:.1f} s\n")
+                except subprocess.TimeoutExpired:
+                    log.write(f"{name}: killed, still running after {grace_s} s\n")
+                    os.killpg(process.pid, signal.SIGKILL)
+                    process.wait()
+                with contextlib.suppress(ProcessLookupError):  # stragglers of its group
+                    os.killpg(process.pid, signal.SIGKILL)
 
     # The REST API the UI uses.
     def deployment(self, name: str) -> dict:
