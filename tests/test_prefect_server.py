@@ -106,17 +106,18 @@ class Server:
         raise TimeoutError("prefect server not healthy:\n" + self.log("server")[-3000:])
 
     def stop(self, grace_s: float = 20) -> None:
-        """SIGTERM to every process group, one shared grace period, then SIGKILL. What each
-        process did is written to stop.log in the server's root."""
+        """Workers first, then the server, as a user stops them: a worker stopped together
+        with its server retries its events websocket until killed (20 s each, seen in the
+        suite). SIGTERM to each process group, SIGKILL after grace_s. What each process did is
+        written to stop.log in the server's root."""
         self.api.close()
-        for process in self.processes.values():
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        started = time.monotonic()
         with open(self.root / "stop.log", "w") as log:
-            for name, process in self.processes.items():
+            for name, process in reversed(self.processes.items()):
+                started = time.monotonic()
+                if process.poll() is None:
+                    os.killpg(process.pid, signal.SIGTERM)
                 try:
-                    process.wait(timeout=max(0.0, started + grace_s - time.monotonic()))
+                    process.wait(timeout=grace_s)
                     log.write(f"{name}: exited {process.returncode} after "
                               f"{time.monotonic() - started:.1f} s\n")
                 except subprocess.TimeoutExpired:
@@ -125,6 +126,15 @@ class Server:
                     process.wait()
                 with contextlib.suppress(ProcessLookupError):  # stragglers of its group
                     os.killpg(process.pid, signal.SIGKILL)
+
+    @contextlib.contextmanager
+    def pool_paused(self, pool: str):
+        """The pool's workers take none of its runs until the block ends."""
+        self.api.patch(f"/work_pools/{pool}", json={"is_paused": True}).raise_for_status()
+        try:
+            yield
+        finally:
+            self.api.patch(f"/work_pools/{pool}", json={"is_paused": False}).raise_for_status()
 
     # The REST API the UI uses.
     def deployment(self, name: str) -> dict:
@@ -520,7 +530,11 @@ def test_new_data_sticks_a_plain_run_later_finds_it_all_cached(server, new_data_
 
 
 def test_runs_arriving_together_queue_under_the_concurrency_limit(server, new_data_run):
-    ids = [start_from_ui(server)[1] for _ in range(2)]
+    # Both runs wait before the worker sees either, whatever the machine's load: created while
+    # the pool is paused, they reach the worker in one poll. (Created one after the other on a
+    # busy machine, the first could finish before the worker took the second.)
+    with server.pool_paused(server.deployment("draftsmith-pipeline/cpu")["work_pool_name"]):
+        ids = [start_from_ui(server)[1] for _ in range(2)]
     runs = sorted((server.wait_run(i) for i in ids), key=lambda r: r["start_time"])
     assert all(r["state_type"] == "COMPLETED" for r in runs), [r["state"] for r in runs]
     assert runs[1]["start_time"] >= runs[0]["end_time"]  # one at a time
