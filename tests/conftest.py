@@ -53,14 +53,33 @@ def random_target_tokenizer(random_target):
 
 
 @pytest.fixture(scope="session")
-def trained_target_cache(tmp_path_factory):
-    """DRAFTSMITH_CACHE holding the demo's tiny target (trained, so acceptance is real); built
-    once for the session and shared by the e2e and vLLM tests."""
-    kept = os.environ.get("DRAFTSMITH_TEST_CACHE")  # a developer's cache, kept between runs
-    cache = Path(kept) if kept else tmp_path_factory.mktemp("draftsmith-cache")
+def draftsmith_cache_dir(tmp_path_factory) -> Path:
+    """The session's DRAFTSMITH_CACHE: a developer's cache kept between runs, if
+    DRAFTSMITH_TEST_CACHE names one, or a new one."""
+    kept = os.environ.get("DRAFTSMITH_TEST_CACHE")
+    return Path(kept) if kept else tmp_path_factory.mktemp("draftsmith-cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def target_builds(request, draftsmith_cache_dir):
+    """The builtin targets the selected tests need, built into the session's cache in a
+    background process from the first test on (tests/target_builds.py)."""
+    from tests.target_builds import TargetBuilds, needed
+
+    fixtures = {name for item in request.session.items for name in item.fixturenames}
+    builds = TargetBuilds(draftsmith_cache_dir, needed(fixtures))
+    yield builds
+    builds.stop()
+
+
+@pytest.fixture(scope="session")
+def trained_target_cache(draftsmith_cache_dir, target_builds):
+    """DRAFTSMITH_CACHE holding the demo's tiny target (trained, so acceptance is real) and,
+    when the session's tests use it, SmolLM2; shared by the e2e and vLLM tests."""
+    target_builds.wait()
     old = os.environ.get("DRAFTSMITH_CACHE")
-    os.environ["DRAFTSMITH_CACHE"] = str(cache)
-    yield cache
+    os.environ["DRAFTSMITH_CACHE"] = str(draftsmith_cache_dir)
+    yield draftsmith_cache_dir
     if old is None:
         os.environ.pop("DRAFTSMITH_CACHE", None)
     else:
