@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -121,22 +122,50 @@ def target_fingerprint(path: Path) -> str:
     return hash_json(material)[:16]
 
 
+def build_once(path: Path, build: Callable[[], None], what: str) -> None:
+    """Build a builtin target into `path` unless it is there, holding `path`.lock meanwhile.
+    Two runs started together on a fresh machine would otherwise both build into the same
+    partial directory, each deleting the other's files; the second now waits, then finds the
+    first one's build."""
+    if (path / "config.json").is_file():
+        return
+    from filelock import FileLock, Timeout
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lock = FileLock(f"{path}.lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        log.info("another process is building %s (lock %s); waiting for it", what, lock.lock_file)
+        lock.acquire()
+    try:
+        if not (path / "config.json").is_file():  # else built while this process waited
+            log.info("building %s (once; cached at %s)", what, path)
+            build()
+    finally:
+        lock.release()
+
+
 def resolve_target(cfg: TargetConfig, tiny_train_steps: int = 250) -> Descriptor:
     """Find (or for builtin:tiny, build and cache) the target and describe it."""
     if cfg.model == BUILTIN_TINY:
         path = tiny_target_path()
-        if not (path / "config.json").is_file():
+
+        def build_tiny() -> None:
             from draftsmith.tiny_target import build_tiny_target
 
-            log.info("building the tiny demo target (once; cached at %s)", path)
             build_tiny_target(path, train_steps=tiny_train_steps)
+
+        build_once(path, build_tiny, "the tiny demo target")
     elif cfg.model == BUILTIN_SMOLLM2:
         path = smollm2_target_path()
-        if not (path / "config.json").is_file():
+
+        def build_smollm2() -> None:
             from draftsmith.smollm2_target import build_smollm2_target
 
-            log.info("building the %s target (once; cached at %s)", BUILTIN_SMOLLM2, path)
             build_smollm2_target(path, downloads_dir())
+
+        build_once(path, build_smollm2, f"the {BUILTIN_SMOLLM2} target")
     elif cfg.model.startswith("builtin:"):
         raise ConfigValueError(f"target.model={cfg.model!r}: no such builtin target; choose "
                                 f"{BUILTIN_TINY!r} or {BUILTIN_SMOLLM2!r}")

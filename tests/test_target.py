@@ -201,3 +201,48 @@ def test_a_retrained_target_of_the_same_shapes_gets_a_new_fingerprint(tmp_path,
     save_file(tensors, weights, metadata={"format": "pt"})
     assert weights.stat().st_size == size
     assert target_fingerprint(copy) != before
+
+
+def test_a_builtin_target_is_built_once_while_a_second_run_waits_for_it(tmp_path, caplog):
+    """Two runs resolving a builtin target on a fresh machine: the second waits on the lock and
+    then finds the first one's build, instead of building into the same partial directory."""
+    import logging
+    import threading
+    import time
+
+    from draftsmith.target import build_once
+
+    path = tmp_path / "cache" / "tiny-target-v1"
+    builds: list[str] = []
+    first_is_building, finish = threading.Event(), threading.Event()
+
+    def build() -> None:
+        builds.append(threading.current_thread().name)
+        first_is_building.set()
+        assert finish.wait(120)
+        path.mkdir(parents=True)
+        (path / "config.json").write_text("{}")
+
+    def resolve() -> None:
+        build_once(path, build, "the tiny demo target")
+
+    first = threading.Thread(target=resolve, name="first")
+    second = threading.Thread(target=resolve, name="second")
+    with caplog.at_level(logging.INFO, logger="draftsmith.target"):
+        try:
+            first.start()
+            assert first_is_building.wait(120)
+            second.start()
+            deadline = time.monotonic() + 120
+            while "waiting for it" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert "another process is building the tiny demo target" in caplog.text
+            assert second.is_alive()  # held by the lock, not building
+        finally:
+            finish.set()
+            first.join(120)
+            second.join(120)
+    assert builds == ["first"]
+    assert (path / "config.json").is_file()
+    build_once(path, build, "the tiny demo target")  # built: no lock, no build
+    assert builds == ["first"]
