@@ -106,26 +106,29 @@ class Server:
         raise TimeoutError("prefect server not healthy:\n" + self.log("server")[-3000:])
 
     def stop(self, grace_s: float = 20) -> None:
-        """Workers first, then the server, as a user stops them: a worker stopped together
-        with its server retries its events websocket until killed (20 s each, seen in the
-        suite). SIGTERM to each process group, SIGKILL after grace_s. What each process did is
-        written to stop.log in the server's root."""
+        """The workers, then the server, as a user stops them: SIGTERM to each process group,
+        SIGKILL to what still runs grace_s later. The workers share one grace period: in the
+        full suite both outlive it (seen at 3 runs of 3; alone they exit in a second). What
+        each process did is written to stop.log in the server's root."""
         self.api.close()
+        workers = {name: p for name, p in self.processes.items() if name != "server"}
         with open(self.root / "stop.log", "w") as log:
-            for name, process in reversed(self.processes.items()):
+            for group in (workers, {"server": self.processes["server"]}):
                 started = time.monotonic()
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGTERM)
-                try:
-                    process.wait(timeout=grace_s)
-                    log.write(f"{name}: exited {process.returncode} after "
-                              f"{time.monotonic() - started:.1f} s\n")
-                except subprocess.TimeoutExpired:
-                    log.write(f"{name}: killed, still running after {grace_s} s\n")
-                    os.killpg(process.pid, signal.SIGKILL)
-                    process.wait()
-                with contextlib.suppress(ProcessLookupError):  # stragglers of its group
-                    os.killpg(process.pid, signal.SIGKILL)
+                for process in group.values():
+                    if process.poll() is None:
+                        os.killpg(process.pid, signal.SIGTERM)
+                for name, process in group.items():
+                    try:
+                        process.wait(timeout=max(0.0, started + grace_s - time.monotonic()))
+                        log.write(f"{name}: exited {process.returncode} after "
+                                  f"{time.monotonic() - started:.1f} s\n")
+                    except subprocess.TimeoutExpired:
+                        log.write(f"{name}: killed, still running after {grace_s} s\n")
+                        os.killpg(process.pid, signal.SIGKILL)
+                        process.wait()
+                    with contextlib.suppress(ProcessLookupError):  # stragglers of its group
+                        os.killpg(process.pid, signal.SIGKILL)
 
     @contextlib.contextmanager
     def pool_paused(self, pool: str):
