@@ -73,10 +73,9 @@ def target_builds(request, draftsmith_cache_dir):
 
 
 @pytest.fixture(scope="session")
-def trained_target_cache(draftsmith_cache_dir, target_builds):
-    """DRAFTSMITH_CACHE holding the demo's tiny target (trained, so acceptance is real) and,
-    when the session's tests use it, SmolLM2; shared by the e2e and vLLM tests."""
-    target_builds.wait()
+def trained_target_cache(draftsmith_cache_dir):
+    """DRAFTSMITH_CACHE where the demo's tiny target (trained, so acceptance is real) and,
+    when the session's tests use it, SmolLM2 are built; shared by the e2e and vLLM tests."""
     old = os.environ.get("DRAFTSMITH_CACHE")
     os.environ["DRAFTSMITH_CACHE"] = str(draftsmith_cache_dir)
     yield draftsmith_cache_dir

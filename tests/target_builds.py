@@ -5,8 +5,9 @@ The tiny demo target trains for 2-3 minutes on one thread, and SmolLM2 is fetche
 in about half a minute. The suite's tests run on one thread (OMP_NUM_THREADS=1), so on a
 2-core machine the build takes the core they leave idle, and it is done before the first test
 that needs it. It is the same `resolve_target` call the pipeline makes, with the session's
-DRAFTSMITH_CACHE: a target built here is found there, and one that failed to build here is
-built again there, where its error reaches the test.
+DRAFTSMITH_CACHE: a test that needs a target still being built here waits on the build's lock
+(draftsmith/target.py `build_once`) and then finds it; one that failed to build here is built
+again there, where its error reaches the test.
 
 Run as `python -m tests.target_builds MODEL...` with DRAFTSMITH_CACHE set.
 """
@@ -18,10 +19,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-TINY = "builtin:tiny"
-SMOLLM2 = "builtin:smollm2-135m-instruct"
+from draftsmith.smollm2_target import BUILTIN_SMOLLM2
+from draftsmith.target import BUILTIN_TINY
+
 # The fixtures whose tests need each target (pytest lists a test's fixtures transitively).
-NEEDED_BY = {TINY: "tiny_run", SMOLLM2: "smollm2_target"}
+NEEDED_BY = {BUILTIN_TINY: "tiny_run", BUILTIN_SMOLLM2: "smollm2_target"}
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -35,20 +37,13 @@ class TargetBuilds:
     """One background process building `models` into `cache`, one after the other."""
 
     def __init__(self, cache: Path, models: list[str]):
-        self.log_path = cache.parent / f"{cache.name}-builds.log"
         self.process: subprocess.Popen | None = None
         if models:
-            with open(self.log_path, "w") as log:
+            with open(cache.parent / f"{cache.name}-builds.log", "w") as log:
                 self.process = subprocess.Popen(
                     [sys.executable, "-m", "tests.target_builds", *models], cwd=REPO,
                     env={**os.environ, "DRAFTSMITH_CACHE": str(cache)}, stdout=log,
                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-
-    def wait(self) -> None:
-        """Until the builds are done. A failed one is left to the test's own resolve_target,
-        which builds it again and fails with its error; this log keeps the first attempt."""
-        if self.process is not None:
-            self.process.wait()
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
