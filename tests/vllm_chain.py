@@ -27,9 +27,9 @@ from draftsmith.config import (
 KV_CACHE_GIB = "1"
 # The environment of the suite's vLLM servers. VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM's engine
 # core runs the model itself instead of starting a worker process for it, so one import of vLLM
-# and torch fewer. SmolLM2 measured on 2 busy cores: 33-38 s to ready against 47-59 s. The
-# capture test (tests/test_extract_vllm.py) keeps vLLM's default layout: draftsmith's connector
-# is then loaded in a worker process, as on a user's server.
+# and torch fewer: SmolLM2 was ready in 23 s against 29-36 s on 2 busy cores
+# (benchmarks/vllm_startup/run.sh). The capture test (tests/test_extract_vllm.py) keeps vLLM's
+# default layout: draftsmith's connector is then loaded in a worker process, as on a user's server.
 VLLM_TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
