@@ -343,6 +343,27 @@ class ExtractConfig(StrictModel):
         return self
 
 
+class DrafterConfig(StrictModel):
+    """Which drafter is trained, and its shape options. Every stage that builds, exports,
+    serves or measures a drafter asks the registry for this kind (draftsmith/model/kinds.py)."""
+
+    kind: Literal["eagle3"] = keyed("eagle3", description=(
+        "eagle3: EAGLE-3, one decoder layer drafting a chain or a tree step by step (with the "
+        "norm options below: EAGLE-3.1)."))
+    # EAGLE-3.1's norms, under the names speculators and vLLM use (speculators 0.9.0 trains
+    # with norm_before_residual, norm_before_fc and norm_output on).
+    norm_before_residual: bool = keyed(False, description=(
+        "EAGLE-3.1: the decoder layer's residual is hidden_norm(h) instead of h. vLLM reads "
+        "it; SGLang 0.5.23 cannot run it (export.format=speculators)."))
+    norm_before_fc: bool = keyed(False, description=(
+        "EAGLE-3.1: one RMSNorm over the concatenated aux states before fc (input_norm)."))
+    fc_norm: bool = keyed(False, description=(
+        "EAGLE-3.1: one RMSNorm per aux state before fc (fc_norm.i)."))
+    norm_output: bool = keyed(False, description=(
+        "EAGLE-3.1: each TTT step (and drafting step) feeds the next one norm(out) instead of "
+        "out."))
+
+
 class TrainConfig(StrictModel):
     ttt_steps: int = keyed(3, ge=1, le=16)
     step_weight_decay: float = keyed(0.8, gt=0.0, le=1.0, description="Loss weight of step j.")
@@ -654,6 +675,9 @@ class PipelineConfig(StrictModel):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     merge: MergeConfig = Field(default_factory=MergeConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description=(
+        "The drafter kind and its options: the train stage builds it, export, deploy and "
+        "benchmark read it from the trained checkpoint."))
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig, description=(
         "The export stage, also known as fix-keys (`fix_keys:` is read as `export:`)."))

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from draftsmith.artifacts import Descriptor, StagePlan
-from draftsmith.config import ConfigError, PipelineConfig, key_settings, slug
+from draftsmith.config import ConfigError, DrafterConfig, PipelineConfig, key_settings, slug
 from draftsmith.figures import (
     MERGE_COVERAGE_FILE,
     TRAIN_METRICS_FILE,
@@ -334,13 +334,21 @@ def _run_train(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
 
     online = OnlineInputs(config.extract, config.target) if _online(config) else None
     return run_train(config.train, inputs["extract"], inputs["merge"], inputs[TARGET], plan,
-                     online)
+                     online, config.drafter)
 
 
 def _train_key(config: PipelineConfig) -> dict[str, Any]:
-    if not config.train.init_from:
-        return {}
-    return {"init_from_files": drafter_fingerprint(config.train.init_from)}  # content, not path
+    # The drafter kind and its options decide what is trained; the stages after train
+    # follow through the trained checkpoint's fingerprint. Only settings off their default
+    # enter, so a plain EAGLE-3 run keeps the key it had before the kinds existed.
+    material: dict[str, Any] = {}
+    default = key_settings(DrafterConfig())
+    changed = {k: v for k, v in key_settings(config.drafter).items() if v != default.get(k)}
+    if changed:
+        material["drafter"] = changed
+    if config.train.init_from:  # content, not path
+        material["init_from_files"] = drafter_fingerprint(config.train.init_from)
+    return material
 
 
 def _train_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) -> None:

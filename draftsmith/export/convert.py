@@ -134,6 +134,8 @@ def read_drafter(directory: str | Path, family: str = "llama",
             raise ExportError(f"{directory / 'config.json'}: a field is missing or of the wrong "
                               f"type ({type(err).__name__}: {err}); {REFETCH}") from None
     files = read_weight_files(directory, fix)
+    names = layout.read_names(files)  # older names the engine still loads, as today's
+    files = {names[n]: t for n, t in files.items()}
     expected = layout.expected_tensors(cfg, optional=True)
     optional = {name: expected.pop(name) for name in OPTIONAL_TENSORS}  # no layer prefix
     problems = tensor_problems(files, expected, optional)
@@ -229,6 +231,7 @@ def describe(directory: str | Path, family: str = "llama",
         hidden_size=cfg.hidden_size, target_hidden_size=cfg.target_hidden_size,
         max_position_embeddings=cfg.max_position_embeddings,
         canonical_aux_layer_ids=cfg.aux_layer_ids,
+        norms=cfg.norm_flags, sliding_window=cfg.sliding_window,
     )
     for layout in LAYOUTS.values():
         key = f"{layout.name}_aux_layer_ids"

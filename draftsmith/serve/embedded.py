@@ -188,6 +188,16 @@ class EmbeddedSpeculativeEngine:
     def is_tree(self) -> bool:
         return self.topk > 1
 
+    def _windowed(self, mask: torch.Tensor | None, query_positions: torch.Tensor,
+                  key_positions: torch.Tensor) -> torch.Tensor | None:
+        """mask [1, 1, Q, K] (None: every key visible) less the keys outside the drafter's
+        sliding window (a speculators drafter's layer_types), as vLLM runs it."""
+        window = self.drafter.config.sliding_window
+        if window is None:
+            return mask
+        near = (key_positions[None, :] > query_positions[:, None] - window)[None, None]
+        return near if mask is None else mask & near  # [1, 1, Q, K]
+
     @torch.inference_mode()
     def _anchor_step(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache):
         """Drafter step 0 over the new anchors drafted_upto..n-1. Returns the last anchor's
@@ -201,6 +211,7 @@ class EmbeddedSpeculativeEngine:
         causal = torch.ones(new, new, dtype=torch.bool, device=dev).tril()  # [new, new]
         mask = torch.cat([torch.ones(new, drafted_upto, dtype=torch.bool, device=dev), causal],
                          dim=-1)[None, None]  # [1, 1, new, n]
+        mask = self._windowed(mask, positions[0], torch.arange(n, device=dev))
         hidden = self.drafter.project_aux(aux[:, drafted_upto:n])  # [1, new, H]
         out, logits, (k, v) = self.drafter.step(ids, hidden, positions, cache, mask)
         cache = (k, v) if cache is None else (torch.cat([cache[0], k], 2),
@@ -230,9 +241,11 @@ class EmbeddedSpeculativeEngine:
         choose(logits)
         chain_kv = cache
         for j in range(1, self.num_steps):
+            position = torch.tensor([n - 1 + j], device=dev)  # [1]
+            mask = self._windowed(None, position, torch.arange(n + j, device=dev))
             out, step_logits, (k, v) = self.drafter.step(
-                torch.tensor([[drafts[-1]]], device=dev), hidden,
-                torch.tensor([[n - 1 + j]], device=dev), chain_kv, None)
+                torch.tensor([[drafts[-1]]], device=dev), hidden, position[None], chain_kv,
+                mask)
             chain_kv = (torch.cat([chain_kv[0], k], 2), torch.cat([chain_kv[1], v], 2))
             choose(step_logits[0, -1])
             hidden = out
@@ -276,6 +289,10 @@ class EmbeddedSpeculativeEngine:
                     ancestor = cand_parents[ancestor]
             mask = torch.cat([torch.ones(len(frontier), n, dtype=torch.bool), visible],
                              dim=1)[None, None].to(dev)  # [1, 1, F, n+M+F]
+            key_positions = torch.tensor([*range(n), *(n - 1 + cand_depths[c] for c in columns)],
+                                         device=dev)  # [n+M+F]
+            mask = self._windowed(mask, torch.full((len(frontier),), n - 2 + depth, device=dev),
+                                  key_positions)
             past = cache if tree_kv is None else (torch.cat([cache[0], tree_kv[0]], 2),
                                                   torch.cat([cache[1], tree_kv[1]], 2))
             ids = torch.tensor([[cand_tokens[c] for c in frontier]], device=dev)  # [1, F]

@@ -32,12 +32,12 @@ from typing import IO
 import torch
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
-from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
+from draftsmith.config import DrafterConfig, ExtractConfig, TargetConfig, TrainConfig
 from draftsmith.distributed import Dist
 from draftsmith.errors import CheckpointError, ConfigValueError
 from draftsmith.extract.store import Sample, ShardReader
 from draftsmith.figures import TRAIN_METRICS_FILE
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.eagle3 import NORM_OPTIONS, Eagle3Config, Eagle3Drafter
 from draftsmith.progress import Progress
 from draftsmith.train.checkpoint import RESUME_DIR, STATE_FILE, Checkpointer, checkpointer_for
 from draftsmith.train.loss import TargetHead
@@ -200,10 +200,13 @@ class Trainer:
     @classmethod
     def prepare(cls, cfg: TrainConfig, hidden: Descriptor, merged: Descriptor,
                 target: Descriptor, out: Path, dist: Dist,
-                online: OnlineInputs | None = None) -> Trainer:
+                online: OnlineInputs | None = None,
+                drafter_settings: DrafterConfig | None = None) -> Trainer:
         """Everything a run needs, from the store (offline) or the merged data and the target
         model (online), the merged data's vocab map and the target's head; the saved state
-        when `out` holds a checkpoint."""
+        when `out` holds a checkpoint. drafter_settings: the `drafter` section (default:
+        plain EAGLE-3)."""
+        drafter_settings = drafter_settings or DrafterConfig()
         from draftsmith.data.merge import read_vocab_map
         from draftsmith.target import load_target_head_and_embedding
 
@@ -228,7 +231,9 @@ class Trainer:
         d2t, t2d = read_vocab_map(merged)
         target_config = json.loads((Path(target.path) / "config.json").read_text())
         target_config = target_config.get("text_config", target_config)
-        drafter_cfg = Eagle3Config.from_target(target_config, aux_ids, d2t.numel())
+        drafter_cfg = Eagle3Config.from_target(
+            target_config, aux_ids, d2t.numel(),
+            **drafter_settings.model_dump(include=set(NORM_OPTIONS)))
         drafter = build_drafter(cfg, drafter_cfg, embed, head, d2t, t2d)
         if cfg.mode == "online":  # loaded after the drafter's seeded initialisation
             prefill = OnlineTarget(target.path, online.target, online.extract, aux_ids, device)
@@ -240,7 +245,8 @@ class Trainer:
         del head
         provenance = {"target_fingerprint": target.fingerprint, "target_path": target.path,
                       "hidden_states": hidden.fingerprint, "data": merged.fingerprint,
-                      "train_config": cfg.model_dump()}
+                      "train_config": cfg.model_dump(),
+                      "drafter_config": drafter_settings.model_dump()}
         return cls(cfg, dist, out, runner, train_samples, validation_rows, provenance,
                    train_tokens=train_tokens)
 
@@ -384,10 +390,12 @@ class Trainer:
 
 
 def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
-               out: Path, dist: Dist, online: OnlineInputs | None = None) -> dict:
+               out: Path, dist: Dist, online: OnlineInputs | None = None,
+               drafter_settings: DrafterConfig | None = None) -> dict:
     """Train in this process (one rank of W). Writes metrics, checkpoints and the best drafter
     into `out` on rank 0; returns the summary rank 0 builds the descriptor from."""
-    return Trainer.prepare(cfg, hidden, merged, target, out, dist, online).run()
+    return Trainer.prepare(cfg, hidden, merged, target, out, dist, online,
+                           drafter_settings).run()
 
 
 def gpu_memory_gib(device: torch.device) -> float:
@@ -417,7 +425,8 @@ def use_compile_cache(cfg: TrainConfig, plan: StagePlan) -> Path | None:
 
 
 def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
-              plan: StagePlan, online: OnlineInputs | None = None) -> Descriptor:
+              plan: StagePlan, online: OnlineInputs | None = None,
+              drafter_settings: DrafterConfig | None = None) -> Descriptor:
     """Train in this process, or under torchrun with cfg.nproc_per_node processes (always
     under torchrun with train.parallel=fsdp, which shards over a process group even of one). A
     partial directory from a killed attempt is resumed from its last checkpoint, not started
@@ -434,9 +443,11 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
     if cfg.nproc_per_node > 1 or cfg.parallel == "fsdp":
         from draftsmith.train.launch import run_torchrun
 
-        result = run_torchrun(cfg, hidden, merged, target, out, online=online)
+        result = run_torchrun(cfg, hidden, merged, target, out, online=online,
+                              drafter_settings=drafter_settings)
     else:
-        result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online)
+        result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online,
+                            drafter_settings)
     from draftsmith.train.charts import plot_metrics
 
     plot_metrics(result["history"], cfg.ttt_steps, out)
