@@ -516,9 +516,13 @@ def _describe_benchmark(descriptor: Descriptor) -> str:
     if figures.engine != "embedded":
         same = (f", identical to the baseline: {figures.identical_outputs}"
                 if figures.identical_outputs is not None else "")
+        guard = ""
+        if figures.guard:
+            guard = (f", {100 * figures.guard['ratio']:.0f}% of the acceptance replayed in "
+                     f"draftsmith's engine ({figures.guard['replayed_acceptance']:.2f})")
         return (f"{figures.engine} at {figures.url}: measured acceptance length "
-                f"{figures.acceptance_length:.2f}, {figures.single_stream_tokens_per_s} tok/s "
-                f"single stream{same}\n{figures.verdict}\nreport: {figures.report}")
+                f"{figures.acceptance_length:.2f}{guard}, {figures.single_stream_tokens_per_s} "
+                f"tok/s single stream{same}\n{figures.verdict}\nreport: {figures.report}")
     identical = figures.identical_outputs if figures.identical_outputs is not None \
         else figures.lossless
     return (f"measured acceptance length {figures.acceptance_length:.2f}, "
@@ -528,9 +532,10 @@ def _describe_benchmark(descriptor: Descriptor) -> str:
 
 
 def _benchmark_problem(descriptor: Descriptor) -> str | None:
-    if BenchmarkFigures.of(descriptor).differs_from_greedy:
+    figures = BenchmarkFigures.of(descriptor)
+    if figures.differs_from_greedy:
         return "speculative outputs differ from greedy decoding: this is a bug"
-    return None
+    return figures.guard_problem
 
 
 # --------------------------------------------------------------------------- the table
