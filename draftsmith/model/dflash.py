@@ -273,7 +273,7 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"the DFlash drafter trains with attention sdpa or flex (auto), not "
                              f"{attention!r}: set train.attention=auto")
         hidden = self.block_hidden(block_ids, positions, kv, mask)  # [1, A*B, H]
-        return hidden.view(anchors.numel(), B, -1)  # [A, B, H]
+        return hidden.view(anchors.numel(), B, hidden.shape[-1])  # [A, B, H]
 
 
 def anchored_dense_mask(document_ids: torch.Tensor, anchors: torch.Tensor, block: int,

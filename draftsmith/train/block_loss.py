@@ -80,8 +80,11 @@ def _block_row_loss(drafter: DFlashDrafter, row: PackedRow, head: TargetHead, st
     runs = torch.zeros(T, dtype=torch.long, device=device)  # [T]
     for anchors in chunks:
         real = anchors.numel()
-        if pad_anchors and real < max_anchors:  # padding blocks at 0, masked out below
-            anchors = torch.cat([anchors, anchors.new_zeros(max_anchors - real)])
+        # Padding blocks at 0, masked out below: up to max_anchors for static shapes, and one
+        # for a row without anchors (a padding row), which still runs every layer (FSDP).
+        padded = max_anchors if pad_anchors else max(real, 1)
+        if real < padded:
+            anchors = torch.cat([anchors, anchors.new_zeros(padded - real)])
         normed = drafter.forward_blocks(row.input_ids.to(device), aux, row.position_ids.to(device),
                                         docs, anchors, attention)  # [A, B, H]
         is_real = torch.arange(anchors.numel(), device=device) < real  # [A]
