@@ -550,10 +550,31 @@ def online_inputs(inputs, root):
     return hidden, OnlineInputs(EXTRACT, TargetConfig(model=inputs["target"].path))
 
 
-def train_online(inputs, root, cfg: TrainConfig):
+def train_online(inputs, root, cfg: TrainConfig, drafter: DrafterConfig | None = None):
     hidden, online = online_inputs(inputs, root)
     plan = plan_stage(root, "train", {"train": cfg.model_dump()}, [hidden])
-    return trainer.run_train(cfg, hidden, inputs["merged"], inputs["target"], plan, online)
+    return trainer.run_train(cfg, hidden, inputs["merged"], inputs["target"], plan, online,
+                             drafter_settings=drafter)
+
+
+def test_dflash_online_rows_train_what_the_store_trains(inputs, tmp_path):
+    """DFlash's objective on online rows (the target's prefill) equals it on the store: the
+    same anchors (seeded by the step), losses, counts and weights."""
+    settings = DrafterConfig(kind="dflash", dflash={"block_size": 4, "num_layers": 1,
+                                                     "max_anchors": 24})
+    offline = train(inputs, tmp_path / "offline", small_cfg(epochs=1), settings)
+    online = train_online(inputs, tmp_path / "online", small_cfg(epochs=1, mode="online"),
+                          settings)
+    a, b = history(offline), history(online)
+    assert [(h["split"], h["step"]) for h in a] == [(h["split"], h["step"]) for h in b]
+    for x, y in zip(a, b, strict=True):
+        for key in x:
+            if key.startswith(("loss_", "full_acc_", "cond_acc_", "tau", "acceptance")):
+                assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    wa = load_file(str(offline.dir / "drafter.safetensors"))
+    wb = load_file(str(online.dir / "drafter.safetensors"))
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=1e-3, atol=1e-5, msg=name)
 
 
 def test_online_training_equals_offline_on_the_same_rows(inputs, tmp_path):
