@@ -145,7 +145,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         full_acc = (TrainFigures.of(trained).full_acc or None) if trained else None
         prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
         return run_vllm_benchmark(cfg, deploy_cfg or DeployConfig(engine="vllm"), target_cfg,
-                                  deployment, prompts, target, plan, full_acc)
+                                  deployment, prompts, target, plan, full_acc,
+                                  trained_dir=trained.path if trained else None)
     if engine == "sglang":
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)

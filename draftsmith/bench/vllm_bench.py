@@ -62,8 +62,10 @@ def measure_server(url: str, model: str, prompts: list[list[int]], cfg: Benchmar
 
 def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cfg: TargetConfig,
                        deployment: Descriptor, prompts: list[list[int]], target: Descriptor,
-                       plan: StagePlan, trainer_full_acc: list[float] | None = None
-                       ) -> Descriptor:
+                       plan: StagePlan, trainer_full_acc: list[float] | None = None,
+                       trained_dir: str | None = None) -> Descriptor:
+    """trained_dir: the train stage's checkpoint, the drafter the guard replays (default: the
+    deployed files)."""
     from draftsmith.serve import servers
 
     url, model = deployment.figures["url"], deployment.figures["model"]
@@ -143,6 +145,17 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
             summary.update(speedup=None, identical_outputs=f"n/a ({skipped})", lossless=None)
             verdict = (f"no baseline measured ({skipped}), so no speedup is claimed; "
                        f"acceptance length {summary['acceptance_length']:.2f}")
+        if cfg.guard and greedy:
+            from draftsmith.bench.guard import run_guard
+
+            source = plain if plain else speculative
+            summary["guard"] = run_guard(
+                trained_dir or deployment.figures["drafter_dir"], target.path, target_cfg,
+                target.figures["family"], positions, prompts, [c.output_ids for c in source],
+                first["acceptance_length"], "baseline server" if plain else
+                "speculative server (no baseline measured)", cfg.guard_threshold)
+            if not summary["guard"]["ok"]:
+                verdict += f"; PROBLEM: {summary['guard']['problem']}"
         configs = [{"config": summary["config"], "rows": sweep}]
         if sampled:
             configs.append({"config": f"{summary['config']} @ T={cfg.sampled_temperature}",
@@ -172,9 +185,18 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def markdown_report(summary: dict[str, Any], rows: list[dict[str, Any]], verdict: str) -> str:
 
-    table = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
+    table = "\n".join(f"| {k} | {v} |" for k, v in summary.items() if k != "guard")
     text = f"# draftsmith benchmark: vLLM\n\n| metric | value |\n|---|---|\n{table}\n"
     text += "\n## By server and concurrency\n\n" + markdown_table(rows)
+    guard = summary.get("guard")
+    if guard:
+        text += ("\n## Does vLLM run the drafter as it was trained?\n\n"
+                 f"Served acceptance {guard['served_acceptance']}, replayed in draftsmith's "
+                 f"engine over the {guard['outputs_from']}'s greedy outputs "
+                 f"{guard['replayed_acceptance']} ({100 * guard['ratio']:.0f}%; below "
+                 f"{100 * guard['threshold']:.0f}% is a problem).\n")
+        if not guard["ok"]:
+            text += f"\n**PROBLEM: {guard['problem']}**\n"
     full_acc = summary.get("trainer_full_acc")
     if full_acc:
         per_pos = summary["accepted_per_position"]

@@ -252,16 +252,23 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ training
 
+    def row_context_kv(self, aux: torch.Tensor, position_ids: torch.Tensor) -> list:
+        """A packed row's context keys and values per layer: aux [T, K*Ht], position_ids
+        [T] -> [(k, v) [1, nkv, T, d]]."""
+        return self.context_kv(self.context(aux[None]), position_ids[None])
+
     def forward_blocks(self, input_ids, aux, position_ids, document_ids, anchors,
-                       attention: str = "sdpa") -> torch.Tensor:
+                       attention: str = "sdpa", kv: list | None = None) -> torch.Tensor:
         """Blocks at `anchors` of one packed row, up to lm_head's input: input_ids,
         position_ids, document_ids [T]; aux [T, K*Ht]; anchors [A] (positions whose token is
-        known; a block's position k predicts token anchor + k). Returns norm(x) [A, B, H] for
-        the trained block size B; the trainer applies lm_head fused with the loss."""
+        known; a block's position k predicts token anchor + k). kv: the row's context keys
+        and values (`row_context_kv`), when several calls share them. Returns norm(x)
+        [A, B, H] for the trained block size B; the trainer applies lm_head fused with the
+        loss."""
         B = self.config.block_size
         T = input_ids.shape[0]
-        context = self.context(aux[None])  # [1, T, H]
-        kv = self.context_kv(context, position_ids[None])
+        if kv is None:
+            kv = self.row_context_kv(aux, position_ids)
         block_ids = self.block_ids(input_ids[anchors], B).view(1, -1)  # [1, A*B]
         offsets = torch.arange(B, device=anchors.device)
         positions = (position_ids[anchors][:, None] + offsets).view(1, -1)  # [1, A*B]

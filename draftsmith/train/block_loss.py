@@ -75,6 +75,8 @@ def _block_row_loss(drafter: DFlashDrafter, row: PackedRow, head: TargetHead, st
         g = torch.Generator(device="cpu").manual_seed(noise_seed)
         keep = torch.randperm(candidates.numel(), generator=g)[:max_anchors]
         chunks = [candidates[keep.to(device).sort().values]]
+    position_ids = row.position_ids.to(device)
+    kv = drafter.row_context_kv(aux, position_ids)  # once a row, for every chunk of anchors
     total = torch.zeros((), device=device)
     counts = torch.zeros(5, steps, dtype=torch.float64, device=device)  # [5, steps]
     runs = torch.zeros(T, dtype=torch.long, device=device)  # [T]
@@ -85,8 +87,8 @@ def _block_row_loss(drafter: DFlashDrafter, row: PackedRow, head: TargetHead, st
         padded = max_anchors if pad_anchors else max(real, 1)
         if real < padded:
             anchors = torch.cat([anchors, anchors.new_zeros(padded - real)])
-        normed = drafter.forward_blocks(row.input_ids.to(device), aux, row.position_ids.to(device),
-                                        docs, anchors, attention)  # [A, B, H]
+        normed = drafter.forward_blocks(row.input_ids.to(device), aux, position_ids, docs,
+                                        anchors, attention, kv)  # [A, B, H]
         is_real = torch.arange(anchors.numel(), device=device) < real  # [A]
         chain_right = torch.ones_like(is_real)  # [A]
         run = torch.zeros(anchors.numel(), dtype=torch.long, device=device)  # [A]
