@@ -331,8 +331,9 @@ def export_command(
 
 @app.command("import")
 def import_command(
-    source: Annotated[Path, typer.Argument(help="A drafter trained elsewhere (SGLang, EAGLE, "
-                                                 "SpecForge or speculators layout).")],
+    source: Annotated[Path, typer.Argument(help="A drafter trained elsewhere (EAGLE-3 or -3.1 in "
+                                                 "the SGLang, EAGLE, SpecForge or speculators "
+                                                 "layout; DFlash in the speculators layout).")],
     out: Annotated[Path, typer.Option(help="Where to write the native checkpoint.")],
     family: FamilyOption = "llama",
     num_layers: Annotated[int | None, typer.Option(
@@ -364,11 +365,16 @@ def inspect(
     if not info["valid"]:
         out.print(f"[red]INVALID[/red]\n{info['problems']}")
         raise typer.Exit(1)
+    out.print(f"kind: {info['kind']}")
+    kind_keys = ("block_size", "mask_token_id", "causal", "num_hidden_layers") \
+        if info["kind"] == "dflash" else ("norms", "sliding_window")
     for key in ("dtype", "vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size",
-                "max_position_embeddings"):
+                "max_position_embeddings", *kind_keys):
         out.print(f"{key}: {info[key]}")
     out.print(f"aux layers (canonical, outputs of): {info['canonical_aux_layer_ids']}")
-    out.print(f"  as SGLang reads them for a {family} target: {info['sglang_aux_layer_ids']}")
+    if "sglang_aux_layer_ids" in info:
+        out.print(f"  as SGLang reads them for a {family} target: "
+                  f"{info['sglang_aux_layer_ids']}")
     out.print(f"  as vLLM/speculators read them: {info['speculators_aux_layer_ids']}")
     table = Table("tensor", "shape")
     for name, shape in info["shapes"].items():

@@ -558,7 +558,8 @@ STAGES: list[Stage] = [
           section="extract", figures=ExtractFigures, describe=_describe_extract,
           gpu=lambda c: not _online(c), key_extras=_extract_key, preflight=_extract_preflight,
           progress=True),
-    Stage("train", "trains the EAGLE-3 drafter with test-time training",
+    Stage("train", "trains the drafter of drafter.kind (EAGLE-3 with test-time training, "
+          "DFlash on anchored blocks)",
           "draftsmith/train/trainer.py", _run_train, inputs=("extract", "merge", TARGET),
           section="train", figures=TrainFigures, describe=_describe_train, gpu=_always,
           key_extras=_train_key, preflight=_train_preflight, reports=_train_reports,

@@ -236,8 +236,15 @@ def test_speculators_export_is_what_vllm_reads_and_round_trips(random_target_dir
     for name, tensor in drafter.state_dict().items():
         if name != "embed_tokens.weight":
             assert torch.equal(native.tensors[name], tensor), name
-    with pytest.raises(ExportError, match="no 'sglang' layout for a dflash drafter"):
+    with pytest.raises(ExportError, match="unknown layout 'sglang' for a dflash drafter"):
         export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama", tmp_path / "s")
+    from typer.testing import CliRunner
+
+    from draftsmith.cli import app
+
+    shown = CliRunner().invoke(app, ["inspect", str(tmp_path / "vllm")])
+    assert shown.exit_code == 0, shown.output
+    assert "kind: dflash" in shown.output and f"block_size: {BLOCK}" in shown.output
 
 
 def test_dflash_files_draftsmith_cannot_run_are_refused(random_target_dir, tmp_path):

@@ -508,7 +508,7 @@ LAYOUTS: dict[str, Layout] = LAYOUTS_BY_KIND["eagle3"]  # EAGLE-3's, the default
 def layout_named(name: str, kind: str = "eagle3") -> Layout:
     layouts = LAYOUTS_BY_KIND.get(kind, {})
     if name not in layouts:
-        raise ExportError(f"no {name!r} layout for a {kind} drafter; choose from "
+        raise ExportError(f"unknown layout {name!r} for a {kind} drafter; choose from "
                           f"{sorted(layouts)}")
     return layouts[name]
 

@@ -1,4 +1,7 @@
-"""Stage `train`: fit the EAGLE-3 drafter to the target's distribution with test-time training.
+"""Stage `train`: fit the drafter to the target's distribution: EAGLE-3 (and EAGLE-3.1) with
+test-time training, DFlash on anchored blocks (`drafter.kind`, draftsmith/model/kinds.py: the
+kind decides the model, the row loss and how many positions the counts have; the rest is
+shared).
 
 The trainer in parts, each readable alone:
 - `Trainer.prepare`: the store's samples (or, with `train.mode: online`, the merged data's
