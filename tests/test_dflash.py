@@ -128,6 +128,21 @@ def test_flex_mask_is_the_dense_mask(causal):
                        else torch.ones(BLOCK, BLOCK, dtype=torch.bool))
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_flex_attention_gives_the_sdpa_blocks_on_a_packed_row(random_target_dir):
+    """The CUDA path (flex attention over the block mask) against the dense-mask SDPA path,
+    run eagerly here: the same blocks, padding anchors included."""
+    drafter = make_dflash(random_target_dir)
+    docs = torch.tensor([0] * 9 + [1] * 7)
+    positions = torch.cat([torch.arange(9), torch.arange(7)])
+    ids, aux = random_row(drafter.config, 16)
+    anchors = torch.tensor([0, 2, 5, 9, 12, 0])
+    with torch.no_grad():
+        dense = drafter.forward_blocks(ids, aux, positions, docs, anchors, "sdpa")
+        flex = drafter.forward_blocks(ids, aux, positions, docs, anchors, "flex")
+    torch.testing.assert_close(flex, dense, rtol=1e-4, atol=1e-5)
+
+
 # --------------------------------------------------------------------------- the block loss
 
 
