@@ -334,6 +334,15 @@ def test_block_drafting_is_lossless_and_drafts_what_the_drafter_computes(
         assert drafts == expected
 
 
+def test_replay_of_its_own_output_makes_the_block_engines_rounds(dflash_engine,
+                                                                 random_target_tokenizer):
+    _, engine = dflash_engine
+    for text in ("def add(a, b):\n", "x = [1, 2, 3]"):
+        prompt = random_target_tokenizer.encode(text)
+        made = engine.generate(prompt, 20, None)
+        assert engine.replay(prompt, made.tokens).round_tokens == made.round_tokens
+
+
 def test_block_drafting_sampled_keeps_the_target_distribution_machinery(
         dflash_engine, random_target_tokenizer):
     """Sampled: drafts come with their distributions; the run is reproducible by seed."""

@@ -373,3 +373,29 @@ def test_engine_refuses_an_impossible_tree(target_model, exported_drafter):
     with pytest.raises(ValueError, match="num_draft_tokens=9: between 2 and 7"):
         EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=2, topk=2,
                                        num_draft_tokens=9)
+
+
+# The guard's replay (draftsmith/bench/guard.py) ----------------------------------------------
+
+
+def test_replay_over_the_engines_own_output_makes_its_rounds(engine, prompts):
+    """Replaying greedy decoding over an output the engine produced gives the rounds it made:
+    what the guard compares a served acceptance with."""
+    for prompt in prompts:
+        made = engine.generate(prompt, 24, None)
+        replayed = engine.replay(prompt, made.tokens)
+        assert replayed.round_tokens == made.round_tokens
+        assert replayed.acceptance_length == made.acceptance_length
+
+
+def test_the_guard_judges_against_its_stated_threshold():
+    from draftsmith.bench.guard import GUARD_THRESHOLD, LIKELY_CAUSES, judge
+
+    assert GUARD_THRESHOLD == 0.9
+    quiet = judge(2.0, 2.2)  # 91%
+    assert quiet["ok"] and "problem" not in quiet and quiet["ratio"] == pytest.approx(0.9091,
+                                                                                       abs=1e-4)
+    fired = judge(1.04, 2.77)  # vLLM issue #50170's figures
+    assert not fired["ok"] and fired["ratio"] == pytest.approx(0.3755, abs=1e-4)
+    assert all(cause in fired["problem"] for cause in LIKELY_CAUSES)
+    assert not judge(1.9, 2.2)["ok"] and judge(1.9, 2.2, threshold=0.8)["ok"]
