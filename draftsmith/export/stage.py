@@ -12,6 +12,7 @@ import logging
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, stage_output
 from draftsmith.config import ExportConfig, TargetConfig
 from draftsmith.export.convert import export_drafter, read_drafter
+from draftsmith.export.formats import layout_named
 from draftsmith.figures import ExportFigures, TargetFigures
 
 log = logging.getLogger(__name__)
@@ -31,10 +32,10 @@ def run_export(cfg: ExportConfig, target_cfg: TargetConfig, trained: Descriptor,
     with stage_output(plan) as out:
         config = export_drafter(checkpoint.tensors, checkpoint.config, cfg.format, facts.family,
                                 out / DRAFTER_DIR, context_length=context, extras=extras)
-    written = (config.get("eagle_config") or config)["eagle_aux_hidden_state_layer_ids"]
-    log.info("export: %s drafter written to %s and validated; aux layers %s (outputs) are "
-             "written as %s for a %s-family target", cfg.format, out / DRAFTER_DIR,
-             checkpoint.config.aux_layer_ids, written, facts.family)
+    written = layout_named(cfg.format, checkpoint.kind).written_layer_ids(config)
+    log.info("export: %s %s drafter written to %s and validated; aux layers %s (outputs) are "
+             "written as %s for a %s-family target", cfg.format, checkpoint.kind,
+             out / DRAFTER_DIR, checkpoint.config.aux_layer_ids, written, facts.family)
     figures = ExportFigures(format=cfg.format, drafter_dir=str(out / DRAFTER_DIR),
                             canonical_aux_layer_ids=checkpoint.config.aux_layer_ids,
                             written_aux_layer_ids=written, target_family=facts.family)
