@@ -114,6 +114,23 @@ def tiny_run(prefect_api, trained_target_cache, tiny_config) -> dict[str, dict]:
 
 
 @pytest.fixture(scope="session")
+def eagle31_run(tiny_run, tiny_config) -> dict[str, dict]:
+    """The session run with EAGLE-3.1's norms (speculators' defaults), through the real flow:
+    train, export (speculators), deploy and benchmark (embedded) run, the rest is cached."""
+    from tests.tiny_run import kind_config, run_pipeline
+
+    return run_pipeline(kind_config(tiny_config, "eagle3.1"))
+
+
+@pytest.fixture(scope="session")
+def dflash_run(tiny_run, tiny_config) -> dict[str, dict]:
+    """The session run with drafter.kind: dflash (tests/tiny_run.py KIND_SETTINGS)."""
+    from tests.tiny_run import kind_config, run_pipeline
+
+    return run_pipeline(kind_config(tiny_config, "dflash"))
+
+
+@pytest.fixture(scope="session")
 def vllm_chain(tiny_run, tiny_config, tmp_path_factory):
     """The session run's stages, with the drafter exported in the speculators layout: what
     every vLLM test serves (tests/vllm_chain.py)."""

@@ -46,3 +46,24 @@ def run_pipeline(raw: dict, stages: list[str] | None = None) -> dict[str, dict]:
 
     parse_config(json.loads(json.dumps(raw)))  # a bad test config fails here, not in Prefect
     return pipeline(full_config=raw, stages=stages or [])
+
+
+# The drafter kinds' CPU smoke runs (tests/test_drafter_kinds.py, served by
+# tests/test_vllm_kinds.py): the session run's config with one `drafter` setting changed and
+# the export for vLLM. generate, merge and extract are the session run's, from the cache.
+KIND_SETTINGS = {
+    # EAGLE-3.1 as speculators 0.9.0 trains it by default.
+    "eagle3.1": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+    # DFlash with a block of 4 (three drafts a round, as the session run's chain of 3) and one
+    # layer: vLLM 0.32's CPU runner norms every layer's context keys with layer 0's k_norm
+    # (tests/test_vllm_kinds.py pins it), so only a one-layer DFlash runs there as trained.
+    "dflash": {"kind": "dflash", "dflash": {"block_size": 4, "num_layers": 1}},
+}
+
+
+def kind_config(raw: dict, kind: str) -> dict:
+    """`raw` (the session run's config) with drafter kind `kind` and the speculators export."""
+    raw = json.loads(json.dumps(raw))
+    raw["drafter"] = KIND_SETTINGS[kind]
+    raw["export"] = {**raw.get("export", {}), "format": "speculators"}
+    return raw
