@@ -192,6 +192,13 @@ def test_benchmark_through_vllm_reads_its_counters_and_matches_the_baseline(vllm
             assert row["drafts"] > 0 and row["acceptance_length"] > 1
     assert "Acceptance by position" in (descriptor.dir / "report.md").read_text()
     assert (descriptor.dir / "baseline-server.log").read_text().startswith("$ ")
+    # The guard: the trained drafter replayed over the baseline server's greedy outputs
+    # reaches what vLLM measured (a correct export: no problem).
+    guard = summary["guard"]
+    assert guard["ok"] is True and guard["outputs_from"] == "baseline server"
+    assert guard["served_acceptance"] == summary["acceptance_length"]
+    assert guard["replayed_drafter"] == vllm_chain.out["train"].path
+    assert "Does vLLM run the drafter" in (descriptor.dir / "report.md").read_text()
 
 
 def test_the_deploy_command_prints_the_vllm_command(vllm_chain, tmp_path):
