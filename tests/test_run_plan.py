@@ -160,3 +160,18 @@ def _models_in(annotation) -> list[type]:
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
         return [annotation]
     return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def test_a_setting_added_later_changes_no_key_at_its_default():
+    """keyed(..., added=True): a run root made before the setting existed stays cached after
+    an upgrade; a value other than the default is in the key like any keyed setting."""
+    from draftsmith.plan import key_material
+
+    config = PipelineConfig.model_validate({"data": {"sources": [
+        {"name": "a", "path": "a.jsonl"}]}})
+    material = key_material(config, "generate")["generate"]
+    assert "cache" not in material and "dtype" not in material
+    assert "batch_size" in material  # an ordinary keyed setting is there at its default
+    changed = config.model_copy(deep=True)
+    changed.generate.cache = "static"
+    assert key_material(changed, "generate")["generate"]["cache"] == "static"

@@ -159,14 +159,17 @@ def _answer_with_vllm(cfg: GenerateConfig, target_cfg: TargetConfig, target: Des
 
 def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
                               requests: list[Request], journal: SourceJournals) -> RunTotals:
-    from draftsmith.generate.transformers_backend import TransformersGenerator
+    from draftsmith.generate.transformers_backend import TransformersGenerator, resolve_cache
     from draftsmith.target import load_target_model, load_tokenizer
 
+    dtype = target_cfg.dtype if cfg.dtype == "auto" else cfg.dtype
+    model = load_target_model(target.path, target_cfg.device, dtype)
+    cache = resolve_cache(cfg.cache, model.device)
+    log.info("generate: transformers, %s cache, %s, batches of %d", cache, dtype, cfg.batch_size)
     generator = TransformersGenerator(
-        load_target_model(target.path, target_cfg.device, target_cfg.dtype),
-        load_tokenizer(target),
+        model, load_tokenizer(target),
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, seed=cfg.seed,
+        top_p=cfg.top_p, seed=cfg.seed, cache=cache, batch_size=cfg.batch_size,
     )
     totals = RunTotals()
     started = time.monotonic()
