@@ -80,6 +80,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="JSONL, one line per variant")
     parser.add_argument("--smoke", action="store_true", help="CPU: the tiny target, 2 variants")
+    parser.add_argument("--target", help="default: SmolLM2 (builtin:tiny with --smoke)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--only", nargs="*", help="variant names to run")
     parser.add_argument("--deadline-s", type=float, default=1e9,
@@ -89,8 +90,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     started = time.monotonic()
     device = "cpu" if args.smoke else "cuda"
-    target = resolve_target(TargetConfig(
-        model="builtin:tiny" if args.smoke else "builtin:smollm2-135m-instruct"))
+    target = resolve_target(TargetConfig(model=args.target or (
+        "builtin:tiny" if args.smoke else "builtin:smollm2-135m-instruct")))
     tokenizer = load_tokenizer(target)
     variants = SMOKE_VARIANTS if args.smoke else GPU_VARIANTS
     if args.only:

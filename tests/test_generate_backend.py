@@ -74,3 +74,28 @@ def test_cache_choice_and_length():
     with pytest.raises(ValueError, match="cache='paged'"):
         TransformersGenerator(None, type("T", (), {"eos_token_id": 0, "pad_token_id": 0})(),
                               max_new_tokens=1, temperature=0, top_p=1, seed=0, cache="paged")
+
+
+def test_a_failing_compiled_decode_step_falls_back_to_eager_and_says_so(
+        random_target_dir, random_target_tokenizer, caplog):
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    real, calls = model.generate, []
+
+    def generate(**kwargs):
+        calls.append(kwargs.get("disable_compile", False))
+        if not kwargs.get("disable_compile"):
+            raise RuntimeError("inductor: a kernel failed to compile")
+        return real(**kwargs)
+
+    model.generate = generate
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=4,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      batch_size=2)
+    conversation = [[{"role": "user", "content": "def f(x):"}]]
+    first = generator.complete(conversation)
+    second = generator.complete(conversation)
+    assert calls == [False, True, True]  # once compiled, then eager for good
+    assert first[0].token_ids == second[0].token_ids
+    assert "the compiled decode step failed (RuntimeError: inductor" in caplog.text

@@ -18,9 +18,12 @@ with transformers' AttentionInterface and used for the static cache.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
 
 GROUPED_DECODE = "draftsmith_grouped_decode"
 CACHE_LENGTH_STEP = 128
@@ -91,6 +94,7 @@ class TransformersGenerator:
         self.cache, self.batch_size = cache, batch_size
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.compiled = cache == "static"  # generate compiles the decode step on CUDA
         if cache == "static":
             register_grouped_decode()
             model.set_attn_implementation(GROUPED_DECODE)
@@ -124,18 +128,31 @@ class TransformersGenerator:
             extra["past_key_values"] = StaticCache(
                 config=self.model.config,
                 max_cache_len=cache_length(width, self.max_new_tokens))
-        output = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=self.max_new_tokens,
-            do_sample=sampling,
-            temperature=self.temperature if sampling else None,
-            top_p=self.top_p if sampling else None,
-            top_k=None,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-            **extra,
-        )
+        def generate(**compile_args):
+            return self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=sampling,
+                temperature=self.temperature if sampling else None,
+                top_p=self.top_p if sampling else None,
+                top_k=None,
+                eos_token_id=self.eos_id,
+                pad_token_id=self.pad_id,
+                **extra, **compile_args,
+            )
+
+        try:
+            output = generate() if self.compiled else generate(disable_compile=True)
+        except Exception as err:  # noqa: BLE001 - a compiler failure: one rung down, said so
+            if not self.compiled or isinstance(err, torch.OutOfMemoryError):
+                raise
+            log.warning("generate: the compiled decode step failed (%s: %s); decoding with "
+                        "the static cache in eager mode from here on", type(err).__name__,
+                        str(err).splitlines()[0][:300] if str(err) else "")
+            self.compiled = False
+            extra["past_key_values"].reset()
+            output = generate(disable_compile=True)
         completions = []
         for row in output[:real, width:].tolist():
             stopped = self.eos_id in row
