@@ -326,7 +326,14 @@ class ExtractConfig(StrictModel):
     shard_tokens: int = keyed(1 << 16, ge=1, description=(
         "Tokens per safetensors shard (65536 tokens of a Llama-8B target are ~2 GiB; host "
         "memory holds about writer_queue + writer_threads shards)."))
-    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
+    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32", description=(
+        "The store's dtype (and, online, the dtype the trainer receives the states in)."))
+    target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = keyed(
+        "auto", added=True, description=(
+            "The target's dtype while it runs for the states (offline and online); auto: "
+            "target.dtype. bfloat16 is faster than float32 and what a bf16 serving engine "
+            "computes; keep target.dtype float32 for the embedded engine's exact greedy "
+            "identity check."))
     data_parallel: int = operational(1, ge=1, description=(
         "Processes, one per GPU, each extracting its share of the shards (spawned here; under "
         "torchrun the world comes from its environment instead)."))
@@ -364,6 +371,11 @@ class ExtractConfig(StrictModel):
                 f"{self.data_parallel}: a model sharded over the GPUs runs in one process; set "
                 "data_parallel=1 (or device_map=null for one model copy per GPU)")
         return self
+
+
+def capture_dtype(extract: ExtractConfig, target: TargetConfig) -> str:
+    """The dtype the target runs in while its hidden states are captured."""
+    return target.dtype if extract.target_dtype == "auto" else extract.target_dtype
 
 
 class TrainConfig(StrictModel):

@@ -57,23 +57,24 @@ SMOKE = dict(target="builtin:tiny", device="cpu", sizes=[40, 80], epochs=2, gen_
 
 def pipeline_config(out: Path, size: dict, sources: list[dict], train: dict | None = None,
                     drafter: dict | None = None, mode: str = "online"):
-    """The sweep's pipeline config. The target runs in bf16 on a GPU for generation and
-    capture (training data); HumanEval is decoded with a float32 target elsewhere."""
+    """The sweep's pipeline config, as examples/smollm2-h200.yaml: the target answers and is
+    captured in bf16 on a GPU (training data), and stays float32 for decoding HumanEval
+    (token identity with greedy decoding is exact only in float32)."""
     from draftsmith.config import PipelineConfig
 
     cuda = size["device"].startswith("cuda")
     ttt = 3
     cfg = {
         "run_root": str(out / "runs"),
-        "target": {"model": size["target"], "device": size["device"],
-                   "dtype": "bfloat16" if cuda else "float32"},
+        "target": {"model": size["target"], "device": size["device"], "dtype": "float32"},
         "data": {"sources": sources},
         "generate": {"max_new_tokens": size["max_new_tokens"], "batch_size": size["gen_batch"],
-                     "temperature": 0.0},
+                     "temperature": 0.0, "dtype": "bfloat16" if cuda else "auto"},
         "merge": {"max_length": 1024, "validation_fraction": size["validation"],
                   "draft_vocab_size": size["draft_vocab"]},
         "extract": {"batch_size": size["extract_batch"], "batch_tokens": size["batch_tokens"],
-                    "dtype": "bfloat16" if cuda else "float32"},
+                    "dtype": "bfloat16" if cuda else "float32",
+                    "target_dtype": "bfloat16" if cuda else "auto"},
         "train": {"ttt_steps": ttt, "lr": size["lr"], "epochs": size["epochs"],
                   "batch_tokens": size["batch_tokens"], "device": size["device"],
                   "dtype": "bfloat16" if cuda else "float32", "log_every": 50,

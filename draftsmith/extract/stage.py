@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
-from draftsmith.config import ExtractConfig, TargetConfig
+from draftsmith.config import ExtractConfig, TargetConfig, capture_dtype
 from draftsmith.data.merge import SPLITS, read_split
 from draftsmith.distributed import Dist
 from draftsmith.errors import ConfigValueError, WorkerCrashError
@@ -145,7 +145,7 @@ def extract_shards(cfg: ExtractConfig, target_cfg: TargetConfig, target_path: st
     if not mine:
         return figures
     device = dist.device_name(target_cfg.device)
-    model = load_model(target_path, device, target_cfg.dtype, cfg.device_map)
+    model = load_model(target_path, device, capture_dtype(cfg, target_cfg), cfg.device_map)
     if device.startswith("cuda") and cfg.device_map is None:
         torch.cuda.set_device(torch.device(device))
     capture = HiddenStateCapture(model, aux_ids)
