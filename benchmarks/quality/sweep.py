@@ -492,10 +492,44 @@ def job_speculators(a: dict, name: str, n: int, recipe: str) -> None:
     result = train_speculators(store, size, out / "speculators" / name, recipe, size["epochs"])
     train_cfg = pipeline_config(out, size, answers_source(out, n), mode="offline").train
     validation = validation_of(Path(result["imported"]), store, size, train_cfg)
+    # The earlier side by side decoded in the process that had trained speculators' model;
+    # the same decoding here, next to the evaluation workers' fresh processes, tells a slow
+    # drafter from a slow process.
+    reference = out / "done" / f"train-eagle3-{n}-e{size['epochs']}"
+    drafters = {"speculators": result["imported"]}
+    if reference.exists():
+        drafters["draftsmith"] = json.loads(reference.read_text())["drafter_dir"]
+    result["in_process_decode"] = decode_in_process(a, drafters, prompts=8)
     touch(out / "done" / f"spec-{name}", {"name": name, "prompts": n, "epochs": size["epochs"],
                                          "drafter": {"kind": "eagle3.1 (speculators)"},
                                          "drafter_dir": result["imported"],
                                          "validation": [validation], "extra": result})
+
+
+def decode_in_process(a: dict, drafters: dict[str, str], prompts: int) -> dict:
+    """The first HumanEval prompts through each drafter in this process (as the benchmark
+    stage and the earlier side by side decode): acceptance and milliseconds per round."""
+    from draftsmith.bench.benchmark import measure_embedded, plain_decoding
+    from draftsmith.config import TargetConfig
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+    from draftsmith.target import load_target_model, load_tokenizer, resolve_target
+
+    size = a["size"]
+    cfg = pipeline_config(Path(a["out"]), size, [{"name": "x", "path": "unused.jsonl"}])
+    target = resolve_target(TargetConfig(model=size["target"]))
+    model = load_target_model(target.path, size["device"], "float32")
+    eos = load_tokenizer(target).eos_token_id
+    chosen = humaneval_prompts(a)[:prompts]
+    plain, out = None, {}
+    for name, directory in drafters.items():
+        engine = EmbeddedSpeculativeEngine.load(model, directory, num_steps=3)
+        plain = plain or plain_decoding(engine.runner, chosen, cfg.benchmark, eos)
+        _, per_prompt = measure_embedded(engine, chosen, cfg.benchmark, eos, name, plain)
+        engine.runner.close()
+        row = summarize(name, {}, per_prompt)
+        out[name] = {k: row[k] for k in ("measured_embedded", "speedup_embedded",
+                                         "ms_per_round", "ms_per_plain_token", "identical")}
+    return out
 
 
 # --------------------------------------------------------------------------- report
