@@ -428,7 +428,7 @@ def summarize(name: str, done: dict, per_prompt: list[dict]) -> dict:
     steps = sum(1 for k in best if k.startswith("full_acc_"))
     measured = tokens / max(rounds, 1)
     return {
-        "drafter": name, "kind": (done.get("drafter") or {}).get("kind", "eagle3"),
+        "drafter": name, "kind": done.get("kind_label") or name.rsplit("-", 2)[0],
         "prompts": done.get("prompts"), "epochs": done.get("epochs"),
         "best_epoch": best.get("epoch"), "ttt_steps": steps or None,
         "full_acc": [round(best[f"full_acc_{j}"], 4) for j in range(steps)],
@@ -501,7 +501,7 @@ def job_speculators(a: dict, name: str, n: int, recipe: str) -> None:
         drafters["draftsmith"] = json.loads(reference.read_text())["drafter_dir"]
     result["in_process_decode"] = decode_in_process(a, drafters, prompts=8)
     touch(out / "done" / f"spec-{name}", {"name": name, "prompts": n, "epochs": size["epochs"],
-                                         "drafter": {"kind": "eagle3.1 (speculators)"},
+                                         "kind_label": "eagle3.1",
                                          "drafter_dir": result["imported"],
                                          "validation": [validation], "extra": result})
 
