@@ -83,8 +83,8 @@ def type_name(annotation: Any, section_link: str) -> str:
     return getattr(annotation, "__name__", str(annotation))
 
 
-BOUNDS = ((annotated_types.Ge, "ge", ">="), (annotated_types.Gt, "gt", ">"),
-          (annotated_types.Le, "le", "<="), (annotated_types.Lt, "lt", "<"))
+BOUNDS = ((annotated_types.Ge, "ge", "≥"), (annotated_types.Gt, "gt", ">"),
+          (annotated_types.Le, "le", "≤"), (annotated_types.Lt, "lt", "<"))
 
 
 def bounds(field: FieldInfo) -> str:
@@ -93,7 +93,11 @@ def bounds(field: FieldInfo) -> str:
         out += [f"{sign} {getattr(item, name)}" for kind, name, sign in BOUNDS
                 if isinstance(item, kind)]
         if isinstance(item, annotated_types.MinLen) and item.min_length:
-            out.append(f"at least {item.min_length}")
+            n = item.min_length
+            if field.annotation is str:
+                out.append("non-empty" if n == 1 else f"at least {n} characters")
+            else:
+                out.append("at least one entry" if n == 1 else f"at least {n} entries")
     return ", ".join(out)
 
 
@@ -114,12 +118,16 @@ def literal(value: Any) -> str:
 
 
 def default(field: FieldInfo) -> str:
+    """A field's default for its table cell (code, so only pipes need escaping)."""
     if field.default_factory is not None:
         value = field.default_factory()
-        return "its section's defaults" if isinstance(value, BaseModel) else f"`{literal(value)}`"
-    if field.default is PydanticUndefined:
+        if isinstance(value, BaseModel):
+            return "its section's defaults"
+    elif field.default is PydanticUndefined:
         return "**required**"
-    return f"`{literal(field.default)}`"
+    else:
+        value = field.default
+    return "`{}`".format(literal(value).replace("|", "\\|"))
 
 
 def key_marker(model: type[BaseModel], field: FieldInfo) -> str:
@@ -129,11 +137,11 @@ def key_marker(model: type[BaseModel], field: FieldInfo) -> str:
 
 
 def cell(text: str) -> str:
-    """Text for one table cell: one line, pipes escaped, and outside `code` the characters
-    Markdown would read as HTML or emphasis."""
+    """Text for one table cell: one line, pipes escaped, and outside `code` what Markdown
+    would read as an HTML tag or emphasis."""
     parts = " ".join(text.split()).replace("|", "\\|").split("`")
     for i in range(0, len(parts), 2):  # the even parts lie outside code spans
-        parts[i] = parts[i].replace("<", "&lt;").replace(">", "&gt;").replace("*", "\\*")
+        parts[i] = re.sub(r"<(?=[A-Za-z/!?])", "&lt;", parts[i]).replace("*", "\\*")
     return "`".join(parts)
 
 
@@ -171,13 +179,14 @@ def config_reference() -> str:
         lines += ["| field | type | default | key | description |", "|---|---|---|---|---|"]
         for name, field in model.model_fields.items():
             nested = child_path(path, name, field)
-            kind = type_name(field.annotation, f"[{nested}](#{anchor(nested)}) section")
+            noun = "entries" if nested.endswith("[]") else "section"
+            kind = type_name(field.annotation, f"[{nested}](#{anchor(nested)}) {noun}")
             if bounds(field):
                 kind += f", {bounds(field)}"
             description = field.description or ""
             if not description and models_in(field.annotation):
                 description = docstring(models_in(field.annotation)[0])
-            lines.append(f"| `{name}` | {cell(kind)} | {cell(default(field))} | "
+            lines.append(f"| `{name}` | {cell(kind)} | {default(field)} | "
                          f"{key_marker(model, field)} | {cell(description)} |")
     return "\n".join(lines) + "\n"
 

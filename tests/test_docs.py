@@ -178,14 +178,14 @@ def test_the_cli_reference_holds_every_command_s_help():
         assert docs_reference.cli_help(path) in page
 
 
-def test_a_stale_page_is_reported_by_the_check(tmp_path):
+def test_a_stale_page_is_reported_by_the_check(tmp_path, capsys):
     (tmp_path / "configuration.md").write_text("# old\n")
     (tmp_path / "cli.md").write_text(docs_reference.cli_reference())
-    result = subprocess.run([sys.executable, "-m", "draftsmith.docs_reference", "--check",
-                             "--out", str(tmp_path)], capture_output=True, text=True,
-                            cwd=REPO, timeout=300)
-    assert result.returncode == 1
-    assert "configuration.md: stale" in result.stderr and "cli.md" not in result.stderr
+    with pytest.raises(SystemExit) as stopped:
+        docs_reference.main(["--check", "--out", str(tmp_path)])
+    assert stopped.value.code == 1
+    stderr = capsys.readouterr().err
+    assert "configuration.md: stale" in stderr and "cli.md" not in stderr
 
 
 # --------------------------------------------------------------------------- commands
