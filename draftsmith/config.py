@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -41,6 +41,13 @@ def is_keyed(field: FieldInfo) -> bool | None:
     """True (keyed), False (operational) or None (not marked: a test refuses that)."""
     extra = field.json_schema_extra
     return extra.get(CACHE_KEY) if isinstance(extra, dict) else None
+
+
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The config models a field's annotation holds: `X`, `X | None`, `list[X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in models_in(arg)]
 
 
 def key_settings(value: Any) -> Any:

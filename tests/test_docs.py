@@ -33,7 +33,7 @@ import tomllib
 import yaml
 
 from draftsmith import docs_reference
-from draftsmith.config import PipelineConfig, parse_config
+from draftsmith.config import PipelineConfig, models_in, parse_config
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = REPO / "docs"
@@ -145,7 +145,7 @@ def _fields(model, path=""):
     """Every (section, field name, field) of the config, walked here, not by the generator."""
     for name, field in model.model_fields.items():
         yield path, name, field
-        for nested in docs_reference.models_in(field.annotation):
+        for nested in models_in(field.annotation):
             yield from _fields(nested, docs_reference.child_path(path, name, field))
 
 
@@ -161,7 +161,7 @@ def test_every_config_field_is_in_the_reference_with_a_description():
         dotted = f"{section}.{name}" if section else name
         if f"| `{name}` |" not in tables.get(section or "top level", ""):
             missing.append(dotted)
-        nested = docs_reference.models_in(field.annotation)
+        nested = models_in(field.annotation)
         if not field.description and not (nested and docs_reference.docstring(nested[0])):
             undescribed.append(dotted)
     assert missing == [], f"not in docs/reference/configuration.md: {missing}"
