@@ -186,7 +186,7 @@ def config_reference() -> str:
 
 # --------------------------------------------------------------------------- CLI
 
-HELP_WIDTH = 100
+HELP_WIDTH = 80  # columns of the help text: what the pages show without scrolling
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
