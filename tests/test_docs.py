@@ -3,7 +3,7 @@
 - The generated reference pages equal what draftsmith/docs_reference.py makes of the code now,
   and every config field is in the configuration reference with a description.
 - Every command in a `bash` block (and every `$ ` line of a `text` block) is run where that is
-  cheap (`draftsmith ... --help`, `draftsmith validate` of a bundled example) and otherwise
+  cheap (`draftsmith ... --help`, `draftsmith validate` without --deep) and otherwise
   parsed by the real parser of its program: draftsmith's CLI, Prefect's CLI, mkdocs' CLI, a
   script's own argparse parser. A command of a program this file cannot check fails.
 - Every `yaml` block validates as a pipeline config; so does every bundled example.
