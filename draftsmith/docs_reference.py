@@ -1,6 +1,6 @@
 """The documentation's reference pages, generated from the code so they cannot drift: every
 config field of `draftsmith/config.py` (section, name, type, default, description, keyed or
-operational) and every command and option of the `draftsmith` CLI.
+operational) and what every `draftsmith` command's --help prints.
 
     python -m draftsmith.docs_reference          # writes docs/reference/*.md
     python -m draftsmith.docs_reference --check  # exits 1 naming each stale page
