@@ -397,8 +397,8 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
 @prefect_app.command("setup")
 def prefect_setup(
     config: Annotated[Path, typer.Argument(
-        help="Pipeline YAML: the deployment's default parameters (the UI form).")] = EXAMPLES
-    / "tiny.yaml",
+        help="Pipeline YAML: the deployment's default parameters (the UI form).",
+        show_default="examples/tiny.yaml")] = EXAMPLES / "tiny.yaml",
     gpus: Annotated[int, typer.Option(help="GPUs on the GPU host (concurrency slots).")] = 1,
     visible_devices: Annotated[str | None, typer.Option(
         help="CUDA_VISIBLE_DEVICES of GPU stages; default 0..gpus-1.")] = None,
