@@ -45,7 +45,7 @@ SMOLLM2 = "builtin:smollm2-135m-instruct"
 GPU = dict(target=SMOLLM2, device="cuda", sizes=[6000, 12000, 48000], epochs=6,
            gen_batch=1024, max_new_tokens=160, batch_tokens=16384, draft_vocab=16384,
            lr=1e-3, validation=0.05, bench_prompts=48, bench_tokens=128, eval_workers=8,
-           extract_batch=256, kinds_size=12000, speculators_size=6000, gpu_jobs=2)
+           extract_batch=256, kinds_size=6000, speculators_size=6000, gpu_jobs=3)
 SMOKE = dict(target="builtin:tiny", device="cpu", sizes=[40, 80], epochs=2, gen_batch=16,
              max_new_tokens=24, batch_tokens=1024, draft_vocab=256, lr=3e-3,
              validation=0.25, bench_prompts=4, bench_tokens=16, eval_workers=2,
@@ -221,6 +221,7 @@ def plan(sweep: Sweep, args) -> None:
                             "--done", str(out / "done" / "genbench"),
                             "--target", size["target"],
                             "--max-new-tokens", str(size["max_new_tokens"]),
+                            "--deadline-s", "150",
                             *(["--smoke"] if sweep.smoke else [])],
                       priority=1))
     sweep.add(Job("generate", out / "done" / "generate", 300,
@@ -243,20 +244,21 @@ def plan(sweep: Sweep, args) -> None:
                       after=["generate"],
                       argv=me("train", *common, "--name", name, "--size", str(n),
                               "--epochs", str(epochs), "--drafter", json.dumps(drafter)),
-                      priority=3 if n != largest else 2))
+                      # The largest size first; then the side by side at kinds_size.
+                      priority=2 if n == largest else 3 if n == size["kinds_size"] else 4))
         sweep.add(Job(f"eval:{name}", out / "done" / f"eval-{name}", 120,
                       after=[f"train:{name}"], heavy=False, workers=size["eval_workers"],
                       argv=me("evaluate", *common, "--name", name), priority=1))
     if args.speculators:
         n = size["speculators_size"]
         sweep.add(Job(f"store:{n}", out / "done" / f"store-{n}", 120, after=["generate"],
-                      argv=me("store", *common, "--size", str(n)), priority=5))
+                      argv=me("store", *common, "--size", str(n)), priority=3))
         for recipe in ("speculators", "draftsmith"):
             name = f"speculators-{recipe}-{n}-e{size['epochs']}"
             sweep.add(Job(f"spec:{name}", out / "done" / f"spec-{name}", 300,
                           after=[f"store:{n}"],
                           argv=me("speculators", *common, "--name", name, "--size", str(n),
-                                  "--recipe", recipe), priority=6))
+                                  "--recipe", recipe), priority=4))
             sweep.add(Job(f"eval:{name}", out / "done" / f"eval-{name}", 120,
                           after=[f"spec:{name}"], heavy=False, workers=size["eval_workers"],
                           argv=me("evaluate", *common, "--name", name), priority=1))
