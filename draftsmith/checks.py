@@ -248,8 +248,9 @@ def check_drafting(checks: Checks, config: PipelineConfig) -> None:
         checks.warn("drafting", warning)
     if not any(f.check == "drafting" for f in checks.findings):
         steps = deploy.num_steps if deploy.num_steps is not None else "engine default"
-        checks.ok("drafting", f"{deploy.engine}: {steps} draft steps, trained with "
-                              f"train.ttt_steps={ttt}")
+        trained = (f"a DFlash block of {config.drafter.dflash.block_size}"
+                   if config.drafter.kind == "dflash" else f"train.ttt_steps={ttt}")
+        checks.ok("drafting", f"{deploy.engine}: {steps} draft steps, trained with {trained}")
 
 
 def port_problem(host: str, port: int) -> str | None:

@@ -428,6 +428,63 @@ def capture_dtype(extract: ExtractConfig, target: TargetConfig) -> str:
     return target.dtype if extract.target_dtype == "auto" else extract.target_dtype
 
 
+class DFlashOptions(StrictModel):
+    """The DFlash drafter's options (drafter.kind: dflash). Defaults: speculators 0.9.0's
+    DFlash recipe (block 16, 5 layers; SGLang 0.5.23 also assumes 16 when a config has none)."""
+
+    block_size: int = keyed(16, ge=2, le=64, description=(
+        "Positions per block: the last known token and block_size - 1 masks, so a round "
+        "drafts up to block_size - 1 tokens (vLLM: num_speculative_tokens = block_size - 1)."))
+    num_layers: int = keyed(5, ge=1, le=16, description="The drafter's decoder layers.")
+    mask_token_id: int | None = keyed(None, ge=0, description=(
+        "The target token id the masked positions carry. Default as speculators resolves it: "
+        "the tokenizer's mask token, else the first embedding row the tokenizer leaves unused, "
+        "else its pad, eos or unk token."))
+    causal: bool = keyed(False, description=(
+        "Causal attention within the block (vLLM: sliding_window_non_causal=false). Default "
+        "false: every block position sees the whole block, as DFlash is trained and served."))
+    loss_decay_gamma: float = keyed(4.0, gt=0.0, description=(
+        "Block position k's loss weight is exp(-(k-1)/gamma) (speculators' "
+        "dflash_decay_gamma): early positions decide how many drafts are accepted."))
+    max_anchors: int = keyed(512, ge=1, description=(
+        "Blocks per packed row and optimiser step, at random loss-masked anchors (validation "
+        "runs every anchor, this many at a time)."))
+
+
+class DrafterConfig(StrictModel):
+    """Which drafter is trained, and its shape options. Every stage that builds, exports,
+    serves or measures a drafter asks the registry for this kind (draftsmith/model/kinds.py)."""
+
+    kind: Literal["eagle3", "dflash"] = keyed("eagle3", description=(
+        "eagle3: EAGLE-3, one decoder layer drafting a chain or a tree step by step (with the "
+        "norm options below: EAGLE-3.1). dflash: DFlash, a block of masked positions drafted "
+        "in one forward pass (drafter.dflash)."))
+    # EAGLE-3.1's norms, under the names speculators and vLLM use (speculators 0.9.0 trains
+    # with norm_before_residual, norm_before_fc and norm_output on).
+    norm_before_residual: bool = keyed(False, description=(
+        "EAGLE-3.1: the decoder layer's residual is hidden_norm(h) instead of h. vLLM reads "
+        "it; SGLang 0.5.23 cannot run it (export.format=speculators)."))
+    norm_before_fc: bool = keyed(False, description=(
+        "EAGLE-3.1: one RMSNorm over the concatenated aux states before fc (input_norm)."))
+    fc_norm: bool = keyed(False, description=(
+        "EAGLE-3.1: one RMSNorm per aux state before fc (fc_norm.i)."))
+    norm_output: bool = keyed(False, description=(
+        "EAGLE-3.1: each TTT step (and drafting step) feeds the next one norm(out) instead of "
+        "out."))
+    dflash: DFlashOptions = keyed(default_factory=DFlashOptions, description=(
+        "DFlash's options (drafter.kind: dflash)."))
+
+    @model_validator(mode="after")
+    def _norms_are_eagle3s(self) -> DrafterConfig:
+        norms = [n for n in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+                 if getattr(self, n)]
+        if self.kind != "eagle3" and norms:
+            raise ValueError(f"drafter.{', drafter.'.join(norms)}: EAGLE-3.1 options, and "
+                             f"drafter.kind is {self.kind!r}; remove them or set "
+                             "drafter.kind=eagle3")
+        return self
+
+
 class TrainConfig(StrictModel):
     """Train the drafter with test-time training (TTT) on packed rows."""
 
@@ -719,6 +776,15 @@ class BenchmarkConfig(StrictModel):
         "More drafting configs to compare with the deployed one, e.g. num_draft_tokens "
         "16/10/5 and topk 1 vs 4. Each point gets its own deploy and its own cached result, so "
         "an interrupted sweep resumes at the first point not yet measured."))
+    guard: bool = keyed(True, description=(
+        "vLLM, greedy: replay the drafter (the trained checkpoint when the run trained it) in "
+        "draftsmith's engine over the served greedy outputs, and report a problem when the "
+        "served acceptance is below guard_threshold of it (draftsmith/bench/guard.py). Loads "
+        "the target in this process once the servers are stopped: turn it off for a target "
+        "that does not fit here."))
+    guard_threshold: float = keyed(0.9, gt=0.0, le=1.0, description=(
+        "Served acceptance / replayed acceptance below this is a problem (wrong aux layer "
+        "ids, norms, d2t, draft vocab or chat template)."))
 
     @model_validator(mode="after")
     def _one_prompt_set(self) -> BenchmarkConfig:
@@ -770,6 +836,9 @@ class PipelineConfig(StrictModel):
     generate: GenerateConfig = Field(default_factory=GenerateConfig)
     merge: MergeConfig = Field(default_factory=MergeConfig)
     extract: ExtractConfig = Field(default_factory=ExtractConfig)
+    drafter: DrafterConfig = Field(default_factory=DrafterConfig, description=(
+        "The drafter kind and its options: the train stage builds it, export, deploy and "
+        "benchmark read it from the trained checkpoint."))
     train: TrainConfig = Field(default_factory=TrainConfig)
     export: ExportConfig = Field(default_factory=ExportConfig, description=(
         "The export stage, also known as fix-keys (`fix_keys:` is read as `export:`)."))
@@ -797,6 +866,8 @@ class PipelineConfig(StrictModel):
     def warnings(self) -> list[str]:
         """Settings that are valid but probably not what the user wants."""
         out = []
+        if self.drafter.kind == "dflash":  # a block's drafts are all trained; more is refused
+            return out
         trained = self.train.ttt_steps
         drafting = [("deploy.num_steps", self.deploy.num_steps),
                     ("export.speculative_tokens", self.export.speculative_tokens),
@@ -808,6 +879,34 @@ class PipelineConfig(StrictModel):
                            f"was trained for {trained} drafting steps, and the later ones are "
                            "rarely accepted; raise train.ttt_steps or draft fewer steps")
         return out
+
+    @model_validator(mode="after")
+    def _dflash_runs_where_it_is_written(self) -> PipelineConfig:
+        """A DFlash drafter is written for vLLM and drafts one block, no tree and no more
+        tokens than its masks: what no stage could run is refused before any runs."""
+        if self.drafter.kind != "dflash":
+            return self
+        block = self.drafter.dflash.block_size
+        if self.export.format != "speculators":
+            raise ValueError(
+                f"drafter.kind=dflash with export.format={self.export.format!r}: draftsmith "
+                "writes DFlash drafters in the speculators layout vLLM 0.32 loads; set "
+                "export.format=speculators (and deploy.engine=vllm or embedded)")
+        if self.deploy.engine == "sglang":
+            raise ValueError("drafter.kind=dflash with deploy.engine=sglang: draftsmith serves "
+                             "DFlash drafters with vLLM or its embedded engine; set "
+                             "deploy.engine=vllm or embedded")
+        points = [("deploy", self.deploy.num_steps, self.deploy.eagle_topk),
+                  *((f"benchmark.sweep[{i}]", p.num_steps, p.eagle_topk)
+                    for i, p in enumerate(self.benchmark.sweep))]
+        for where, steps, topk in points:
+            if steps is not None and (steps > block - 1 or topk != 1):
+                raise ValueError(
+                    f"{where}.num_steps={steps}, eagle_topk={topk} with drafter.kind=dflash: "
+                    f"one block drafts at most block_size - 1 = {block - 1} tokens and no tree; "
+                    f"set num_steps <= {block - 1} (num_draft_tokens = num_steps + 1) and "
+                    "eagle_topk=1, or raise drafter.dflash.block_size")
+        return self
 
     @model_validator(mode="after")
     def _endpoint_given(self) -> PipelineConfig:

@@ -122,6 +122,13 @@ class BenchmarkFigures(Figures):
     speculative_tokens_per_s: float | None = None
     greedy_tokens_per_s: float | None = None
     single_stream_tokens_per_s: float | None = None
+    # A served benchmark's guard (draftsmith/bench/guard.py): served vs replayed acceptance.
+    guard: dict[str, Any] | None = None
+
+    @property
+    def guard_problem(self) -> str | None:
+        """The guard's problem: the engine does not run the drafter as it was trained."""
+        return (self.guard or {}).get("problem")
 
     @property
     def differs_from_greedy(self) -> bool:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from draftsmith.artifacts import Descriptor, StagePlan
-from draftsmith.config import ConfigError, PipelineConfig, key_settings, slug
+from draftsmith.config import ConfigError, DrafterConfig, PipelineConfig, key_settings, slug
 from draftsmith.figures import (
     MERGE_COVERAGE_FILE,
     TRAIN_METRICS_FILE,
@@ -334,13 +334,21 @@ def _run_train(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
 
     online = OnlineInputs(config.extract, config.target) if _online(config) else None
     return run_train(config.train, inputs["extract"], inputs["merge"], inputs[TARGET], plan,
-                     online)
+                     online, config.drafter)
 
 
 def _train_key(config: PipelineConfig) -> dict[str, Any]:
-    if not config.train.init_from:
-        return {}
-    return {"init_from_files": drafter_fingerprint(config.train.init_from)}  # content, not path
+    # The drafter kind and its options decide what is trained; the stages after train
+    # follow through the trained checkpoint's fingerprint. Only settings off their default
+    # enter, so a plain EAGLE-3 run keeps the key it had before the kinds existed.
+    material: dict[str, Any] = {}
+    default = key_settings(DrafterConfig())
+    changed = {k: v for k, v in key_settings(config.drafter).items() if v != default.get(k)}
+    if changed:
+        material["drafter"] = changed
+    if config.train.init_from:  # content, not path
+        material["init_from_files"] = drafter_fingerprint(config.train.init_from)
+    return material
 
 
 def _train_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) -> None:
@@ -508,9 +516,13 @@ def _describe_benchmark(descriptor: Descriptor) -> str:
     if figures.engine != "embedded":
         same = (f", identical to the baseline: {figures.identical_outputs}"
                 if figures.identical_outputs is not None else "")
+        guard = ""
+        if figures.guard:
+            guard = (f", {100 * figures.guard['ratio']:.0f}% of the acceptance replayed in "
+                     f"draftsmith's engine ({figures.guard['replayed_acceptance']:.2f})")
         return (f"{figures.engine} at {figures.url}: measured acceptance length "
-                f"{figures.acceptance_length:.2f}, {figures.single_stream_tokens_per_s} tok/s "
-                f"single stream{same}\n{figures.verdict}\nreport: {figures.report}")
+                f"{figures.acceptance_length:.2f}{guard}, {figures.single_stream_tokens_per_s} "
+                f"tok/s single stream{same}\n{figures.verdict}\nreport: {figures.report}")
     identical = figures.identical_outputs if figures.identical_outputs is not None \
         else figures.lossless
     return (f"measured acceptance length {figures.acceptance_length:.2f}, "
@@ -520,9 +532,10 @@ def _describe_benchmark(descriptor: Descriptor) -> str:
 
 
 def _benchmark_problem(descriptor: Descriptor) -> str | None:
-    if BenchmarkFigures.of(descriptor).differs_from_greedy:
+    figures = BenchmarkFigures.of(descriptor)
+    if figures.differs_from_greedy:
         return "speculative outputs differ from greedy decoding: this is a bug"
-    return None
+    return figures.guard_problem
 
 
 # --------------------------------------------------------------------------- the table

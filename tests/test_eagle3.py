@@ -48,14 +48,28 @@ def vocab_map(vocab_size: int, draft_vocab: int = DRAFT_VOCAB):
     return d2t, t2d
 
 
-def make_drafter(target_dir: Path, seed: int = 0, load_parts: bool = True) -> Eagle3Drafter:
+# EAGLE-3.1: every norm option on (speculators 0.9.0 trains three of them by default).
+ALL_NORMS = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": True,
+             "norm_output": True}
+
+
+def make_drafter(target_dir: Path, seed: int = 0, load_parts: bool = True,
+                 **options) -> Eagle3Drafter:
+    """options: EAGLE-3.1's norms; with any on, every norm weight is moved off its all-ones
+    start, so a norm applied in the wrong place changes the output."""
     torch.manual_seed(seed)
     tcfg = target_config(target_dir)
-    drafter = Eagle3Drafter(Eagle3Config.from_target(tcfg, AUX_IDS, DRAFT_VOCAB))
+    drafter = Eagle3Drafter(Eagle3Config.from_target(tcfg, AUX_IDS, DRAFT_VOCAB, **options))
     if load_parts:
         d2t, t2d = vocab_map(tcfg["vocab_size"])
         embed = torch.randn(tcfg["vocab_size"], tcfg["hidden_size"])
         drafter.load_target_parts(embed, d2t, t2d)
+    if options:
+        g = torch.Generator().manual_seed(seed + 100)
+        with torch.no_grad():
+            for name, p in drafter.named_parameters():
+                if "norm" in name:
+                    p.uniform_(0.5, 1.5, generator=g)
     return drafter.eval()
 
 
@@ -73,6 +87,44 @@ def random_row(drafter: Eagle3Drafter, T: int, seed: int = 1):
 def test_state_dict_keys_are_the_sglang_names(random_target_dir):
     drafter = make_drafter(random_target_dir, load_parts=False)
     assert set(drafter.state_dict()) == SGLANG_KEYS | {"embed_tokens.weight"}
+
+
+def test_eagle31_norms_add_speculators_tensor_names(random_target_dir):
+    drafter = make_drafter(random_target_dir, load_parts=False, **ALL_NORMS)
+    sd = drafter.state_dict()
+    H = drafter.config.target_hidden_size
+    norms = {"input_norm.weight", "fc_norm.0.weight", "fc_norm.1.weight", "fc_norm.2.weight"}
+    assert set(sd) == SGLANG_KEYS | {"embed_tokens.weight"} | norms
+    assert sd["input_norm.weight"].shape == (3 * H,)  # one norm over the concatenation
+    assert all(sd[f"fc_norm.{i}.weight"].shape == (H,) for i in range(3))  # one per aux state
+    # norm_before_residual and norm_output change the computation, not the tensors.
+    assert set(make_drafter(random_target_dir, load_parts=False, norm_before_residual=True,
+                            norm_output=True).state_dict()) == SGLANG_KEYS | {
+        "embed_tokens.weight"}
+
+
+def test_each_eagle31_norm_changes_what_its_name_says(random_target_dir):
+    """On the same weights: the input norms and norm_before_residual change step 0 already;
+    norm_output leaves step 0 alone (logits come from norm(out) either way) and changes
+    step 1, which is fed norm(out) instead of out."""
+    T = 8
+    base = make_drafter(random_target_dir, norm_before_fc=False)  # norms off their init too
+    ids, aux = random_row(base, T)
+    pos, docs = torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long)
+
+    def logits(**on):
+        drafter = make_drafter(random_target_dir, **on)
+        drafter.load_state_dict(base.state_dict(), strict=False)  # the shared weights
+        with torch.no_grad():
+            return forward_ttt(drafter, ids, aux, pos, docs, 2)
+
+    plain = logits(norm_before_fc=False)
+    for name in ("norm_before_fc", "fc_norm", "norm_before_residual"):
+        step0 = logits(**{name: True})[0]
+        assert not torch.allclose(step0, plain[0], atol=1e-4), name
+    output = logits(norm_output=True)
+    torch.testing.assert_close(output[0], plain[0])
+    assert not torch.allclose(output[1], plain[1], atol=1e-4)
 
 
 def test_shapes_qkv_take_2h_and_fc_fuses_three_target_states(random_target_dir, random_target):
@@ -204,8 +256,9 @@ def chain_logits(drafter: Eagle3Drafter, ids: torch.Tensor, aux: torch.Tensor, t
     return result
 
 
-def test_forward_ttt_equals_incremental_chain_drafting(random_target_dir):
-    drafter = make_drafter(random_target_dir)
+@pytest.mark.parametrize("norms", [{}, ALL_NORMS], ids=["eagle3", "eagle3.1"])
+def test_forward_ttt_equals_incremental_chain_drafting(random_target_dir, norms):
+    drafter = make_drafter(random_target_dir, **norms)
     T, steps = 10, 3
     ids, aux = random_row(drafter, T)
     with torch.no_grad():
@@ -237,7 +290,7 @@ def test_forward_ttt_differs_from_full_attention_over_later_steps(random_target_
         good = forward_ttt(drafter, ids, aux, pos, docs, 2)
         masks = ttt_masks(docs, 2)
         masks[1][..., T:] = torch.ones(T, T, dtype=torch.bool).tril()
-        monkeypatch.setattr(eagle3, "ttt_masks", lambda d, s: masks)
+        monkeypatch.setattr(eagle3, "ttt_masks", lambda d, s, w=None: masks)
         bad = forward_ttt(drafter, ids, aux, pos, docs, 2)
     torch.testing.assert_close(good[0], bad[0])
     assert not torch.allclose(good[1][0, 1:], bad[1][0, 1:], atol=1e-4)
@@ -414,7 +467,7 @@ def test_flex_and_sdpa_differ_when_the_mask_is_wrong(monkeypatch):
     import draftsmith.model.eagle3 as eagle3
     from draftsmith.model.attention_check import compare_attention_paths
 
-    def leaky(document_ids, T):
+    def leaky(document_ids, T, window=None):
         def mask_mod(b, h, q_idx, kv_idx):
             kv_step = kv_idx // T
             kv_pos = kv_idx - kv_step * T

@@ -134,22 +134,27 @@ def test_acceptance_with_drafts_that_agree(engine, prompts, monkeypatch, wrong_a
     assert len(calls) == len(got.round_tokens)
 
 
-def scratch_drafts(drafter: Eagle3Drafter, model, tokens: list[int]) -> list[int]:
+def scratch_drafts(drafter: Eagle3Drafter, model, tokens: list[int],
+                   window: int | None = None) -> list[int]:
     """Drafts for the next tokens computed from scratch: a fresh target forward for the aux
-    states, drafter step 0 over every anchor, then the chain."""
+    states, drafter step 0 over every anchor, then the chain; with a sliding window, each
+    query sees only the `window` positions up to its own."""
     n = len(tokens) - 1
     ids = torch.tensor([tokens])
     aux, _ = HiddenStateCapture(model, AUX_IDS)(ids[:, :n], torch.ones(1, n, dtype=torch.long))
     to_target = drafter.draft_to_target_ids()
+    reach = window or 10**9
     with torch.no_grad():
         hidden = drafter.project_aux(aux.clone())
-        causal = torch.ones(n, n, dtype=torch.bool).tril()[None, None]
+        back = torch.arange(n)[:, None] - torch.arange(n)[None, :]  # [n, n]
+        causal = ((back >= 0) & (back < reach))[None, None]
         out, logits, past = drafter.step(ids[:, 1:], hidden, torch.arange(n)[None], None, causal)
         drafts = [int(to_target[logits[0, -1].argmax()])]
         hidden = out[:, -1:]
         for j in range(1, NUM_STEPS):
+            near = (torch.arange(n + j) > n - 1 + j - reach)[None, None, None]  # [1,1,1,n+j]
             out, logits, (k, v) = drafter.step(torch.tensor([[drafts[-1]]]), hidden,
-                                               torch.tensor([[n - 1 + j]]), past, None)
+                                               torch.tensor([[n - 1 + j]]), past, near)
             past = (torch.cat([past[0], k], 2), torch.cat([past[1], v], 2))
             hidden = out
             drafts.append(int(to_target[logits[0, -1].argmax()]))
@@ -170,6 +175,59 @@ def test_drafts_equal_drafting_from_scratch(engine, drafter, target_model, promp
     for tokens, drafts in calls:
         assert len(drafts) == NUM_STEPS
         assert drafts == scratch_drafts(drafter, target_model, tokens)
+
+
+# EAGLE-3.1 and a speculators sliding window ------------------------------------------------
+
+# Every EAGLE-3.1 norm on, and a window shorter than the prompts, so each matters.
+EAGLE31 = {"norm_before_residual": True, "norm_before_fc": True, "fc_norm": True,
+           "norm_output": True, "sliding_window": 6}
+
+
+@pytest.fixture(scope="module")
+def eagle31_drafter(drafter, tmp_path_factory):
+    """The module's drafter with EAGLE-3.1's norms (off their all-ones start) and a window,
+    exported in the speculators layout (the only one that can hold norm_before_residual)."""
+    eagle31 = Eagle3Drafter(drafter.config.model_copy(update=EAGLE31))
+    eagle31.load_state_dict(drafter.state_dict(), strict=False)
+    g = torch.Generator().manual_seed(31)
+    with torch.no_grad():
+        for name, p in eagle31.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5, generator=g)
+    out = tmp_path_factory.mktemp("drafter-eagle31")
+    export_drafter(eagle31.state_dict(), eagle31.config, "speculators", "llama", out)
+    return eagle31.eval(), out
+
+
+@pytest.mark.parametrize("wrong_at", [None, 1])
+def test_eagle31_drafts_equal_drafting_from_scratch(target_model, eagle31_drafter, prompts,
+                                                    monkeypatch, wrong_at):
+    """The engine runs an EAGLE-3.1 drafter with a sliding window as the drafter computes it
+    from scratch (norms inside the drafter, the window in the engine's masks), and stays
+    lossless, chain and tree."""
+    drafter31, out = eagle31_drafter
+    engine = EmbeddedSpeculativeEngine.load(target_model, out, num_steps=NUM_STEPS)
+    try:
+        prompt, max_new = prompts[1], 16
+        assert len(prompt) > 2 * EAGLE31["sliding_window"]
+        reference = plain_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
+        calls: list = []
+        monkeypatch.setattr(engine, "_draft",
+                            oracle(engine, reference, len(prompt), wrong_at, calls))
+        assert engine.generate(prompt, max_new, None).tokens == reference[:max_new]
+        for tokens, drafts in calls:
+            assert drafts == scratch_drafts(drafter31, target_model, tokens,
+                                            EAGLE31["sliding_window"])
+        # Without the window the drafts differ somewhere: the window is not a no-op here.
+        assert any(drafts != scratch_drafts(drafter31, target_model, tokens)
+                   for tokens, drafts in calls)
+    finally:
+        engine.runner.close()
+    with tree_engine(target_model, out, 3, 2, 6) as tree:
+        for prompt in prompts:
+            assert tree.generate(prompt, 16, None).tokens == \
+                plain_generate(tree.runner, prompt, 16, None).tokens
 
 
 # Tree drafting (eagle_topk > 1) --------------------------------------------------------------

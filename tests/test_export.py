@@ -26,18 +26,23 @@ from draftsmith.export.native import META_FILE, load_native, save_native
 from draftsmith.export.native import WEIGHTS_FILE as NATIVE_WEIGHTS
 from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
 from tests.engine_helpers import forward_ttt
-from tests.test_eagle3 import SGLANG_KEYS
+from tests.test_eagle3 import ALL_NORMS, SGLANG_KEYS
+
+# EAGLE-3.1 as SGLang 0.5.23 can run it: every norm but norm_before_residual.
+SGLANG_NORMS = {**ALL_NORMS, "norm_before_residual": False}
 
 AUX_IDS = [1, 3, 4]
 DRAFT_VOCAB = 256
 
 
 
-def make_drafter(target_dir: Path, seed: int = 0) -> tuple[Eagle3Drafter, torch.Tensor]:
+def make_drafter(target_dir: Path, seed: int = 0,
+                 **options) -> tuple[Eagle3Drafter, torch.Tensor]:
+    """options: EAGLE-3.1's norms (Eagle3Config)."""
     torch.manual_seed(seed)
     tcfg = json.loads((target_dir / "config.json").read_text())
     V, H = tcfg["vocab_size"], tcfg["hidden_size"]
-    drafter = Eagle3Drafter(Eagle3Config.from_target(tcfg, AUX_IDS, DRAFT_VOCAB))
+    drafter = Eagle3Drafter(Eagle3Config.from_target(tcfg, AUX_IDS, DRAFT_VOCAB, **options))
     g = torch.Generator().manual_seed(seed)
     masked = torch.randint(0, V, (3000,), generator=g).tolist() + [V - 1] * 30
     d2t, t2d, _ = build_vocab_map(masked, V, DRAFT_VOCAB)
@@ -45,7 +50,7 @@ def make_drafter(target_dir: Path, seed: int = 0) -> tuple[Eagle3Drafter, torch.
     drafter.load_target_parts(embed, d2t, t2d)
     with torch.no_grad():  # norms away from their all-ones init, so a mix-up would show
         for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
+            if "norm" in name:
                 p.uniform_(0.5, 1.5, generator=g)
     return drafter.eval(), embed
 
@@ -377,10 +382,138 @@ def test_speculators_with_sglang_names_is_refused(exported_speculators):
     assert "unknown keys" in str(info.value)
 
 
-def test_speculators_norm_before_residual_true_is_refused(exported_speculators):
+def test_speculators_norm_flags_are_read_as_vllm_reads_them(random_target_dir, tmp_path,
+                                                             caplog):
+    """Written always, all four (a plain drafter's false too); a file without
+    norm_before_residual is read as true, as vLLM 0.32's update_eagle3 reads it, with a
+    warning; the other three default to false."""
+    drafter, _ = make_drafter(random_target_dir, **ALL_NORMS)
+    out = tmp_path / "vllm"
+    config = export_drafter(drafter.state_dict(), drafter.config, "speculators", "llama", out)
+    assert {k: config[k] for k in ALL_NORMS} == ALL_NORMS
+    assert read_drafter(out).config == drafter.config
+    plain, _ = make_drafter(random_target_dir)
+    config = export_drafter(plain.state_dict(), plain.config, "speculators", "llama",
+                            tmp_path / "plain")
+    assert {k: config[k] for k in ALL_NORMS} == dict.fromkeys(ALL_NORMS, False)
+    rewrite_config(tmp_path / "plain", lambda c: [c.pop(k) for k in ALL_NORMS])
+    with caplog.at_level("WARNING"):
+        read = read_drafter(tmp_path / "plain").config
+    assert read.norm_flags == {**dict.fromkeys(ALL_NORMS, False), "norm_before_residual": True}
+    assert "no norm_before_residual" in caplog.text
+
+
+def test_sglang_export_writes_the_norms_sglang_reads_and_refuses_what_it_cannot_run(
+        random_target_dir, tmp_path):
+    """SGLang 0.5.23 reads norm_before_fc, fc_norm and norm_output; its first layer always
+    keeps the residual before hidden_norm, so a norm_before_residual drafter is refused with
+    the setting that fixes it, and so is a sliding window (a server flag in SGLang)."""
+    drafter, _ = make_drafter(random_target_dir, **SGLANG_NORMS)
+    config = export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama",
+                            tmp_path / "ok")
+    assert {k: config[k] for k in SGLANG_NORMS} == SGLANG_NORMS
+    weights = read_weights(tmp_path / "ok" / WEIGHTS_FILE)
+    assert {"input_norm.weight", "fc_norm.0.weight", "fc_norm.2.weight"} <= set(weights)
+    assert read_drafter(tmp_path / "ok").config == drafter.config
+    for update, setting in (({"norm_before_residual": True}, "export.format=speculators"),
+                            ({"sliding_window": 2048}, "speculative-draft-window-size")):
+        cfg = drafter.config.model_copy(update=update)
+        with pytest.raises(ExportError, match=setting):
+            export_drafter(drafter.state_dict(), cfg, "sglang", "llama", tmp_path / "no")
+        assert not (tmp_path / "no" / WEIGHTS_FILE).exists()
+
+
+def test_sglang_legacy_aux_norm_names_are_read_as_fc_norm(random_target_dir, tmp_path):
+    """SGLang 0.5.23 still loads aux_norm_low/mid/high as fc_norm.0/1/2 (and use_aux_norm as
+    fc_norm): such a file reads, with the tensors where SGLang puts them."""
+    drafter, _ = make_drafter(random_target_dir, fc_norm=True)
+    out = tmp_path / "old"
+    export_drafter(drafter.state_dict(), drafter.config, "sglang", "llama", out)
+    old_names = {"fc_norm.0.": "aux_norm_low.", "fc_norm.1.": "aux_norm_mid.",
+                 "fc_norm.2.": "aux_norm_high."}
+
+    def legacy(w):
+        for new, old in old_names.items():
+            w[old + "weight"] = w.pop(new + "weight")
+
+    rewrite_weights(out, legacy)
+    rewrite_config(out, lambda c: c.update({"use_aux_norm": True}) or c.pop("fc_norm"))
+    back = read_drafter(out)
+    assert back.config.fc_norm
+    for i in range(3):
+        assert torch.equal(back.tensors[f"fc_norm.{i}.weight"],
+                           drafter.state_dict()[f"fc_norm.{i}.weight"])
+
+
+def speculators_090_config(drafter: Eagle3Drafter, verifier: str) -> dict:
+    """config.json as speculators 0.9.0's trainer writes an EAGLE-3 drafter with its defaults
+    (train/config/schema.py: norm_before_residual, norm_before_fc and norm_output true for
+    eagle3; draft_arch llama; num_layers 1; every draft layer a 2048-token sliding window,
+    train/cli.py create_transformer_layer_config), its config class's field names
+    (models/eagle3/config.py) and save_pretrained's architecture name."""
+    cfg = drafter.config
+    layer = {k: v for k, v in cfg.hf_fields().items() if k != "rope_scaling"}
+    layer.update(sliding_window=2048, use_sliding_window=True, layer_types=["sliding_attention"],
+                 initializer_range=0.02, transformers_version="5.0.0")
+    return {
+        "architectures": ["Eagle3DraftModel"], "speculators_model_type": "eagle3",
+        "speculators_version": "0.9.0",
+        "speculators_config": {
+            "algorithm": "eagle3", "default_proposal_method": "greedy",
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": 3,
+                                  "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+            "verifier": {"name_or_path": verifier, "architectures": ["LlamaForCausalLM"]}},
+        "transformer_layer_config": layer, "draft_vocab_size": cfg.draft_vocab_size,
+        "norm_before_residual": True, "target_hidden_size": None,
+        "eagle_aux_hidden_state_layer_ids": [c + 1 for c in cfg.aux_layer_ids],
+        "norm_before_fc": True, "fc_norm": False, "norm_output": True,
+        "embed_requires_grad": False,
+    }
+
+
+def test_a_speculators_090_checkpoint_with_its_defaults_imports(random_target_dir, tmp_path):
+    """EAGLE-3.1 as speculators 0.9.0 trains it by default: its config and tensor names
+    (layers.0.*, input_norm, the embedding it saves) import to native with every flag and
+    the sliding window, and the imported drafter computes what the checkpoint's weights do."""
+    on = {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True}
+    drafter, embed = make_drafter(random_target_dir, seed=3, **on)
+    drafter = Eagle3Drafter(drafter.config.model_copy(update={"sliding_window": 2048}))
+    drafter.load_state_dict(make_drafter(random_target_dir, seed=3, **on)[0].state_dict())
+    out = tmp_path / "speculators-0.9.0"
+    out.mkdir()
+    state = {k.replace("midlayer.", "layers.0."): v for k, v in drafter.state_dict().items()}
+    save_file(state, str(out / "model.safetensors"))  # the embedding included, as it saves
+    (out / "config.json").write_text(json.dumps(speculators_090_config(drafter, "/m/target")))
+    report = import_drafter(out, tmp_path / "native")
+    assert report.layout == "speculators"
+    cfg = read_drafter(tmp_path / "native").config
+    assert cfg.norm_flags == {**on, "fc_norm": False} and cfg.sliding_window == 2048
+    assert cfg == drafter.config
+    imported = load_native(tmp_path / "native", drafter.embed_tokens.weight)
+    T = 9
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, cfg.vocab_size, (1, T), generator=g)
+    aux = torch.randn(1, T, 3 * cfg.target_hidden_size, generator=g)
+    pos, docs = torch.arange(T)[None], torch.zeros(1, T, dtype=torch.long)
+    with torch.no_grad():
+        for a, b in zip(forward_ttt(drafter.eval(), ids, aux, pos, docs, 3),
+                        forward_ttt(imported, ids, aux, pos, docs, 3), strict=True):
+            assert torch.equal(a, b)
+    # Exported again for vLLM, the window goes where vLLM reads it.
+    config = export_drafter(read_drafter(tmp_path / "native").tensors, cfg, "speculators",
+                            "llama", tmp_path / "again")
+    layer = config["transformer_layer_config"]
+    assert layer["layer_types"] == ["sliding_attention"] and layer["sliding_window"] == 2048
+
+
+def test_speculators_drafters_draftsmith_cannot_run_are_refused(exported_speculators):
     out = exported_speculators[2]
-    rewrite_config(out, lambda c: c.update({"norm_before_residual": True}))
-    with pytest.raises(ExportError, match="norm_before_residual"):
+    rewrite_config(out, lambda c: c["transformer_layer_config"].update(model_type="qwen3"))
+    with pytest.raises(ExportError, match="Llama-shaped"):
+        read_drafter(out)
+    rewrite_config(out, lambda c: c["transformer_layer_config"].update(
+        model_type="llama", num_hidden_layers=2))
+    with pytest.raises(ExportError, match="one decoder layer"):
         read_drafter(out)
 
 
@@ -430,10 +563,12 @@ def test_detect_layout_of_every_format(exported, exported_speculators, random_ta
         detect_layout(tmp_path / "other")
 
 
-@pytest.mark.parametrize("layout", ["sglang", "speculators"])
-def test_round_trip_native_to_layout_to_native_is_bit_identical(layout, random_target_dir,
-                                                                 tmp_path):
-    drafter, embed = make_drafter(random_target_dir, seed=7)
+@pytest.mark.parametrize(("layout", "norms"), [
+    ("sglang", {}), ("speculators", {}), ("sglang", SGLANG_NORMS), ("speculators", ALL_NORMS)],
+    ids=["sglang", "speculators", "sglang-eagle3.1", "speculators-eagle3.1"])
+def test_round_trip_native_to_layout_to_native_is_bit_identical(layout, norms,
+                                                                 random_target_dir, tmp_path):
+    drafter, embed = make_drafter(random_target_dir, seed=7, **norms)
     save_native(drafter, tmp_path / "native", {"epoch": 1})
     start = read_drafter(tmp_path / "native")
     export_drafter(start.tensors, start.config, layout, "deepseek", tmp_path / layout)

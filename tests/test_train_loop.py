@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from draftsmith.artifacts import plan_stage
 from draftsmith.config import (
     DataConfig,
+    DrafterConfig,
     ExtractConfig,
     GenerateConfig,
     MergeConfig,
@@ -47,9 +48,10 @@ def inputs(tmp_path_factory, random_target, random_target_dir):
     return {"hidden": hidden, "merged": merged, "target": t}
 
 
-def train(inputs, root, cfg: TrainConfig):
+def train(inputs, root, cfg: TrainConfig, drafter: DrafterConfig | None = None):
     plan = plan_stage(root, "train", {"train": cfg.model_dump()}, [inputs["hidden"]])
-    return trainer.run_train(cfg, inputs["hidden"], inputs["merged"], inputs["target"], plan)
+    return trainer.run_train(cfg, inputs["hidden"], inputs["merged"], inputs["target"], plan,
+                             drafter_settings=drafter)
 
 
 def small_cfg(**kw) -> TrainConfig:
@@ -164,6 +166,76 @@ def test_metrics_from_the_first_step_and_validation_each_epoch(inputs, tmp_path,
     meta = json.loads((descriptor.dir / "draftsmith.json").read_text())
     best = max(val, key=lambda h: h["tau"])
     assert meta["provenance"]["epoch"] == best["epoch"]  # best checkpoint by validation tau
+
+
+def test_eagle31_norms_are_trained_and_kept_in_the_checkpoint(inputs, tmp_path):
+    """drafter.* EAGLE-3.1 options: the trainer builds the drafter with them, trains the new
+    norm weights, and the checkpoint says so (export then writes the flags)."""
+    from draftsmith.export.convert import read_drafter
+
+    norms = DrafterConfig(norm_before_residual=True, norm_before_fc=True, fc_norm=True,
+                          norm_output=True)
+    descriptor = train(inputs, tmp_path, small_cfg(epochs=1), norms)
+    ckpt = read_drafter(descriptor.dir)
+    assert ckpt.config.norm_flags == norms.model_dump(exclude={"kind", "dflash"})
+    for name in ("input_norm.weight", "fc_norm.0.weight", "fc_norm.2.weight"):
+        assert not torch.equal(ckpt.tensors[name], torch.ones_like(ckpt.tensors[name])), name
+    val = [h for h in history(descriptor) if h["split"] == "validation"]
+    assert val and all(1 <= h["acceptance_replayed"] <= 3 for h in val)
+    meta = json.loads((descriptor.dir / "draftsmith.json").read_text())
+    assert meta["provenance"]["drafter_config"]["norm_output"] is True
+
+
+def test_dflash_trains_on_the_same_store_and_saves_its_kind(inputs, tmp_path, caplog):
+    """drafter.kind: dflash on the same store: metrics per block position (full_acc_k for
+    drafts 1..k, tau, the replayed acceptance), the native checkpoint of a DFlash drafter, the
+    mask token resolved from the target's tokenizer as speculators resolves it."""
+    from draftsmith.export.convert import read_drafter
+    from draftsmith.target import load_tokenizer
+
+    caplog.set_level("INFO", logger="draftsmith")
+    settings = DrafterConfig(kind="dflash", dflash={"block_size": 4, "num_layers": 1,
+                                                     "max_anchors": 32})
+    descriptor = train(inputs, tmp_path, small_cfg(epochs=2), settings)
+    ckpt = read_drafter(descriptor.dir)
+    assert ckpt.kind == "dflash" and ckpt.config.block_size == 4
+    tokenizer = load_tokenizer(inputs["target"])
+    vocab = ckpt.config.vocab_size
+    expected = tokenizer.mask_token_id if tokenizer.mask_token_id is not None else (
+        len(tokenizer) if len(tokenizer) < vocab else tokenizer.pad_token_id)
+    assert ckpt.config.mask_token_id == expected
+    rows = history(descriptor)
+    val = [h for h in rows if h["split"] == "validation"]
+    assert [h["epoch"] for h in val] == [0, 1]
+    for h in val:
+        assert {"full_acc_0", "full_acc_1", "full_acc_2", "cond_acc_2", "loss_2"} <= set(h)
+        assert "full_acc_3" not in h  # block 4: three drafted positions
+        assert h["full_acc_0"] >= h["full_acc_1"] >= h["full_acc_2"]
+        assert 1 <= h["acceptance_replayed"] <= 4 and 1 <= h["tau"] <= 4
+    train_rows = [h for h in rows if h["split"] == "train"]
+    assert train_rows[-1]["loss_0"] < train_rows[0]["loss_0"]  # it learns
+    assert (descriptor.dir / "training.png").is_file()
+
+
+def test_the_train_key_follows_the_drafter_settings_and_keeps_plain_eagle3s(tmp_path):
+    """Every non-default drafter setting changes train's key; the defaults add nothing, so a
+    plain EAGLE-3 run keeps the key (and the cached result) it had before drafter kinds."""
+    from draftsmith.config import parse_config
+    from draftsmith.plan import key_material
+
+    raw = {"target": {"model": "builtin:tiny"},
+           "data": {"sources": [{"name": "a", "path": str(tmp_path / "a.jsonl")}]}}
+    plain = key_material(parse_config(raw), "train")
+    assert "drafter" not in plain
+    assert key_material(parse_config({**raw, "drafter": {"kind": "eagle3"}}), "train") == plain
+    seen = [plain]
+    for name in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+        material = key_material(parse_config({**raw, "drafter": {name: True}}), "train")
+        assert material not in seen, name
+        seen.append(material)
+    for stage in ("extract", "export"):  # they follow through train's output, not this key
+        assert key_material(parse_config({**raw, "drafter": {"fc_norm": True}}), stage) == \
+            key_material(parse_config(raw), stage)
 
 
 def test_frozen_lm_head_keeps_the_target_rows_and_fine_tune_starts_from_a_drafter(

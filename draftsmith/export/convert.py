@@ -1,8 +1,10 @@
 """Export, import, detect and inspect drafter checkpoints.
 
-Layouts: draftsmith native (draftsmith.json + drafter.safetensors), SGLang / EAGLE / SpecForge
-(LlamaForCausalLMEagle3, `midlayer.*`), speculators / vLLM (Eagle3Speculator, `layers.0.*`).
-Every write is validated against the layout's description after it lands on disk.
+Layouts: draftsmith native (draftsmith.json + drafter.safetensors, any kind); EAGLE-3 in the
+SGLang / EAGLE / SpecForge layout (LlamaForCausalLMEagle3, `midlayer.*`) and the speculators /
+vLLM one (Eagle3Speculator, `layers.0.*`); DFlash in the speculators / vLLM layout
+(`speculators_model_type: dflash`). Every write is validated against the layout's description
+after it lands on disk.
 """
 
 from __future__ import annotations
@@ -18,16 +20,18 @@ from safetensors.torch import save_file
 from draftsmith.artifacts import atomic_path, atomic_write_json
 from draftsmith.export import native
 from draftsmith.export.formats import (
-    LAYOUTS,
+    DFLASH_SPECULATORS,
+    LAYOUTS_BY_KIND,
     OPTIONAL_TENSORS,
     SGLANG,
     ExportError,
     Layout,
+    all_layouts,
     layout_named,
 )
 from draftsmith.export.layer_ids import LayerIdError, engine_layer_ids
 from draftsmith.export.validate import tensor_problems
-from draftsmith.model.eagle3 import Eagle3Config
+from draftsmith.model.kinds import DrafterShape, build_drafter, kind_of
 
 WEIGHTS_FILE = "model.safetensors"
 # What to do about a damaged drafter in an engine's layout: it came from elsewhere or from export.
@@ -40,9 +44,14 @@ class DrafterCheckpoint:
     """A drafter read from any layout, in draftsmith's names and canonical layer ids."""
 
     layout: str  # native, sglang, specforge, speculators
-    config: Eagle3Config
+    config: DrafterShape  # Eagle3Config or DFlashConfig
     tensors: dict[str, torch.Tensor]  # native names; embed_tokens only if the files had it
     raw_config: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def kind(self) -> str:
+        """The drafter kind (draftsmith/model/kinds.py): eagle3 or dflash."""
+        return kind_of(self.config).name
 
 
 def read_weight_files(directory: Path, fix: str = REFETCH) -> dict[str, torch.Tensor]:
@@ -68,31 +77,33 @@ def read_weight_files(directory: Path, fix: str = REFETCH) -> dict[str, torch.Te
 
 
 def detect_layout(directory: str | Path) -> str:
+    """native, sglang, specforge or speculators (of any kind: see _layout_in)."""
     directory = Path(directory)
     if (directory / native.META_FILE).is_file():
         return "native"
+    layout = _layout_in(directory)
+    if layout is SGLANG and _has_embedding(directory):
+        return "specforge"  # the SGLang layout plus the embedding SpecForge saves
+    return layout.name
+
+
+def _layout_in(directory: Path) -> Layout:
     config_path = directory / "config.json"
     if not config_path.is_file():
         raise ExportError(f"{directory}: neither {native.META_FILE} (draftsmith native) nor "
                           "config.json (SGLang/EAGLE/SpecForge/speculators) is there")
     config = native.read_json_file(config_path, REFETCH)
-    for layout in LAYOUTS.values():
+    for layout in all_layouts():
         if layout.is_layout_of(config):
-            if layout.name == "sglang" and _has_embedding(directory):
-                return "specforge"  # the SGLang layout plus the embedding SpecForge saves
-            return layout.name
+            return layout
     raise ExportError(f"{config_path}: architectures {config.get('architectures')} is no "
-                      "EAGLE-3 drafter layout draftsmith knows (LlamaForCausalLMEagle3, "
-                      "Eagle3Speculator)")
+                      "drafter layout draftsmith knows (EAGLE-3: LlamaForCausalLMEagle3, "
+                      "Eagle3Speculator; DFlash: speculators_model_type dflash)")
 
 
 def _has_embedding(directory: Path) -> bool:
     return any("embed_tokens.weight" in native.safetensors_keys(f, REFETCH)
                for f in directory.glob("*.safetensors"))
-
-
-def _layout_of(name: str) -> Layout:
-    return layout_named("sglang" if name == "specforge" else name)
 
 
 def read_drafter(directory: str | Path, family: str = "llama",
@@ -106,9 +117,10 @@ def read_drafter(directory: str | Path, family: str = "llama",
     if layout_name == "native":
         raw = native.read_native_meta(directory)
         cfg = native.config_of(raw, directory / native.META_FILE)
-        layout = SGLANG  # native tensor names are SGLang's
+        # Native tensor names: EAGLE-3's are SGLang's, DFlash's vLLM's.
+        layout = SGLANG if kind_of(cfg).name == "eagle3" else DFLASH_SPECULATORS
     else:
-        layout = _layout_of(layout_name)
+        layout = _layout_in(directory)
         raw = native.read_json_file(directory / "config.json", REFETCH)
         missing = layout.missing_config(raw)
         if missing:
@@ -134,6 +146,8 @@ def read_drafter(directory: str | Path, family: str = "llama",
             raise ExportError(f"{directory / 'config.json'}: a field is missing or of the wrong "
                               f"type ({type(err).__name__}: {err}); {REFETCH}") from None
     files = read_weight_files(directory, fix)
+    names = layout.read_names(files)  # older names the engine still loads, as today's
+    files = {names[n]: t for n, t in files.items()}
     expected = layout.expected_tensors(cfg, optional=True)
     optional = {name: expected.pop(name) for name in OPTIONAL_TENSORS}  # no layer prefix
     problems = tensor_problems(files, expected, optional)
@@ -142,18 +156,20 @@ def read_drafter(directory: str | Path, family: str = "llama",
         tensors.setdefault("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         tensors.setdefault("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
     if problems:
-        raise ExportError(f"{directory} is not a valid {layout_name} EAGLE-3 drafter:\n  - "
-                          + "\n  - ".join(problems) + f"\n{fix[0].upper()}{fix[1:]}")
+        raise ExportError(f"{directory} is not a valid {layout_name} {kind_of(cfg).name} "
+                          "drafter:\n  - " + "\n  - ".join(problems)
+                          + f"\n{fix[0].upper()}{fix[1:]}")
     return DrafterCheckpoint(layout_name, cfg, tensors, raw)
 
 
-def export_drafter(state: dict[str, torch.Tensor], cfg: Eagle3Config, layout_name: str,
+def export_drafter(state: dict[str, torch.Tensor], cfg: DrafterShape, layout_name: str,
                    family: str, out_dir: str | Path, *, context_length: int | None = None,
                    extras: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Write config.json + model.safetensors in `layout_name`, validate what landed, return
-    the written config. max_position_embeddings is raised to the target's context length,
-    since SGLang refuses a draft shorter than its target."""
-    layout = layout_named(layout_name)
+    """Write config.json + model.safetensors in `layout_name` (the drafter kind's layout of
+    that name), validate what landed, return the written config. max_position_embeddings is
+    raised to the target's context length, since SGLang refuses a draft shorter than its
+    target."""
+    layout = layout_named(layout_name, kind_of(cfg).name)
     out_dir = Path(out_dir)
     if context_length and context_length > cfg.max_position_embeddings:
         cfg = cfg.model_copy(update={"max_position_embeddings": context_length})
@@ -182,7 +198,7 @@ class ImportReport:
     source: str
     layout: str
     out_dir: str
-    config: Eagle3Config
+    config: DrafterShape
     tensors: int
     dropped: list[str]
 
@@ -191,9 +207,7 @@ def import_drafter(source: str | Path, out_dir: str | Path, family: str = "llama
                    num_layers: int | None = None) -> ImportReport:
     """Convert a drafter from any layout to draftsmith native (validated on both ends)."""
     checkpoint = read_drafter(source, family, num_layers)
-    from draftsmith.model.eagle3 import Eagle3Drafter
-
-    drafter = Eagle3Drafter(checkpoint.config)
+    drafter = build_drafter(checkpoint.config)
     state = {n: t for n, t in checkpoint.tensors.items() if n not in OPTIONAL_TENSORS}
     # The embedding is the target's: it stays NaN here and is copied in when loaded.
     missing, unexpected = drafter.load_state_dict(state, strict=False)
@@ -221,6 +235,12 @@ def describe(directory: str | Path, family: str = "llama",
         info["problems"] = str(err)
         return info
     cfg = checkpoint.config
+    info.update(kind=checkpoint.kind)
+    if checkpoint.kind == "dflash":
+        info.update(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                    causal=cfg.causal, num_hidden_layers=cfg.num_hidden_layers)
+    else:
+        info.update(norms=cfg.norm_flags, sliding_window=cfg.sliding_window)
     info.update(
         valid=True,
         shapes={n: list(t.shape) for n, t in sorted(checkpoint.tensors.items())},
@@ -230,7 +250,7 @@ def describe(directory: str | Path, family: str = "llama",
         max_position_embeddings=cfg.max_position_embeddings,
         canonical_aux_layer_ids=cfg.aux_layer_ids,
     )
-    for layout in LAYOUTS.values():
+    for layout in LAYOUTS_BY_KIND[checkpoint.kind].values():
         key = f"{layout.name}_aux_layer_ids"
         try:
             info[key] = engine_layer_ids(cfg.aux_layer_ids, family, layout.engine)

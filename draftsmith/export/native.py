@@ -17,11 +17,18 @@ from safetensors.torch import save_file
 
 from draftsmith.artifacts import atomic_path, atomic_write_json
 from draftsmith.export.formats import ExportError
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.kinds import (
+    KINDS,
+    Drafter,
+    DrafterShape,
+    build_drafter,
+    kind_of,
+    kind_of_native_format,
+)
 
 WEIGHTS_FILE = "drafter.safetensors"
 META_FILE = "draftsmith.json"
-NATIVE_FORMAT = "draftsmith-eagle3"
+NATIVE_FORMAT = "draftsmith-eagle3"  # an EAGLE-3 drafter's; each kind names its own
 NOT_STORED = ("embed_tokens.weight",)
 # What to do about a damaged native checkpoint: it is written by train and import.
 REMAKE = ("write it again: rerun the train stage (or `draftsmith import` the drafter again), or "
@@ -63,11 +70,13 @@ def safetensors_keys(path: Path, fix: str) -> list[str]:
                           f"or damaged: {fix}") from None
 
 
-def config_of(meta: dict[str, Any], where: Path) -> Eagle3Config:
+def config_of(meta: dict[str, Any], where: Path) -> DrafterShape:
+    """The drafter's shape, as the config class of the kind its format names."""
     if "config" not in meta:
         raise ExportError(f"{where}: no 'config' key (the drafter's shape); {REMAKE}")
+    kind = kind_of_native_format(meta.get("format"))
     try:
-        return Eagle3Config.model_validate(meta["config"])
+        return kind.config.model_validate(meta["config"])
     except ValidationError as err:
         fields = ", ".join(".".join(str(p) for p in e["loc"]) + f" ({e['msg']})"
                            for e in err.errors())
@@ -75,7 +84,7 @@ def config_of(meta: dict[str, Any], where: Path) -> Eagle3Config:
                           ) from None
 
 
-def save_native(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict[str, Any],
+def save_native(drafter: Drafter, out_dir: str | Path, provenance: dict[str, Any],
                 tensors: dict[str, torch.Tensor] | None = None) -> None:
     """The drafter's weights (or `tensors`, e.g. gathered whole from FSDP shards), its config
     and provenance."""
@@ -86,7 +95,7 @@ def save_native(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict[st
     with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
         save_file(state, str(tmp))
     atomic_write_json(out_dir / META_FILE, {
-        "format": NATIVE_FORMAT,
+        "format": kind_of(drafter).native_format,
         "config": drafter.config.model_dump(),
         "provenance": provenance,
     })
@@ -94,15 +103,16 @@ def save_native(drafter: Eagle3Drafter, out_dir: str | Path, provenance: dict[st
 
 def read_native_meta(ckpt_dir: str | Path) -> dict[str, Any]:
     meta = read_json_file(Path(ckpt_dir) / META_FILE, REMAKE)
-    if meta.get("format") != NATIVE_FORMAT:
+    if kind_of_native_format(meta.get("format")) is None:
+        formats = sorted(kind.native_format for kind in KINDS.values())
         raise ExportError(f"{ckpt_dir}: not a native draftsmith checkpoint ({META_FILE} says "
-                          f"format={meta.get('format')!r}, expected {NATIVE_FORMAT!r})")
+                          f"format={meta.get('format')!r}, expected one of {formats})")
     return meta
 
 
-def load_native(ckpt_dir: str | Path, embed: torch.Tensor) -> Eagle3Drafter:
+def load_native(ckpt_dir: str | Path, embed: torch.Tensor) -> Drafter:
     meta = read_native_meta(ckpt_dir)
-    drafter = Eagle3Drafter(config_of(meta, Path(ckpt_dir) / META_FILE))
+    drafter = build_drafter(config_of(meta, Path(ckpt_dir) / META_FILE))
     weights = Path(ckpt_dir) / WEIGHTS_FILE
     state = read_safetensors(weights, REMAKE)
     state["embed_tokens.weight"] = embed

@@ -31,7 +31,9 @@ def run_export(cfg: ExportConfig, target_cfg: TargetConfig, trained: Descriptor,
     with stage_output(plan) as out:
         config = export_drafter(checkpoint.tensors, checkpoint.config, cfg.format, facts.family,
                                 out / DRAFTER_DIR, context_length=context, extras=extras)
-    written = (config.get("eagle_config") or config)["eagle_aux_hidden_state_layer_ids"]
+    layers = config.get("eagle_config") or config  # DFlash: aux_hidden_state_layer_ids
+    written = layers.get("eagle_aux_hidden_state_layer_ids",
+                         layers.get("aux_hidden_state_layer_ids"))
     log.info("export: %s drafter written to %s and validated; aux layers %s (outputs) are "
              "written as %s for a %s-family target", cfg.format, out / DRAFTER_DIR,
              checkpoint.config.aux_layer_ids, written, facts.family)

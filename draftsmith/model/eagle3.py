@@ -1,10 +1,19 @@
-"""The EAGLE-3 drafter, as SGLang's `LlamaForCausalLMEagle3` runs it (REFERENCE.md section 2).
+"""The EAGLE-3 drafter, as SGLang's `LlamaForCausalLMEagle3` runs it (REFERENCE.md section 2),
+with EAGLE-3.1's norms as options (their names are speculators' and vLLM's).
 
     h      = fc(cat(aux_1, aux_2, aux_3))                        # [B, T, H]  step 0 only
     x      = cat(input_layernorm(embed(tok)), hidden_norm(h))    # [B, T, 2H]
     h'     = h + o_proj(attn(q, k, v of x))                      # residual is h before its norm
     out    = h' + mlp(post_attention_layernorm(h'))              # [B, T, H]  -> next step's h
     logits = lm_head(norm(out))                                  # [B, T, draft_vocab]
+
+EAGLE-3.1 (speculators 0.9.0 trains with the first, second and fourth on; vLLM 0.32 reads all
+four, SGLang 0.5.23 all but norm_before_residual):
+- norm_before_fc: fc's input is input_norm(cat(aux_1, aux_2, aux_3)), one RMSNorm over [K*Ht];
+- fc_norm: each aux state through its own RMSNorm (fc_norm.i) before the concatenation (after
+  input_norm when both are on, in the order both engines apply them);
+- norm_before_residual: the residual is hidden_norm(h), not h;
+- norm_output: the next step's h is norm(out), not out (logits are lm_head(norm(out)) either way).
 
 Anchor indexing for test-time training (TTT): at step j, anchor t sits at position t + j, reads
 the embedding of token t+j+1 and predicts token t+j+2; its hidden input is step j-1's `out` at
@@ -24,7 +33,7 @@ import math
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -38,6 +47,8 @@ from draftsmith.compiling import compiled_once
 from draftsmith.model import ttt_attention
 
 MERGED_ATTENTION = tuple(ttt_attention.KERNELS)  # attention paths that merge per document
+# EAGLE-3.1's options, under the names speculators and vLLM use.
+NORM_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
 class Eagle3Config(BaseModel):
@@ -59,6 +70,19 @@ class Eagle3Config(BaseModel):
     target_hidden_size: int
     aux_layer_ids: list[int]  # canonical: output of decoder layer i
     hidden_act: str = "silu"
+    # EAGLE-3.1's norms (module docstring); all off is plain EAGLE-3.
+    norm_before_residual: bool = False
+    norm_before_fc: bool = False
+    fc_norm: bool = False
+    norm_output: bool = False
+    # Keys beyond this many positions back are not attended (speculators 0.9.0 trains its
+    # drafters with a 2048 window; vLLM reads it from layer_types); None: no window.
+    sliding_window: int | None = Field(None, ge=1)
+
+    @property
+    def norm_flags(self) -> dict[str, bool]:
+        """The four EAGLE-3.1 options by name: what exported configs carry."""
+        return {name: getattr(self, name) for name in NORM_OPTIONS}
 
     @classmethod
     def from_hf(cls, hf: dict, **rest) -> Eagle3Config:
@@ -88,12 +112,13 @@ class Eagle3Config(BaseModel):
 
     @classmethod
     def from_target(cls, target_config: dict, aux_layer_ids: list[int],
-                    draft_vocab_size: int) -> Eagle3Config:
+                    draft_vocab_size: int, **options) -> Eagle3Config:
+        """A drafter for this target; options: EAGLE-3.1's norms (NORM_OPTIONS)."""
         # The drafter's MLP is Llama's SiLU MLP whatever the target's activation.
         return cls.from_hf({**target_config, "hidden_act": "silu"},
                            draft_vocab_size=draft_vocab_size,
                            target_hidden_size=target_config["hidden_size"],
-                           aux_layer_ids=aux_layer_ids)
+                           aux_layer_ids=aux_layer_ids, **options)
 
     def hf_fields(self) -> dict:
         """The drafter's one decoder layer as Hugging Face Llama config fields (what exported
@@ -178,11 +203,13 @@ class Eagle3DecoderLayer(nn.Module):
         self.self_attn = Eagle3Attention(cfg)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg.llama_config())
+        self.norm_before_residual = cfg.norm_before_residual
 
     def forward(self, embeds, hidden, cos, sin, past_kv=None, mask=None):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)  # [B,T,2H]
+        normed = self.hidden_norm(hidden)  # [B, T, H]
+        x = torch.cat([self.input_layernorm(embeds), normed], dim=-1)  # [B, T, 2H]
         attn, kv = self.self_attn(x, cos, sin, past_kv, mask)  # [B, T, H]
-        return self._residual_and_mlp(hidden, attn), kv
+        return self._residual_and_mlp(normed if self.norm_before_residual else hidden, attn), kv
 
     def embedding_qkv(self, embeds):
         """The embedding half of q, k and v: input_layernorm(embeds) through the first H input
@@ -196,7 +223,7 @@ class Eagle3DecoderLayer(nn.Module):
         these T positions): the sum of the two halves is the projection of the concatenation."""
         x = self.hidden_norm(hidden)  # [B, T, H]
         attn, kv = self.self_attn(x, cos, sin, past_kv, mask, embedding_qkv)  # [B, T, H]
-        return self._residual_and_mlp(hidden, attn), kv
+        return self._residual_and_mlp(x if self.norm_before_residual else hidden, attn), kv
 
     def _residual_and_mlp(self, hidden, attn):
         hidden = hidden + attn  # [B, T, H]
@@ -210,6 +237,11 @@ class Eagle3Drafter(nn.Module):
         k = len(cfg.aux_layer_ids)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
+        self.input_norm = LlamaRMSNorm(k * cfg.target_hidden_size, eps=cfg.rms_norm_eps) \
+            if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(
+            LlamaRMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps) for _ in range(k)) \
+            if cfg.fc_norm else None
         self.fc = nn.Linear(k * cfg.target_hidden_size, cfg.hidden_size, bias=False)
         self.midlayer = Eagle3DecoderLayer(cfg)
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
@@ -241,15 +273,17 @@ class Eagle3Drafter(nn.Module):
                 self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
 
     def layer_and_norm(self, embedding_qkv, offset, hidden, cos, sin, past_kv=None, mask=None):
-        """The decoder layer at TTT step `offset`, then the final norm: out [B, T, H] (the next
-        step's hidden), norm(out) [B, T, H] (lm_head's input) and this step's (k, v).
-        embedding_qkv: the row's embedding projections ([B, T+steps-1, .] each,
-        `embedding_projections`), of which this step reads positions offset..offset+T-1."""
+        """The decoder layer at TTT step `offset`, then the final norm: the next step's hidden
+        [B, T, H] (out, or norm(out) with norm_output), norm(out) [B, T, H] (lm_head's input)
+        and this step's (k, v). embedding_qkv: the row's embedding projections
+        ([B, T+steps-1, .] each, `embedding_projections`), of which this step reads positions
+        offset..offset+T-1."""
         T = hidden.shape[1]
         window = tuple(p[:, offset:offset + T] for p in embedding_qkv)  # [B, T, .] each
         out, kv = self.midlayer.forward_projected(window, hidden, cos, sin, past_kv,
                                                   mask)  # [B, T, H]
-        return out, self.norm(out), kv
+        normed = self.norm(out)  # [B, T, H]
+        return (normed if self.config.norm_output else out), normed, kv
 
     def embedding_projections(self, input_ids, steps: int, dtype: torch.dtype):
         """The embedding half of q, k and v for every TTT step of a row, computed once.
@@ -311,16 +345,26 @@ class Eagle3Drafter(nn.Module):
 
     def step(self, input_ids, hidden, position_ids, past_kv=None, mask=None):
         """One drafting step. input_ids [B, T]; hidden [B, T, H] (fc output at step 0, the
-        previous step's output after); position_ids [B, T]. Returns out [B, T, H] (pre-norm,
-        the next step's hidden), logits [B, T, D] and this step's (k, v)."""
+        previous step's output after); position_ids [B, T]. Returns the next step's hidden
+        [B, T, H] (out before the final norm, or after it with norm_output), logits [B, T, D]
+        and this step's (k, v)."""
         embeds = self.embed_tokens(input_ids).to(hidden.dtype)  # [B, T, H]
         cos, sin = self.rope(hidden, position_ids)
         out, kv = self.midlayer(embeds, hidden, cos, sin, past_kv, mask)  # [B, T, H]
-        logits = self.lm_head(self.norm(out))  # [B, T, D]
-        return out, logits, kv
+        normed = self.norm(out)  # [B, T, H]
+        logits = self.lm_head(normed)  # [B, T, D]
+        return (normed if self.config.norm_output else out), logits, kv
 
     def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
-        return self.fc(aux.to(self.fc.weight.dtype))  # [B, T, K*Ht] -> [B, T, H]
+        """fc over the concatenated aux states, after EAGLE-3.1's input norms when on."""
+        aux = aux.to(self.fc.weight.dtype)  # [B, T, K*Ht]
+        if self.input_norm is not None:
+            aux = self.input_norm(aux)  # [B, T, K*Ht]
+        if self.fc_norm is not None:
+            chunks = aux.chunk(len(self.fc_norm), dim=-1)  # K x [B, T, Ht]
+            aux = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)],
+                            dim=-1)  # [B, T, K*Ht]
+        return self.fc(aux)  # [B, T, H]
 
     def forward_ttt_hidden(self, input_ids, aux, position_ids, document_ids, steps: int,
                            attention: str = "sdpa", documents: ttt_attention.Segments = ()
@@ -333,6 +377,11 @@ class Eagle3Drafter(nn.Module):
         trainer applies lm_head fused with the loss, so [T, draft_vocab] logits never
         persist."""
         merged = attention in MERGED_ATTENTION
+        window = self.config.sliding_window
+        if merged and window is not None:
+            raise ValueError(f"attention {attention!r} runs a dense causal kernel per document "
+                             f"and cannot apply this drafter's sliding window ({window}); use "
+                             "train.attention=auto, flex or sdpa")
         if merged:
             if document_ids.shape[0] != 1:
                 raise ValueError(f"attention {attention!r} takes one packed row at a time, "
@@ -340,9 +389,9 @@ class Eagle3Drafter(nn.Module):
             documents = documents or ttt_attention.document_segments(document_ids[0].cpu())
             masks = [attention] * steps
         elif attention == "flex":
-            masks = ttt_block_masks(document_ids, steps)
+            masks = ttt_block_masks(document_ids, steps, window)
         else:
-            masks = ttt_masks(document_ids, steps)
+            masks = ttt_masks(document_ids, steps, window)
         hidden = self.project_aux(aux)  # [B, T, H]
         embedding_qkv = self.embedding_projections(input_ids, steps, hidden.dtype)
         keys: list[torch.Tensor] = []
@@ -380,16 +429,19 @@ def shift_left(x: torch.Tensor, n: int, fill: int = 0) -> torch.Tensor:
     return out
 
 
-def ttt_masks(document_ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
+def ttt_masks(document_ids: torch.Tensor, steps: int,
+              window: int | None = None) -> list[torch.Tensor]:
     """Boolean attention masks for TTT, one per step: [B, 1, T, (j+1)*T] for step j.
 
-    Step-0 keys: causal and within the same document. Keys of steps 1..j: only the query's own
-    anchor (a diagonal). True = may attend.
+    Step-0 keys: causal and within the same document (and, with a sliding window, fewer than
+    `window` positions back). Keys of steps 1..j: only the query's own anchor (a diagonal).
+    True = may attend.
     """
     B, T = document_ids.shape
     idx = torch.arange(T, device=document_ids.device)
     same_doc = document_ids[:, :, None] == document_ids[:, None, :]  # [B, T, T]
-    causal = same_doc & (idx[None, :, None] >= idx[None, None, :])  # [B, T, T]
+    back = idx[None, :, None] - idx[None, None, :]  # [1, T, T] query minus key position
+    causal = same_doc & (back >= 0) & (back < (window or T + 1))  # [B, T, T]
     diagonal = torch.eye(T, dtype=torch.bool, device=document_ids.device).expand(B, T, T)
     blocks = [causal]
     masks = []
@@ -418,26 +470,29 @@ def flex_attention_fn():
     return flex_attention
 
 
-def ttt_mask_mod(document_ids: torch.Tensor, T: int):
+def ttt_mask_mod(document_ids: torch.Tensor, T: int, window: int | None = None):
     """The TTT mask as a flex mask_mod over keys of steps 0..j laid end to end ([(j+1)T]):
-    step-0 keys causal within the document, a later step's key only at the query's own
-    anchor. Padding tokens carry document id -1 and see only each other."""
+    step-0 keys causal within the document (and within the sliding window), a later step's
+    key only at the query's own anchor. Padding tokens carry document id -1 and see only each
+    other."""
+    reach = window or T + 1
 
     def mask_mod(b, h, q_idx, kv_idx):
         kv_step = kv_idx // T
         kv_pos = kv_idx - kv_step * T
         same_doc = document_ids[b, q_idx] == document_ids[b, kv_pos]
-        causal = (kv_step == 0) & (kv_pos <= q_idx) & same_doc
+        causal = (kv_step == 0) & (kv_pos <= q_idx) & (q_idx - kv_pos < reach) & same_doc
         return causal | ((kv_step > 0) & (kv_pos == q_idx))
 
     return mask_mod
 
 
-def ttt_block_masks(document_ids: torch.Tensor, steps: int) -> list[BlockMask]:
+def ttt_block_masks(document_ids: torch.Tensor, steps: int,
+                    window: int | None = None) -> list[BlockMask]:
     """flex_attention block masks, one per TTT step (the same mask as ttt_masks, never dense on
     CUDA: create_block_mask is compiled there)."""
     B, T = document_ids.shape
-    mask_mod = ttt_mask_mod(document_ids, T)
+    mask_mod = ttt_mask_mod(document_ids, T, window)
     compiled = document_ids.is_cuda
     return [create_block_mask(mask_mod, B, None, T, (j + 1) * T, device=document_ids.device,
                               _compile=compiled) for j in range(steps)]

@@ -34,7 +34,7 @@ from transformers import DynamicCache
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
 from draftsmith.extract.capture import AuxLayerHooks, decoder_of
-from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.kinds import Drafter, build_drafter, kind_of
 
 
 class Sampling:
@@ -155,10 +155,23 @@ class DraftTree:
 
 
 class EmbeddedSpeculativeEngine:
-    def __init__(self, target_model, drafter: Eagle3Drafter, num_steps: int, topk: int = 1,
+    """How a round drafts follows the drafter's kind (draftsmith/model/kinds.py): EAGLE-3
+    step by step (`_draft`, or `_draft_tree` with topk > 1), DFlash a whole block in one
+    forward (`_draft_block`); verification is the same for both."""
+
+    def __init__(self, target_model, drafter: Drafter, num_steps: int, topk: int = 1,
                  num_draft_tokens: int | None = None):
         if topk < 1 or num_steps < 1:
             raise ValueError(f"num_steps={num_steps} and topk={topk} must be at least 1")
+        self.kind = kind_of(drafter)
+        if self.kind.drafting == "block":
+            block = drafter.config.block_size
+            if topk != 1 or num_steps > block - 1:
+                raise ValueError(
+                    f"num_steps={num_steps}, topk={topk}: a {self.kind.name} drafter drafts one "
+                    f"block of at most {block - 1} tokens (block_size {block}), no tree; set "
+                    f"eagle_topk=1 and num_steps <= {block - 1}")
+            self._draft = self._draft_block
         budget = draft_token_budget(num_steps, topk)
         num_draft_tokens = num_draft_tokens or (num_steps + 1 if topk == 1 else budget + 1)
         if not 2 <= num_draft_tokens <= budget + 1:
@@ -179,7 +192,7 @@ class EmbeddedSpeculativeEngine:
         """Load the drafter from exported files (any layout, validated on read); the
         embedding is the target's."""
         checkpoint = read_drafter(drafter_dir, family)
-        drafter = Eagle3Drafter(checkpoint.config)
+        drafter = build_drafter(checkpoint.config)
         state = dict(checkpoint.tensors)
         state["embed_tokens.weight"] = decoder_of(target_model).embed_tokens.weight.detach()
         drafter.load_state_dict(state, strict=True)
@@ -190,6 +203,16 @@ class EmbeddedSpeculativeEngine:
     @property
     def is_tree(self) -> bool:
         return self.topk > 1
+
+    def _windowed(self, mask: torch.Tensor | None, query_positions: torch.Tensor,
+                  key_positions: torch.Tensor) -> torch.Tensor | None:
+        """mask [1, 1, Q, K] (None: every key visible) less the keys outside the drafter's
+        sliding window (a speculators drafter's layer_types), as vLLM runs it."""
+        window = self.drafter.config.sliding_window
+        if window is None:
+            return mask
+        near = (key_positions[None, :] > query_positions[:, None] - window)[None, None]
+        return near if mask is None else mask & near  # [1, 1, Q, K]
 
     @torch.inference_mode()
     def _anchor_step(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache):
@@ -204,6 +227,7 @@ class EmbeddedSpeculativeEngine:
         causal = torch.ones(new, new, dtype=torch.bool, device=dev).tril()  # [new, new]
         mask = torch.cat([torch.ones(new, drafted_upto, dtype=torch.bool, device=dev), causal],
                          dim=-1)[None, None]  # [1, 1, new, n]
+        mask = self._windowed(mask, positions[0], torch.arange(n, device=dev))
         hidden = self.drafter.project_aux(aux[:, drafted_upto:n])  # [1, new, H]
         out, logits, (k, v) = self.drafter.step(ids, hidden, positions, cache, mask)
         cache = (k, v) if cache is None else (torch.cat([cache[0], k], 2),
@@ -233,12 +257,47 @@ class EmbeddedSpeculativeEngine:
         choose(logits)
         chain_kv = cache
         for j in range(1, self.num_steps):
+            position = torch.tensor([n - 1 + j], device=dev)  # [1]
+            mask = self._windowed(None, position, torch.arange(n + j, device=dev))
             out, step_logits, (k, v) = self.drafter.step(
-                torch.tensor([[drafts[-1]]], device=dev), hidden,
-                torch.tensor([[n - 1 + j]], device=dev), chain_kv, None)
+                torch.tensor([[drafts[-1]]], device=dev), hidden, position[None], chain_kv,
+                mask)
             chain_kv = (torch.cat([chain_kv[0], k], 2), torch.cat([chain_kv[1], v], 2))
             choose(step_logits[0, -1])
             hidden = out
+        return drafts, draft_probs, cache
+
+    @torch.inference_mode()
+    def _draft_block(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache,
+                     sampling: Sampling):
+        """DFlash: the context's keys and values for the new positions drafted_upto..n-1
+        join the drafter's cache (kept across rounds, as vLLM keeps them), then one forward
+        of the block [x_n, mask x num_steps] at positions n..n+num_steps drafts every token at
+        once. Returns the drafts, their distributions (sampling only) and the cache."""
+        n = len(tokens) - 1
+        dev, drafter = self.device, self.drafter
+        context = drafter.context(aux[:, drafted_upto:n])  # [1, new, H]
+        new_kv = drafter.context_kv(context, torch.arange(drafted_upto, n, device=dev)[None])
+        cache = new_kv if cache is None else [
+            (torch.cat([k0, k1], 2), torch.cat([v0, v1], 2))
+            for (k0, v0), (k1, v1) in zip(cache, new_kv, strict=True)]  # [1, nkv, n, d] each
+        length = self.num_steps + 1
+        block = drafter.block_ids(torch.tensor([tokens[n]], device=dev), length)  # [1, Q]
+        mask = torch.cat([torch.ones(length, n, dtype=torch.bool, device=dev),
+                          drafter.within_block(length, dev)], dim=1)[None, None]  # [1,1,Q,n+Q]
+        hidden = drafter.block_hidden(block, torch.arange(n, n + length, device=dev)[None],
+                                      cache, mask)  # [1, Q, H]
+        logits = drafter.lm_head(hidden[0, 1:])  # [num_steps, D]: drafts 1..num_steps
+        drafts: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        for row in logits:
+            if sampling.greedy:
+                drafts.append(int(self.draft_to_target[row.argmax()]))
+                continue
+            q = torch.zeros(self.vocab_size).index_copy_(  # [V]
+                0, self.draft_to_target.cpu(), sampling.probs(row))
+            draft_probs.append(q)
+            drafts.append(sampling.draw(q))
         return drafts, draft_probs, cache
 
     @torch.inference_mode()
@@ -279,6 +338,10 @@ class EmbeddedSpeculativeEngine:
                     ancestor = cand_parents[ancestor]
             mask = torch.cat([torch.ones(len(frontier), n, dtype=torch.bool), visible],
                              dim=1)[None, None].to(dev)  # [1, 1, F, n+M+F]
+            key_positions = torch.tensor([*range(n), *(n - 1 + cand_depths[c] for c in columns)],
+                                         device=dev)  # [n+M+F]
+            mask = self._windowed(mask, torch.full((len(frontier),), n - 2 + depth, device=dev),
+                                  key_positions)
             past = cache if tree_kv is None else (torch.cat([cache[0], tree_kv[0]], 2),
                                                   torch.cat([cache[1], tree_kv[1]], 2))
             ids = torch.tensor([[cand_tokens[c] for c in frontier]], device=dev)  # [1, F]
@@ -349,6 +412,33 @@ class EmbeddedSpeculativeEngine:
             result.round_tokens.append(len(produced))
             aux = torch.cat([aux, new_aux[:, kept]], dim=1)  # [1, n+a+1, K*H]
         result.tokens = _truncate(tokens[len(prompt):], max_new_tokens, eos_id)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    @torch.inference_mode()
+    def replay(self, prompt: list[int], output: list[int]) -> Generation:
+        """The rounds greedy chain (or block) decoding makes when the target's tokens are
+        `output` (another engine's greedy output for `prompt`): one target forward gives the
+        aux states of every position, each round drafts as `generate` does, and its drafts are
+        checked against `output` instead of the target's argmax. The first output token is
+        the prefill's, as in `generate`."""
+        started = time.perf_counter()
+        tokens = [*prompt, *output]
+        result = Generation(tokens=list(output), seconds=0.0)
+        if len(output) > 1:
+            _, aux = self.runner.forward(tokens[:-1], DynamicCache())  # [1, L-1, K*H]
+            known, drafter_cache, drafted_upto = len(prompt) + 1, None, 0
+            while known < len(tokens):
+                n = known - 1
+                drafts, _, drafter_cache = self._draft(tokens[:known], aux[:, :n], drafted_upto,
+                                                       drafter_cache, Sampling())
+                accepted = 0
+                while (accepted < len(drafts) and known + accepted < len(tokens)
+                       and drafts[accepted] == tokens[known + accepted]):
+                    accepted += 1
+                produced = min(accepted + 1, len(tokens) - known)
+                result.round_tokens.append(produced)
+                drafted_upto, known = n, known + produced
         result.seconds = time.perf_counter() - started
         return result
 

@@ -51,6 +51,7 @@ class VLLMLaunchError(ValueError):
 class VLLMLaunch(ServerLaunch):
     model: str  # the served model name: the target's path, as clients must send it
     num_speculative_tokens: int | None
+    method: str | None = None  # vLLM's speculative method: the drafter kind's (eagle3, dflash)
 
 
 def vllm_program() -> list[str]:
@@ -69,6 +70,13 @@ def vllm_program() -> list[str]:
         return [sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model"]
 
 
+def speculative_method(drafter_dir: str | Path, family: str = "llama") -> str:
+    """The speculative method vLLM serves this drafter with: its kind's (eagle3, dflash)."""
+    from draftsmith.model.kinds import kind_named
+
+    return kind_named(read_drafter(drafter_dir, family).kind).vllm_method
+
+
 def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) -> int:
     """Check the drafter and the drafting settings for vLLM; returns num_speculative_tokens."""
     drafter = read_drafter(drafter_dir, family)  # a drafter vLLM would mis-load stops here
@@ -77,6 +85,15 @@ def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) 
             f"{drafter_dir}: a {drafter.layout}-layout drafter; vLLM loads EAGLE-3 drafters in "
             f"the speculators layout (set {EXPORT_FORMAT_SETTING}=speculators, or: draftsmith "
             "export DIR --to speculators --out NEW)")
+    if drafter.kind == "dflash" and cfg.num_steps is not None:
+        block = drafter.config.block_size
+        if cfg.eagle_topk != 1 or cfg.num_steps > block - 1:
+            raise VLLMLaunchError(
+                f"deploy.num_steps={cfg.num_steps}, eagle_topk={cfg.eagle_topk}: this DFlash "
+                f"drafter drafts one block of at most {block - 1} tokens (block_size {block}); "
+                f"set deploy.num_steps <= {block - 1}, eagle_topk=1 and num_draft_tokens = "
+                "num_steps + 1")
+        return cfg.num_steps
     if cfg.num_steps is None:
         config = json.loads((Path(drafter_dir) / "config.json").read_text())
         methods = config.get("speculators_config", {}).get("proposal_methods") or [{}]
@@ -106,10 +123,11 @@ def build_vllm_launch(cfg: DeployConfig, target_cfg: TargetConfig,
             "--host", cfg.host, "--port", str(cfg.port),
             "--tensor-parallel-size", str(target_cfg.tp_size),
             "--dtype", target_cfg.dtype, "--seed", "0"]
-    tokens = None
+    tokens = method = None
     if drafter_dir is not None:
         tokens = speculative_tokens(cfg, drafter_dir, family)
-        speculative = {"method": "eagle3", "model": str(drafter_dir),
+        method = speculative_method(drafter_dir, family)
+        speculative = {"method": method, "model": str(drafter_dir),
                        "num_speculative_tokens": tokens}
         argv += ["--speculative-config", json.dumps(speculative)]
     if target_cfg.context_length:
@@ -121,7 +139,7 @@ def build_vllm_launch(cfg: DeployConfig, target_cfg: TargetConfig,
     argv += cfg.extra_args
     return VLLMLaunch(argv=argv, env=env, host=cfg.host, port=cfg.port, model=model,
                       drafter_dir=str(drafter_dir) if drafter_dir is not None else None,
-                      num_speculative_tokens=tokens)
+                      num_speculative_tokens=tokens, method=method)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -204,7 +222,7 @@ def check_speculative_config(client: httpx.Client, launch: VLLMLaunch) -> dict[s
     if not spec:
         raise ReadinessError("speculative config", "/server_info shows no speculative_config")
     served = spec.get("model")
-    want = {"method": "eagle3", "num_speculative_tokens": launch.num_speculative_tokens}
+    want = {"method": launch.method, "num_speculative_tokens": launch.num_speculative_tokens}
     for key, value in want.items():
         if spec.get(key) != value:
             raise ReadinessError("speculative config",
@@ -245,7 +263,7 @@ def wait_until_vllm_ready(launch: VLLMLaunch, process: ManagedProcess | None = N
         reported["version"] = version.json().get("version") if version.status_code == 200 \
             else None
     log.info("vLLM ready at %s after %.0fs (%s)", launch.url, time.monotonic() - started,
-             f"eagle3, {launch.num_speculative_tokens} speculative tokens, drafter "
+             f"{launch.method}, {launch.num_speculative_tokens} speculative tokens, drafter "
              f"{launch.drafter_dir}" if launch.drafter_dir else "no speculation")
     return reported
 

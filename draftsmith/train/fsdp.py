@@ -34,7 +34,8 @@ from draftsmith.model.eagle3 import Eagle3Drafter
 FORWARD_METHOD = "in_forward"
 # The decoder layer's methods that the TTT row calls in place of its forward (the embedding
 # half of q/k/v once a row, then each step): its parameters must be whole in them too.
-LAYER_FORWARD_METHODS = ("embedding_qkv", "forward_projected")
+LAYER_FORWARD_METHODS = ("embedding_qkv", "forward_projected",  # EAGLE-3's
+                         "context_kv")  # DFlash's: the context's keys and values per layer
 
 
 def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, device: torch.device,
@@ -55,11 +56,16 @@ def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, device: to
     # Inputs are not cast: the row's code casts what it needs to the parameters' dtype.
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)
-    fully_shard(drafter.midlayer, mesh=mesh, mp_policy=policy)
+    # EAGLE-3's one layer (midlayer), or each of DFlash's layers, is its own unit.
+    layers = [drafter.midlayer] if hasattr(drafter, "midlayer") else list(drafter.layers)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=policy)
     fully_shard(drafter, mesh=mesh, mp_policy=policy)
     register_fsdp_forward_method(drafter, FORWARD_METHOD)
-    for method in LAYER_FORWARD_METHODS:
-        register_fsdp_forward_method(drafter.midlayer, method)
+    for layer in layers:
+        for method in LAYER_FORWARD_METHODS:
+            if hasattr(layer, method):
+                register_fsdp_forward_method(layer, method)
     # The decoder layer returns its value tensor as a view (transpose); the trainer only
     # concatenates it, never writes into it, which is the case this warning is about.
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")

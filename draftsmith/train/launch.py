@@ -50,9 +50,10 @@ def torchrun_argv(cfg: TrainConfig, job: Path) -> list[str]:
 def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
                  out: Path, poll_s: float = 0.5,
                  on_start: Callable[[ManagedProcess], None] | None = None,
-                 online=None) -> dict:
+                 online=None, drafter_settings=None) -> dict:
     """Run the training job under torchrun and return rank 0's result. on_start receives the
-    running process (its group id is its pid), e.g. to register it for cancellation."""
+    running process (its group id is its pid), e.g. to register it for cancellation.
+    drafter_settings: the `drafter` section (DrafterConfig), default plain EAGLE-3."""
     check_devices(cfg)
     job = out / JOB_FILE
     result_path = out / RESULT_FILE
@@ -64,7 +65,9 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
                             "target": target.model_dump(mode="json"), "out": str(out),
                             "online": None if online is None else {
                                 "extract": online.extract.model_dump(),
-                                "target": online.target.model_dump()}})
+                                "target": online.target.model_dump()},
+                            "drafter": None if drafter_settings is None
+                            else drafter_settings.model_dump()})
     env = {"OMP_NUM_THREADS": "1"} if not cfg.device.startswith("cuda") else {}
     process = ManagedProcess(torchrun_argv(cfg, job), out / LOG_FILE, env=env, name="torchrun")
     try:

@@ -38,18 +38,24 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
                               aux_noise_std, noise_seed, chunk_tokens, with_runs)
 
 
+def noisy_aux(aux: torch.Tensor, std: float, seed: int, device) -> torch.Tensor:
+    """aux [T, K*Ht] plus Gaussian noise of `std` times each position's RMS, seeded (train
+    rows only: std 0 returns aux as it is)."""
+    if std <= 0:
+        return aux
+    g = torch.Generator(device=device).manual_seed(seed)
+    rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()  # [T, 1]
+    noise = torch.randn(aux.shape, generator=g, device=device)  # [T, K*Ht]
+    return (aux.float() + std * rms * noise).to(aux.dtype)  # [T, K*Ht]
+
+
 def _row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead, steps: int,
               step_weights: list[float], device: str, attention: str, aux_noise_std: float,
               noise_seed: int, chunk_tokens: int, with_runs: bool = False):
     dtype = drafter.fc.weight.dtype  # the compute dtype (FSDP: of the all-gathered weights)
     probs, target_arg = head.targets(row.final.to(device), row.target_argmax,
                                      compiled=drafter.compiled)  # [T, D], [T] draft ids or -1
-    aux = row.aux.to(device, dtype)  # [T, K*Ht]
-    if aux_noise_std > 0:
-        g = torch.Generator(device=device).manual_seed(noise_seed)
-        rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()  # [T, 1]
-        noise = torch.randn(aux.shape, generator=g, device=device)  # [T, K*Ht]
-        aux = (aux.float() + aux_noise_std * rms * noise).to(dtype)  # [T, K*Ht]
+    aux = noisy_aux(row.aux.to(device, dtype), aux_noise_std, noise_seed, device)  # [T, K*Ht]
     normed = drafter.forward_ttt_hidden(
         row.input_ids[None].to(device), aux[None], row.position_ids[None].to(device),
         row.document_ids[None].to(device), steps, attention, row.documents,

@@ -10,15 +10,15 @@ from collections.abc import Callable
 
 import torch
 
-from draftsmith.config import TrainConfig
+from draftsmith.config import DrafterConfig, TrainConfig
 from draftsmith.errors import ConfigValueError
 from draftsmith.extract.store import Sample
-from draftsmith.model.eagle3 import MERGED_ATTENTION, Eagle3Drafter
+from draftsmith.model.eagle3 import MERGED_ATTENTION
+from draftsmith.model.kinds import Drafter, kind_of
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.metrics import StepCounts, replay_chain_decoding
 from draftsmith.train.packing import PackedRow, concat_row, padding_row
 from draftsmith.train.parallel import DDP
-from draftsmith.train.row_loss import row_loss_on_device
 
 log = logging.getLogger(__name__)
 
@@ -29,7 +29,11 @@ def step_weights_of(cfg: TrainConfig) -> list[float]:
     return [cfg.step_weight_decay**j for j in range(cfg.ttt_steps)]
 
 
-def resolve_attention(cfg: TrainConfig) -> str:
+def resolve_attention(cfg: TrainConfig, kind: str = "eagle3") -> str:
+    if kind != "eagle3" and cfg.attention in MERGED_ATTENTION:
+        raise ConfigValueError(f"train.attention={cfg.attention} merges EAGLE-3's TTT steps per "
+                               f"document; a {kind} drafter trains with flex (CUDA) or sdpa: "
+                               "set train.attention=auto")
     if cfg.attention in MERGED_ATTENTION and not cfg.device.startswith("cuda"):
         raise ConfigValueError(f"train.attention={cfg.attention} runs cuDNN / FlashAttention "
                                f"kernels, which need a CUDA device (train.device="
@@ -47,19 +51,30 @@ def resolve_attention(cfg: TrainConfig) -> str:
 class RowRunner:
     """attention and compiled say how rows run now; `fallback` moves them down one rung.
     Rows are padded to batch_tokens on the flex and merged paths (compiled kernels see one
-    shape)."""
+    shape). The drafter's kind decides the loss (draftsmith/model/kinds.py) and how many
+    positions its counts have (`positions`: TTT steps, or a DFlash block's drafts)."""
 
-    def __init__(self, cfg: TrainConfig, drafter: Eagle3Drafter, target_head: TargetHead,
+    def __init__(self, cfg: TrainConfig, drafter: Drafter, target_head: TargetHead,
                  device: torch.device, mode: DDP, attention: str, compiled: bool,
                  padding_like: Sample | None = None,
-                 prepare_samples: Callable[[list], list[Sample]] | None = None):
+                 prepare_samples: Callable[[list], list[Sample]] | None = None,
+                 settings: DrafterConfig | None = None):
         self.cfg, self.drafter, self.target_head = cfg, drafter, target_head
         self.device, self.mode = device, mode
         self.attention, self.compiled = attention, compiled
+        self.kind = kind_of(drafter)
+        self.settings = settings or DrafterConfig(kind=self.kind.name)
+        if self.kind.name == "dflash":  # the checkpoint's block, whatever the settings say
+            self.settings = self.settings.model_copy(update={"dflash": self.settings.dflash
+                                                             .model_copy(update={
+                                                                 "block_size":
+                                                                 drafter.config.block_size})})
+        self._loss = self.kind.part(self.kind.loss)
         drafter.compile_layer(compiled)
         self.pad_to = cfg.batch_tokens if attention != "sdpa" else None  # static shapes
-        self.step_weights = step_weights_of(cfg)
-        if len(self.step_weights) != cfg.ttt_steps:
+        self.positions = self.kind.positions(self.settings, cfg)
+        self.step_weights = self.kind.position_weights(self.settings, cfg)
+        if self.kind.name == "eagle3" and len(self.step_weights) != cfg.ttt_steps:
             raise ConfigValueError(f"train.step_weights has {len(self.step_weights)} entries, "
                                    f"ttt_steps is {cfg.ttt_steps}: give one weight per step")
         # FSDP: what a rank without a row runs, so that it joins every collective (made when
@@ -87,11 +102,15 @@ class RowRunner:
 
     def loss(self, row: PackedRow, noise_seed: int = 0, train: bool = True,
              with_runs: bool = False):
-        """row_loss_on_device with this run's settings (aux noise only in training)."""
-        return row_loss_on_device(self.drafter, row, self.target_head, self.cfg.ttt_steps,
-                                  self.step_weights, self.device, self.attention,
-                                  self.cfg.aux_noise_std if train else 0.0, noise_seed,
-                                  with_runs=with_runs)
+        """The kind's row loss with this run's settings (aux noise only in training)."""
+        extra = {}
+        if self.kind.name == "dflash":
+            extra = {"max_anchors": self.settings.dflash.max_anchors,
+                     "pad_anchors": self.pad_to is not None}
+        return self._loss(self.drafter, row, self.target_head, self.positions,
+                          self.step_weights, self.device, self.attention,
+                          self.cfg.aux_noise_std if train else 0.0, noise_seed,
+                          with_runs=with_runs, **extra)
 
     def train_row(self, row: PackedRow | None, noise_seed: int) -> torch.Tensor:
         """Forward and backward of this rank's row of a step; its counts [5, S] on the device.
@@ -99,17 +118,17 @@ class RowRunner:
         collectives (zero loss, zero gradients, counts dropped)."""
         padding = self.padding() if row is None else None
         if row is None and padding is None:
-            return StepCounts(self.cfg.ttt_steps).as_tensor()
+            return StepCounts(self.positions).as_tensor()
         loss, counts = self.loss(row if row is not None else padding, noise_seed)
         loss.backward()
-        return counts if row is not None else StepCounts(self.cfg.ttt_steps).as_tensor()
+        return counts if row is not None else StepCounts(self.positions).as_tensor()
 
     @torch.no_grad()
     def evaluate(self, rows: list[list[Sample] | None]) -> StepCounts:
         """Counts over `rows`, with greedy chain decoding replayed over their answers; a None
         row (FSDP: this rank has fewer rows than another) runs padding and counts nothing."""
         self.drafter.eval()
-        counts = StepCounts(self.cfg.ttt_steps)
+        counts = StepCounts(self.positions)
         for samples in rows:
             row = self.padding() if samples is None else self.row(samples)
             if row is None:

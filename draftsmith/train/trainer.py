@@ -32,12 +32,12 @@ from typing import IO
 import torch
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
-from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
+from draftsmith.config import DrafterConfig, ExtractConfig, TargetConfig, TrainConfig
 from draftsmith.distributed import Dist
 from draftsmith.errors import CheckpointError, ConfigValueError
 from draftsmith.extract.store import Sample, ShardReader
 from draftsmith.figures import TRAIN_METRICS_FILE
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.kinds import Drafter, DrafterShape, kind_named, kind_of
 from draftsmith.progress import Progress
 from draftsmith.train.checkpoint import RESUME_DIR, STATE_FILE, Checkpointer, checkpointer_for
 from draftsmith.train.loss import TargetHead
@@ -77,23 +77,24 @@ class OnlineInputs:
     target: TargetConfig
 
 
-def row_runner(cfg: TrainConfig, drafter: Eagle3Drafter, head: torch.Tensor,
+def row_runner(cfg: TrainConfig, drafter: Drafter, head: torch.Tensor,
                device: torch.device, mode: DDP, padding_like: Sample | None = None,
-               prepare_samples=None) -> RowRunner:
+               prepare_samples=None, settings: DrafterConfig | None = None) -> RowRunner:
     """The drafter placed on the device by its parallel mode (cast to the compute dtype, or
     sharded), the target head split for the loss, the attention path and compiled layer."""
     dtype = compute_dtype(cfg)
     mode.place(drafter, dtype, device)
     target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), dtype, device)
-    return RowRunner(cfg, drafter, target_head, device, mode, resolve_attention(cfg),
-                     compile_enabled(cfg, device), padding_like, prepare_samples)
+    return RowRunner(cfg, drafter, target_head, device, mode,
+                     resolve_attention(cfg, kind_of(drafter).name),
+                     compile_enabled(cfg, device), padding_like, prepare_samples, settings)
 
 
-def build_drafter(cfg: TrainConfig, drafter_cfg: Eagle3Config, embed: torch.Tensor,
-                  head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Eagle3Drafter:
+def build_drafter(cfg: TrainConfig, drafter_cfg: DrafterShape, embed: torch.Tensor,
+                  head: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor) -> Drafter:
     """From scratch (lm_head from the target head's draft rows unless lm_head_init is random)
-    or fine-tuned from an existing drafter in any layout export reads."""
-    drafter = Eagle3Drafter(drafter_cfg)
+    or fine-tuned from an existing drafter of the same kind in any layout export reads."""
+    drafter = kind_of(drafter_cfg).model(drafter_cfg)
     drafter.load_target_parts(embed, d2t, t2d, head if cfg.lm_head_init == "target" else None)
     if cfg.init_from:
         from draftsmith.export.convert import ExportError, read_drafter
@@ -102,6 +103,10 @@ def build_drafter(cfg: TrainConfig, drafter_cfg: Eagle3Config, embed: torch.Tens
             ckpt = read_drafter(cfg.init_from, family=cfg.init_family)
         except (ExportError, ValueError, FileNotFoundError) as err:
             raise CheckpointError(f"train.init_from={cfg.init_from!r}: {err}") from None
+        if ckpt.kind != kind_of(drafter_cfg).name:
+            raise ConfigValueError(f"train.init_from={cfg.init_from!r} is a {ckpt.kind} "
+                                   f"drafter, and drafter.kind is {kind_of(drafter_cfg).name!r}:"
+                                   " fine-tune a drafter of the same kind, or set drafter.kind")
         theirs = ckpt.config.model_dump(exclude={"max_position_embeddings", "rope_scaling"})
         ours = drafter_cfg.model_dump(exclude={"max_position_embeddings", "rope_scaling"})
         diff = {k: (theirs[k], ours[k]) for k in ours if theirs.get(k) != ours[k]}
@@ -191,7 +196,7 @@ class Trainer:
         self.checkpointer: Checkpointer = checkpointer_for(
             cfg.parallel, out, dist, self.drafter, self.optimizer, self.scheduler)
         self.provenance = provenance
-        self.window = MetricsWindow(cfg.ttt_steps, runner.device)
+        self.window = MetricsWindow(runner.positions, runner.device)
         self.state = self.checkpointer.load(self.window) or TrainState.start(dist.world)
         self._log: MetricsLog | None = None
         self._progress: Progress | None = None
@@ -200,10 +205,13 @@ class Trainer:
     @classmethod
     def prepare(cls, cfg: TrainConfig, hidden: Descriptor, merged: Descriptor,
                 target: Descriptor, out: Path, dist: Dist,
-                online: OnlineInputs | None = None) -> Trainer:
+                online: OnlineInputs | None = None,
+                drafter_settings: DrafterConfig | None = None) -> Trainer:
         """Everything a run needs, from the store (offline) or the merged data and the target
         model (online), the merged data's vocab map and the target's head; the saved state
-        when `out` holds a checkpoint."""
+        when `out` holds a checkpoint. drafter_settings: the `drafter` section (default:
+        plain EAGLE-3)."""
+        drafter_settings = drafter_settings or DrafterConfig()
         from draftsmith.data.merge import read_vocab_map
         from draftsmith.target import load_target_head_and_embedding
 
@@ -228,19 +236,22 @@ class Trainer:
         d2t, t2d = read_vocab_map(merged)
         target_config = json.loads((Path(target.path) / "config.json").read_text())
         target_config = target_config.get("text_config", target_config)
-        drafter_cfg = Eagle3Config.from_target(target_config, aux_ids, d2t.numel())
+        drafter_cfg = kind_named(drafter_settings.kind).build_config(
+            target_config, aux_ids, d2t.numel(), drafter_settings, target.path)
         drafter = build_drafter(cfg, drafter_cfg, embed, head, d2t, t2d)
         if cfg.mode == "online":  # loaded after the drafter's seeded initialisation
             prefill = OnlineTarget(target.path, online.target, online.extract, aux_ids, device)
             runner = row_runner(cfg, drafter, head, device, mode, prefill.padding_like(),
-                                prepare_samples=prefill.samples)
+                                prepare_samples=prefill.samples, settings=drafter_settings)
         else:
             runner = row_runner(cfg, drafter, head, device, mode,
-                                train_samples[0] if train_samples else None)
+                                train_samples[0] if train_samples else None,
+                                settings=drafter_settings)
         del head
         provenance = {"target_fingerprint": target.fingerprint, "target_path": target.path,
                       "hidden_states": hidden.fingerprint, "data": merged.fingerprint,
-                      "train_config": cfg.model_dump()}
+                      "train_config": cfg.model_dump(),
+                      "drafter_config": drafter_settings.model_dump()}
         return cls(cfg, dist, out, runner, train_samples, validation_rows, provenance,
                    train_tokens=train_tokens)
 
@@ -338,7 +349,7 @@ class Trainer:
     def _log_window(self, epoch: int) -> None:
         """One metrics line: the window's counts summed over the ranks (the only sync of a
         step), then a fresh window."""
-        cfg, device = self.cfg, self.runner.device
+        device = self.runner.device
         reduced = self.dist.sum_tensor(self.window.as_flat())
         summary = StepCounts.from_tensor(reduced[:-1].view(5, -1)).summary()
         entry = {"split": "train", "step": self.state.step, "epoch": epoch,
@@ -348,8 +359,8 @@ class Trainer:
         self._log.record(entry)
         log.info("train step %d/%d epoch %d: loss %s full_acc %s tau %.2f lr %.2e "
                  "%.0f tokens/s%s", self.state.step, self.total_steps, epoch,
-                 [round(summary[f"loss_{j}"], 3) for j in range(cfg.ttt_steps)],
-                 [round(summary[f"full_acc_{j}"], 3) for j in range(cfg.ttt_steps)],
+                 [round(summary[f"loss_{j}"], 3) for j in range(self.runner.positions)],
+                 [round(summary[f"full_acc_{j}"], 3) for j in range(self.runner.positions)],
                  summary["tau"], entry["lr"], entry["tokens_per_s"],
                  f" {entry['gpu_memory_gib']:.1f} GiB" if device.type == "cuda" else "")
         self.window.reset()
@@ -361,7 +372,8 @@ class Trainer:
         is written (rank 0) as the stage's output."""
         cfg, dist, state = self.cfg, self.dist, self.state
         counts = self.runner.guarded(lambda: self.runner.evaluate(self.validation_rows))
-        val = StepCounts.from_flat(dist.sum_tensor(counts.flat()), cfg.ttt_steps).summary()
+        positions = self.runner.positions
+        val = StepCounts.from_flat(dist.sum_tensor(counts.flat()), positions).summary()
         efficiency = packing_efficiency(self.plans[min(epoch, len(self.plans) - 1)],
                                         cfg.batch_tokens)
         self._log.record({"split": "validation", "step": state.step, "epoch": epoch,
@@ -369,8 +381,8 @@ class Trainer:
         log.info("validation after epoch %d: tau %.3f, acceptance replayed %.3f, full_acc %s, "
                  "cond_acc %s; packing %.1f%%", epoch, val["tau"],
                  val.get("acceptance_replayed", float("nan")),
-                 [round(val[f"full_acc_{j}"], 3) for j in range(cfg.ttt_steps)],
-                 [round(val[f"cond_acc_{j}"], 3) for j in range(cfg.ttt_steps)],
+                 [round(val[f"full_acc_{j}"], 3) for j in range(positions)],
+                 [round(val[f"cond_acc_{j}"], 3) for j in range(positions)],
                  100 * efficiency)
         if val["tau"] > state.best_tau:  # the same tau on every rank: they all come in here
             state.best_tau, state.best_epoch = val["tau"], epoch
@@ -384,10 +396,12 @@ class Trainer:
 
 
 def train_loop(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
-               out: Path, dist: Dist, online: OnlineInputs | None = None) -> dict:
+               out: Path, dist: Dist, online: OnlineInputs | None = None,
+               drafter_settings: DrafterConfig | None = None) -> dict:
     """Train in this process (one rank of W). Writes metrics, checkpoints and the best drafter
     into `out` on rank 0; returns the summary rank 0 builds the descriptor from."""
-    return Trainer.prepare(cfg, hidden, merged, target, out, dist, online).run()
+    return Trainer.prepare(cfg, hidden, merged, target, out, dist, online,
+                           drafter_settings).run()
 
 
 def gpu_memory_gib(device: torch.device) -> float:
@@ -417,7 +431,8 @@ def use_compile_cache(cfg: TrainConfig, plan: StagePlan) -> Path | None:
 
 
 def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
-              plan: StagePlan, online: OnlineInputs | None = None) -> Descriptor:
+              plan: StagePlan, online: OnlineInputs | None = None,
+              drafter_settings: DrafterConfig | None = None) -> Descriptor:
     """Train in this process, or under torchrun with cfg.nproc_per_node processes (always
     under torchrun with train.parallel=fsdp, which shards over a process group even of one). A
     partial directory from a killed attempt is resumed from its last checkpoint, not started
@@ -434,12 +449,16 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
     if cfg.nproc_per_node > 1 or cfg.parallel == "fsdp":
         from draftsmith.train.launch import run_torchrun
 
-        result = run_torchrun(cfg, hidden, merged, target, out, online=online)
+        result = run_torchrun(cfg, hidden, merged, target, out, online=online,
+                              drafter_settings=drafter_settings)
     else:
-        result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online)
+        result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online,
+                            drafter_settings)
     from draftsmith.train.charts import plot_metrics
 
-    plot_metrics(result["history"], cfg.ttt_steps, out)
+    positions = kind_named((drafter_settings or DrafterConfig()).kind).positions(
+        drafter_settings or DrafterConfig(), cfg)
+    plot_metrics(result["history"], positions, out)
     import shutil
 
     shutil.rmtree(out / RESUME_DIR, ignore_errors=True)  # finished: nothing left to resume

@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, atomic_write_json
-from draftsmith.config import ExtractConfig, TargetConfig, TrainConfig
+from draftsmith.config import DrafterConfig, ExtractConfig, TargetConfig, TrainConfig
 from draftsmith.distributed import Dist
 from draftsmith.errors import InputError
 from draftsmith.train.trainer import OnlineInputs, train_loop
@@ -25,11 +25,12 @@ def main(job_path: str) -> None:
     if job.get("online"):
         online = OnlineInputs(ExtractConfig.model_validate(job["online"]["extract"]),
                               TargetConfig.model_validate(job["online"]["target"]))
+    drafter = DrafterConfig.model_validate(job["drafter"]) if job.get("drafter") else None
     try:
         result = train_loop(cfg, Descriptor.model_validate(job["hidden"]),
                             Descriptor.model_validate(job["merged"]),
                             Descriptor.model_validate(job["target"]), Path(job["out"]), dist,
-                            online)
+                            online, drafter)
         if dist.is_main:
             atomic_write_json(Path(job["out"]) / "torchrun_result.json", result)
         dist.barrier()
