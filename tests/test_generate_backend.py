@@ -99,3 +99,27 @@ def test_a_failing_compiled_decode_step_falls_back_to_eager_and_says_so(
     assert calls == [False, True, True]  # once compiled, then eager for good
     assert first[0].token_ids == second[0].token_ids
     assert "the compiled decode step failed (RuntimeError: inductor" in caplog.text
+
+
+def test_every_static_batch_has_one_shape(random_target_dir, random_target_tokenizer):
+    """Each new shape recompiles the decode step (25-50 s on an H200), so every batch is
+    filled to batch_size rows and sized for the longest prompt of the whole stage."""
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    real, shapes = model.generate, []
+
+    def generate(**kwargs):
+        shapes.append((tuple(kwargs["input_ids"].shape[:1]),
+                       kwargs["past_key_values"].max_cache_len))
+        return real(**kwargs)
+
+    model.generate = generate
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=4,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      batch_size=3, longest_prompt=300)
+    short = [[{"role": "user", "content": "f"}]]
+    long = [[{"role": "user", "content": "def f(x): return x " * 20}]] * 2
+    generator.complete(short)
+    generator.complete(long)
+    assert shapes == [((3,), cache_length(300, 4))] * 2

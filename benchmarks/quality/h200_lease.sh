@@ -71,3 +71,16 @@ case "$cmd" in
     ls -la "$OUT"
     ;;
 esac
+# A second driver beside the first, for jobs the first could not run (see the sweep's --only):
+#   bash benchmarks/quality/h200_lease.sh again BUDGET_S WAIT_S GPU_JOBS NAME...
+if [ "$cmd" = again ]; then
+  budget=$1; wait_s=$2; gpu_jobs=$3; shift 3
+  cp benchmarks/quality/*.py "$DS"/benchmarks/quality/ && cp -r draftsmith "$DS"/
+  PYTHONPATH=/tmp/site:"$DS" DRAFTSMITH_CACHE="$Q"/cache \
+    DRAFTSMITH_SMOLLM2_GGUF=/tmp/smollm/smollm2.gguf HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
+    setsid nohup python3 "$DS"/benchmarks/quality/sweep.py run --out "$Q" \
+    --report "$Q"/report2 --budget-s "$budget" --speculators --gpu-jobs "$gpu_jobs" \
+    --only "$@" > "$Q"/driver2.log 2>&1 < /dev/null &
+  sleep 15; wait_for "$wait_s"; report; grep -E "job " "$Q"/driver2.log | tail -20
+fi

@@ -43,7 +43,7 @@ log = logging.getLogger("draftsmith.sweep")
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 GPU = dict(target=SMOLLM2, device="cuda", sizes=[6000, 12000, 48000], epochs=6,
-           gen_batch=1024, max_new_tokens=160, batch_tokens=16384, draft_vocab=16384,
+           gen_batch=2048, max_new_tokens=160, batch_tokens=16384, draft_vocab=16384,
            lr=1e-3, validation=0.05, bench_prompts=48, bench_tokens=128, eval_workers=8,
            extract_batch=256, kinds_size=6000, speculators_size=6000, gpu_jobs=3)
 SMOKE = dict(target="builtin:tiny", device="cpu", sizes=[40, 80], epochs=2, gen_batch=16,
@@ -221,7 +221,7 @@ def plan(sweep: Sweep, args) -> None:
                             "--done", str(out / "done" / "genbench"),
                             "--target", size["target"],
                             "--max-new-tokens", str(size["max_new_tokens"]),
-                            "--deadline-s", "150",
+                            "--deadline-s", "170",
                             *(["--smoke"] if sweep.smoke else [])],
                       priority=1))
     sweep.add(Job("generate", out / "done" / "generate", 300,
@@ -333,9 +333,29 @@ def answers_source(out: Path, n: int) -> list[dict]:
     if not path.exists():
         with open(out / "answers.jsonl") as f:
             lines = [line for _, line in zip(range(n), f, strict=False)]
-        path.with_suffix(".tmp").write_text("".join(lines))
-        os.replace(path.with_suffix(".tmp"), path)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, path)
     return [{"name": "answers", "path": str(path)}]
+
+
+def share_the_gpu() -> None:
+    """The sweep runs several jobs on one GPU at once, by design: the stages' check that no
+    other process holds the GPUs (meant for a server's devices) is turned off here."""
+    import draftsmith.serve.gpus as gpus
+
+    gpus.require_free_gpus = lambda *args, **kwargs: None
+
+
+def prepared(cfg, target, n: int, out: Path) -> None:
+    """generate and merge of a size, once: jobs of one size wait on its lock, so only the
+    first computes them and the others find them cached."""
+    from filelock import FileLock
+
+    from draftsmith.plan import run_in_process
+
+    with FileLock(str(out / f"answers-{n}.lock")):
+        run_in_process(cfg, target, ["generate", "merge"])
 
 
 def job_train(a: dict, name: str, n: int, epochs: int, drafter: dict) -> None:
@@ -346,6 +366,8 @@ def job_train(a: dict, name: str, n: int, epochs: int, drafter: dict) -> None:
     out, size = Path(a["out"]), {**a["size"], "epochs": epochs}
     cfg = pipeline_config(out, size, answers_source(out, n), drafter=drafter or None)
     target = resolve_target(TargetConfig(model=size["target"]))
+    share_the_gpu()
+    prepared(cfg, target, n, out)
     seconds: dict[str, float] = {}
     outputs = {}
 
@@ -375,6 +397,8 @@ def job_store(a: dict, n: int) -> None:
     out, size = Path(a["out"]), a["size"]
     cfg = pipeline_config(out, size, answers_source(out, n), mode="offline")
     target = resolve_target(TargetConfig(model=size["target"]))
+    share_the_gpu()
+    prepared(cfg, target, n, out)
     run = run_in_process(cfg, target, ["generate", "merge", "extract"])
     touch(out / "done" / f"store-{n}", {"store": run.outputs["extract"].path,
                                         "merge_dir": str(run.outputs["merge"].dir),
@@ -560,6 +584,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--kinds", nargs="*", default=["eagle3.1", "dflash"])
     run.add_argument("--speculators", action="store_true")
     run.add_argument("--no-genbench", action="store_true")
+    run.add_argument("--only", nargs="*", help="run only the jobs whose names contain one of "
+                     "these (a second driver beside a running one)")
+    run.add_argument("--gpu-jobs", type=int)
     for name in ("target", "generate", "train", "store", "evaluate", "eval-worker",
                  "speculators"):
         p = sub.add_parser(name)
@@ -591,7 +618,11 @@ def main(argv: list[str] | None = None) -> None:
         os.environ.setdefault("DRAFTSMITH_CACHE", str(args.out / "cache"))
         sweep = Sweep(args.out, args.report or args.out / "report", size, args.budget_s,
                       args.smoke)
+        if args.gpu_jobs:
+            size["gpu_jobs"] = args.gpu_jobs
         plan(sweep, args)
+        if args.only:
+            sweep.jobs = {k: j for k, j in sweep.jobs.items() if any(o in k for o in args.only)}
         try:
             sweep.run_all()
         finally:

@@ -170,6 +170,7 @@ def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, tar
         model, load_tokenizer(target),
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, seed=cfg.seed, cache=cache, batch_size=cfg.batch_size,
+        longest_prompt=max((r.prompt_tokens for r in requests), default=0),
     )
     totals = RunTotals()
     started = time.monotonic()

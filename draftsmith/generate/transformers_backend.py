@@ -3,10 +3,11 @@
 Two ways to run `generate` (`generate.cache`):
 - `dynamic`: transformers' default DynamicCache, in eager mode. The CPU path.
 - `static` (the default on CUDA): a StaticCache and `generate`'s compiled decode step
-  (torch.compile with CUDA graphs). The decode step compiles once per shape, so shapes are
-  kept few: every batch is filled up to `generate.batch_size` rows (with a repeated prompt,
-  dropped afterwards), and the cache length is the batch's longest prompt plus
-  max_new_tokens, rounded up to a multiple of CACHE_LENGTH_STEP.
+  (torch.compile with CUDA graphs). The decode step compiles once per shape (25-50 s for
+  SmolLM2 on an H200, each time), so there is one shape: every batch is filled up to
+  `generate.batch_size` rows (with a repeated prompt, dropped afterwards), and the cache
+  length is the longest prompt of the whole stage plus max_new_tokens, rounded up to a
+  multiple of CACHE_LENGTH_STEP. (A length per batch recompiled at almost every batch.)
 
 Decode attention over a padded cache is most of a decode step's work on a small target.
 transformers' SDPA path repeats every KV head for its query heads whenever a mask is given
@@ -83,15 +84,17 @@ def cache_length(longest_prompt: int, max_new_tokens: int) -> int:
 
 class TransformersGenerator:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int, cache: str = "dynamic", batch_size: int | None = None):
-        """cache: dynamic or static (resolve `auto` with resolve_cache first). batch_size:
-        with the static cache, every batch is filled up to this many rows (one shape)."""
+                 seed: int, cache: str = "dynamic", batch_size: int | None = None,
+                 longest_prompt: int = 0):
+        """cache: dynamic or static (resolve `auto` with resolve_cache first). With the
+        static cache every batch is filled up to batch_size rows, and the cache holds
+        longest_prompt (the longest of all the prompts to come) + max_new_tokens: one shape."""
         if cache not in ("dynamic", "static"):
             raise ValueError(f"cache={cache!r}: dynamic or static")
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.generator_seed = seed
-        self.cache, self.batch_size = cache, batch_size
+        self.cache, self.batch_size, self.longest_prompt = cache, batch_size, longest_prompt
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.compiled = cache == "static"  # generate compiles the decode step on CUDA
@@ -127,7 +130,8 @@ class TransformersGenerator:
 
             extra["past_key_values"] = StaticCache(
                 config=self.model.config,
-                max_cache_len=cache_length(width, self.max_new_tokens))
+                max_cache_len=cache_length(max(width, self.longest_prompt),
+                                           self.max_new_tokens))
         def generate(**compile_args):
             return self.model.generate(
                 input_ids=input_ids.to(device),
