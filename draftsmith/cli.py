@@ -409,6 +409,10 @@ def prefect_setup(
         help="Storage both pools see (run_root lives under it); default run_root's parent."
     )] = None,
     gpu_host: Annotated[str, typer.Option(help="Name of the GPU host block.")] = "gpu-host",
+    host: Annotated[list[str] | None, typer.Option(
+        help="Several GPU hosts: one GPU host block per host, first host first (repeatable); "
+             "each gets its own work queue of the gpu pool and its own GPU deployments.")
+    ] = None,
     cron: Annotated[str | None, typer.Option(
         help="Cron schedule of the pipeline, e.g. '0 3 * * *' (paused unless --cron-active).")
     ] = None,
@@ -428,7 +432,8 @@ def prefect_setup(
     from deployments.setup import SetupOptions, setup
 
     pipeline_config = _load(config, set_)
-    options = SetupOptions(gpu_host=gpu_host, gpu_count=gpus, visible_devices=visible_devices,
+    options = SetupOptions(gpu_host=gpu_host, hosts=list(host or []), gpu_count=gpus,
+                           visible_devices=visible_devices,
                            nccl_env=_pairs(nccl, "--nccl"), scratch_path=scratch,
                            shared_path=shared, cron=cron, cron_active=cron_active,
                            endpoint_url=endpoint_url, endpoint_model=endpoint_model,
@@ -440,6 +445,11 @@ def prefect_setup(
         raise typer.Exit(2) from None
     for name, deployment_id in ids.items():
         print(f"{name}\t{deployment_id}")
+    if host:
+        console.print("[green]ready[/green]: start `prefect worker start --pool cpu` anywhere "
+                      "and, on each GPU host, `prefect worker start --pool gpu --work-queue "
+                      "HOST` with its block's name (" + ", ".join(host) + ")")
+        return
     console.print("[green]ready[/green]: start `prefect worker start --pool cpu` anywhere and "
                   "`prefect worker start --pool gpu` on the GPU host")
 

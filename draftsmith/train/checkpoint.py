@@ -62,8 +62,9 @@ class Checkpointer:
         state = TrainState.from_dict(saved["position"])
         if state.world != self.dist.world:
             raise ConfigValueError(f"{self.path} was written by {state.world} process(es); "
-                                   f"resume with train.nproc_per_node={state.world} (now "
-                                   f"{self.dist.world}), or delete it to start over")
+                                   f"resume with as many (train.nnodes x "
+                                   f"train.nproc_per_node; now {self.dist.world}), or delete "
+                                   "it to start over")
         saved_parallel = saved.get("parallel", "ddp")
         if saved_parallel != self.parallel:
             raise ConfigValueError(f"{self.path} was written with train.parallel="

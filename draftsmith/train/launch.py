@@ -18,6 +18,7 @@ from pathlib import Path
 from draftsmith.artifacts import Descriptor, atomic_write_json
 from draftsmith.config import TrainConfig
 from draftsmith.errors import InputError, WorkerCrashError
+from draftsmith.hosts import HostPart
 from draftsmith.serve.process import ManagedProcess
 
 log = logging.getLogger(__name__)
@@ -42,8 +43,19 @@ class TrainInputError(InputError, TrainLaunchError):
     every attempt fails the same way."""
 
 
-def torchrun_argv(cfg: TrainConfig, job: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+def torchrun_argv(cfg: TrainConfig, job: Path, node: HostPart | None = None) -> list[str]:
+    """One host's torchrun. Alone: a standalone rendezvous. As `node` of cfg.nnodes hosts:
+    the c10d rendezvous at cfg.rdzv_endpoint, whose store the first host serves (is_host; the
+    others only connect). c10d numbers the nodes itself (it ignores --node-rank), so no
+    node's rank is assumed: rank 0 writes to the shared run root wherever it runs."""
+    where = ["--standalone"]
+    if node is not None:
+        timeout = int(cfg.rdzv_timeout_s)
+        where = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={node.run_id}",
+                 f"--rdzv-conf=is_host={'true' if node.index == 0 else 'false'},"
+                 f"join_timeout={timeout},read_timeout={timeout}"]
+    return [sys.executable, "-m", "torch.distributed.run", *where,
             f"--nproc_per_node={cfg.nproc_per_node}", "-m", "draftsmith.train.worker", str(job)]
 
 

@@ -421,7 +421,25 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
     """Train in this process, or under torchrun with cfg.nproc_per_node processes (always
     under torchrun with train.parallel=fsdp, which shards over a process group even of one). A
     partial directory from a killed attempt is resumed from its last checkpoint, not started
-    over."""
+    over. Several hosts (train.nnodes > 1) train through draftsmith/train/nodes.py instead."""
+    if cfg.nnodes > 1:
+        raise ConfigValueError(
+            f"train.nnodes={cfg.nnodes}: training across hosts runs as one flow run per GPU "
+            "host, in distributed mode (orchestration.mode=distributed, orchestration.gpu_hosts "
+            f"naming at least {cfg.nnodes} GPU host blocks); here, set train.nnodes=1")
+    out = prepare_output(plan)
+    use_compile_cache(cfg, plan)
+    if cfg.nproc_per_node > 1 or cfg.parallel == "fsdp":
+        from draftsmith.train.launch import run_torchrun
+
+        result = run_torchrun(cfg, hidden, merged, target, out, online=online)
+    else:
+        result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online)
+    return finish_train(cfg, plan, result)
+
+
+def prepare_output(plan: StagePlan) -> Path:
+    """The stage directory, kept when a killed attempt left a checkpoint to resume from."""
     if plan.is_complete():
         raise RuntimeError(f"{plan.dir} is already complete; refusing to overwrite it")
     out = plan.dir
@@ -430,15 +448,15 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
 
         shutil.rmtree(out)  # a crashed attempt with nothing to resume from
     out.mkdir(parents=True, exist_ok=True)
-    use_compile_cache(cfg, plan)
-    if cfg.nproc_per_node > 1 or cfg.parallel == "fsdp":
-        from draftsmith.train.launch import run_torchrun
+    return out
 
-        result = run_torchrun(cfg, hidden, merged, target, out, online=online)
-    else:
-        result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online)
+
+def finish_train(cfg: TrainConfig, plan: StagePlan, result: dict) -> Descriptor:
+    """The chart, the resume state removed, the manifest: the stage's output from rank 0's
+    result."""
     from draftsmith.train.charts import plot_metrics
 
+    out = plan.dir
     plot_metrics(result["history"], cfg.ttt_steps, out)
     import shutil
 
