@@ -42,6 +42,7 @@ class SetupOptions:
     # Several GPU hosts: one block, work queue, GPU limit and set of GPU deployments each
     # (draftsmith-<stage>/<host>); the first one first. Empty: the one host gpu_host.
     hosts: list[str] = field(default_factory=list)
+    addresses: dict[str, str] = field(default_factory=dict)  # host -> how the others reach it
     gpu_count: int = 1
     visible_devices: str | None = None
     nccl_env: dict[str, str] = field(default_factory=dict)
@@ -139,8 +140,8 @@ def save_blocks(options: SetupOptions, run_root: str) -> None:
     for name in options.hosts or [options.gpu_host]:
         GpuHost(gpu_count=options.gpu_count, visible_devices=options.visible_devices,
                 nccl_env=options.nccl_env, scratch_path=options.scratch_path,
-                shared_path=options.shared_path or str(Path(run_root).parent)).save(
-            name, overwrite=True)
+                shared_path=options.shared_path or str(Path(run_root).parent),
+                address=options.addresses.get(name)).save(name, overwrite=True)
     if options.endpoint_url:
         secret_name = None
         if options.api_key_env:

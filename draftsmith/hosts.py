@@ -43,6 +43,8 @@ class HostPart(BaseModel):
     run_id: str = Field(..., min_length=1, description=(
         "Names this dispatch of the stage: the proof file, the rendezvous id, the journals."))
     kind: str = Field("range", description="node (of one torchrun job) or range (of the work).")
+    address: str | None = Field(None, description=(
+        "How the other hosts reach this one (torchrun --local-addr); None: its host name."))
 
     @property
     def label(self) -> str:

@@ -115,10 +115,15 @@ def run_parts(config: PipelineConfig, step: Step, parent: str | None = None) -> 
             f"{len(hosts)} GPU host block(s) ({', '.join(hosts)}): name one block per host "
             f"(draftsmith prefect setup --host NAME for each) or lower train.nnodes")
     logger = get_run_logger()
+    addresses = {}
+    if spread.coupled:  # training's nodes tell each other where they are
+        from blocks.gpu_host import GpuHost
+
+        addresses = {host: GpuHost.load(host).address for host in hosts[:count]}
     spread.prepare(config, step.inputs, step.plan)
     run_id = hosts_engine.write_proof(step.plan)
-    parts = [HostPart(index=k, count=count, host=hosts[k], run_id=run_id, kind=spread.kind)
-             for k in range(count)]
+    parts = [HostPart(index=k, count=count, host=hosts[k], run_id=run_id, kind=spread.kind,
+                      address=addresses.get(hosts[k])) for k in range(count)]
     todo = hosts_engine.parts_to_run(step.plan, parts, spread.coupled)
     for part in parts:
         if part not in todo:

@@ -199,10 +199,12 @@ class Journal:
         out: dict[str, Answer] = {}
         for path in self.answer_files():
             if path.is_file():
-                self._read_answers(path, out, own=path == self.answers_path)
+                self.read_answers(path, out, own=path == self.answers_path)
         return out
 
-    def _read_answers(self, path: Path, out: dict[str, Answer], own: bool) -> None:
+    def read_answers(self, path: Path, out: dict[str, Answer], own: bool) -> None:
+        """Add the answers of one journal file to `out` (the first answer of a key wins).
+        own: this writer's file, whose torn last line is cut off."""
         good_bytes = 0
         with open(path, "rb") as f:
             for raw in f:

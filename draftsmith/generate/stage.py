@@ -457,7 +457,7 @@ def answered_by(journal: SourceJournals, run_id: str) -> set[str]:
     for source_journal in journal.journals.values():
         for path in source_journal.dir.glob(f"answers.{run_id}-*.jsonl"):
             partial: dict[str, Answer] = {}
-            source_journal._read_answers(path, partial, own=False)
+            source_journal.read_answers(path, partial, own=False)
             keys |= partial.keys()
     return keys
 

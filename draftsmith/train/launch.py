@@ -55,6 +55,8 @@ def torchrun_argv(cfg: TrainConfig, job: Path, node: HostPart | None = None) -> 
                  f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={node.run_id}",
                  f"--rdzv-conf=is_host={'true' if node.index == 0 else 'false'},"
                  f"join_timeout={timeout},read_timeout={timeout}"]
+        if node.address:  # where the others find this host's ranks (rank 0's store)
+            where.append(f"--local-addr={node.address}")
     return [sys.executable, "-m", "torch.distributed.run", *where,
             f"--nproc_per_node={cfg.nproc_per_node}", "-m", "draftsmith.train.worker", str(job)]
 
