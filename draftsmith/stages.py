@@ -4,10 +4,11 @@
 
 Each entry says what a stage is: its config section, what it reads, whether it needs a GPU,
 the engine function that runs it, what enters its cache key beyond the section's `keyed`
-settings, what it checks before it starts, and how its result reads in a summary and in
-reports. The run plan (draftsmith/plan.py), the Prefect flow and tasks (flows/, tasks/), the GPU
-stage flows and their deployments, and the CLI all read this table. Adding a stage is one entry
-here plus the module that does the work.
+settings, what it checks before it starts, how its result reads in a summary and in
+reports, and how it spreads over several GPU hosts (`Spread`, draftsmith/hosts.py). The
+run plan (draftsmith/plan.py), the Prefect flow and tasks (flows/, tasks/), the GPU stage
+flows and their deployments, and the CLI all read this table. Adding a stage is one entry here
+plus the module that does the work.
 
 Engine modules are imported when a stage runs, not when this table is read: `draftsmith --help`
 and `draftsmith plan` stay fast.

@@ -127,3 +127,17 @@ def test_several_gpu_hosts_each_have_their_deployments_and_train_needs_enough(tm
                                           r"names 2 GPU host block\(s\) \(gpu-a, gpu-b\)"):
         dispatch.run_parts(three, Step(get("train"), plan, {}, "test"))
     assert not plan.dir.exists()  # refused before anything was prepared
+
+
+def test_the_pipeline_form_selects_the_hosts_setup_registered(tmp_path):
+    from deployments.setup import SetupOptions, pipeline_parameters
+    from draftsmith.config import apply_overrides
+
+    options = SetupOptions(hosts=["gpu-a", "gpu-b"])
+    parameters = pipeline_parameters(tmp_path / "kimi.yaml", ["train.nnodes=2"], options)
+    assert parameters["overrides"] == [
+        "orchestration.mode=distributed", "orchestration.gpu_host=gpu-a",
+        "orchestration.gpu_hosts=[gpu-a,gpu-b]", "train.nnodes=2"]
+    raw = apply_overrides({"data": {"sources": [{"name": "a", "path": "x"}]},
+                           "train": {"rdzv_endpoint": "gpu-a:29400"}}, parameters["overrides"])
+    assert parse_config(raw).orchestration.hosts() == ["gpu-a", "gpu-b"]
