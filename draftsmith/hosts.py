@@ -21,6 +21,7 @@ import socket
 import time
 import uuid
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, Field
 
@@ -42,7 +43,8 @@ class HostPart(BaseModel):
     host: str = Field(..., description="The GPU host block of the host that runs this part.")
     run_id: str = Field(..., min_length=1, description=(
         "Names this dispatch of the stage: the proof file, the rendezvous id, the journals."))
-    kind: str = Field("range", description="node (of one torchrun job) or range (of the work).")
+    kind: Literal["node", "range"] = Field(
+        "range", description="node (of one torchrun job) or range (of the work).")
     address: str | None = Field(None, description=(
         "How the other hosts reach this one (torchrun --local-addr); None: its host name."))
 
