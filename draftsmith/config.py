@@ -531,6 +531,19 @@ class TrainConfig(StrictModel):
     checkpoint_every: int = operational(0, ge=0, description=(
         "Also checkpoint every N steps (0: only at epoch ends)."))
     nproc_per_node: int = keyed(1, ge=1, description="Processes (GPUs) under torchrun.")
+    # The world is nnodes x nproc_per_node processes, and the world decides which rows each
+    # optimiser step takes; the train key covers nnodes above 1 (draftsmith/stages.py).
+    nnodes: int = operational(1, ge=1, description=(
+        "GPU hosts joined into one torchrun job by its c10d rendezvous: the first nnodes of "
+        "orchestration.gpu_hosts, one flow run each (distributed mode only). Each runs "
+        "nproc_per_node processes."))
+    rdzv_endpoint: str | None = operational(None, description=(
+        "HOST:PORT of the c10d rendezvous, on the first GPU host of orchestration.gpu_hosts "
+        "(torchrun --rdzv-endpoint); needed when nnodes > 1. The port must be free there and "
+        "reachable from the other hosts."))
+    rdzv_timeout_s: float = operational(900.0, gt=0, description=(
+        "How long a node waits for the others to join the rendezvous (their workers may start "
+        "later, or wait for GPUs) before the stage fails."))
     # What a mode produces enters train's key through its input: the extract stage's key
     # includes the mode (online, it writes only the capture settings the trainer follows).
     mode: Literal["offline", "online"] = operational(
@@ -546,6 +559,18 @@ class TrainConfig(StrictModel):
         if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
             raise ValueError(f"train.step_weights has {len(self.step_weights)} entries but "
                              f"ttt_steps is {self.ttt_steps}: give one weight per step")
+        return self
+
+    @model_validator(mode="after")
+    def _rendezvous_given(self) -> TrainConfig:
+        if self.nnodes == 1:
+            return self
+        host, sep, port = (self.rdzv_endpoint or "").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"train.nnodes={self.nnodes} needs train.rdzv_endpoint=HOST:PORT (got "
+                f"{self.rdzv_endpoint!r}): the address of the first GPU host and a free port "
+                "there, where torchrun's c10d rendezvous joins the nodes, e.g. gpu-a:29400")
         return self
 
     @model_validator(mode="after")
@@ -809,6 +834,27 @@ class OrchestrationConfig(StrictModel):
     poll_interval_s: float = operational(2.0, gt=0, description="How often to poll a child run.")
     endpoint_block: str | None = operational(None, description=(
         "Inference endpoint block that fills generate.endpoint (base URL, model, API key)."))
+    gpu_hosts: list[str] = operational(default_factory=list, description=(
+        "Several GPU hosts: their GPU host blocks, the first one first (training's rendezvous "
+        "runs there). extract and generate (transformers) then split their work into one range "
+        "per host, train runs on the first train.nnodes, the other GPU stages on the first. "
+        "Empty: the one host gpu_host."))
+    shared_storage_wait_s: float = operational(30.0, gt=0, description=(
+        "Before a stage spread over several hosts starts, each host must read back a file the "
+        "pipeline wrote under run_root; a host that does not see it within this long refuses "
+        "(run_root is not storage every host mounts)."))
+
+    def hosts(self) -> list[str]:
+        """The GPU host blocks, in order: gpu_hosts, or the one gpu_host."""
+        return list(self.gpu_hosts) or [self.gpu_host]
+
+    @model_validator(mode="after")
+    def _hosts_distinct(self) -> OrchestrationConfig:
+        repeated = sorted({h for h in self.gpu_hosts if self.gpu_hosts.count(h) > 1})
+        if repeated:
+            raise ValueError(f"orchestration.gpu_hosts names {repeated} more than once: give "
+                             "each GPU host block once (one flow run per host)")
+        return self
 
 
 class RetentionConfig(StrictModel):

@@ -12,11 +12,8 @@ from safetensors.torch import load_file
 
 from draftsmith.artifacts import plan_stage
 from draftsmith.config import (
-    DataConfig,
     DrafterConfig,
     ExtractConfig,
-    GenerateConfig,
-    MergeConfig,
     TargetConfig,
     TrainConfig,
 )
@@ -26,26 +23,9 @@ from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, random_target, random_target_dir):
-    """generate -> merge -> extract once on the random tiny target."""
-    from draftsmith.data.merge import run_merge
-    from draftsmith.extract.stage import run_extract
-    from draftsmith.generate.stage import run_generate
-
-    root = tmp_path_factory.mktemp("train_inputs")
-    target_cfg = TargetConfig(model=str(random_target_dir))
-    data = DataConfig(sources=[
-        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 16},
-        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 16},
-    ])
-    t = random_target
-    gen = run_generate(GenerateConfig(max_new_tokens=8, batch_size=16), data, target_cfg, t,
-                       plan_stage(root, "generate", {}, [t]))
-    merged = run_merge(MergeConfig(max_length=64, validation_fraction=0.25, draft_vocab_size=128),
-                       gen, t, plan_stage(root, "merge", {}, [gen]))
-    hidden = run_extract(ExtractConfig(shard_tokens=400), target_cfg, merged, t,
-                         plan_stage(root, "extract", {}, [merged]))
-    return {"hidden": hidden, "merged": merged, "target": t}
+def inputs(train_inputs):
+    """generate -> merge -> extract once on the random tiny target (tests/conftest.py)."""
+    return train_inputs
 
 
 def train(inputs, root, cfg: TrainConfig, drafter: DrafterConfig | None = None):
@@ -283,9 +263,8 @@ def run_in(inputs, out, cfg: TrainConfig) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(inputs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    return run_in(inputs, out, torchrun_cfg()), out
+def ddp_run(one_host_two_processes):
+    return one_host_two_processes  # tests/conftest.py: shared with tests/test_multi_host.py
 
 
 @pytest.fixture(scope="module")

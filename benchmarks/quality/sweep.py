@@ -342,20 +342,21 @@ def answers_source(out: Path, n: int) -> list[dict]:
 def share_the_gpu() -> None:
     """The sweep runs several jobs on one GPU at once, by design: the stages' check that no
     other process holds the GPUs (meant for a server's devices) is turned off here."""
-    import draftsmith.serve.gpus as gpus
+    import draftsmith.preflight as preflight
 
-    gpus.require_free_gpus = lambda *args, **kwargs: None
+    preflight.require_free_stage_gpus = lambda *args, **kwargs: None
 
 
 def prepared(cfg, target, n: int, out: Path) -> None:
-    """generate and merge of a size, once: jobs of one size wait on its lock, so only the
-    first computes them and the others find them cached."""
+    """generate, merge and (online: the capture settings) extract of a size, once: jobs of
+    one size wait on its lock, so only the first computes them and the others find them
+    cached."""
     from filelock import FileLock
 
     from draftsmith.plan import run_in_process
 
     with FileLock(str(out / f"answers-{n}.lock")):
-        run_in_process(cfg, target, ["generate", "merge"])
+        run_in_process(cfg, target, ["generate", "merge", "extract"])
 
 
 def job_train(a: dict, name: str, n: int, epochs: int, drafter: dict) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from draftsmith.artifacts import Descriptor, atomic_write_json
 from draftsmith.config import TrainConfig
 from draftsmith.errors import InputError, WorkerCrashError
+from draftsmith.hosts import HostPart
 from draftsmith.serve.process import ManagedProcess
 
 log = logging.getLogger(__name__)
@@ -42,9 +43,35 @@ class TrainInputError(InputError, TrainLaunchError):
     every attempt fails the same way."""
 
 
-def torchrun_argv(cfg: TrainConfig, job: Path) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+def torchrun_argv(cfg: TrainConfig, job: Path, node: HostPart | None = None) -> list[str]:
+    """One host's torchrun. Alone: a standalone rendezvous. As `node` of cfg.nnodes hosts:
+    the c10d rendezvous at cfg.rdzv_endpoint, whose store the first host serves (is_host; the
+    others only connect). c10d numbers the nodes itself (it ignores --node-rank), so no
+    node's rank is assumed: rank 0 writes to the shared run root wherever it runs."""
+    where = ["--standalone"]
+    if node is not None:
+        timeout = int(cfg.rdzv_timeout_s)
+        where = [f"--nnodes={cfg.nnodes}", "--rdzv-backend=c10d",
+                 f"--rdzv-endpoint={cfg.rdzv_endpoint}", f"--rdzv-id={node.run_id}",
+                 f"--rdzv-conf=is_host={'true' if node.index == 0 else 'false'},"
+                 f"join_timeout={timeout},read_timeout={timeout}"]
+        if node.address:  # where the others find this host's ranks (rank 0's store)
+            where.append(f"--local-addr={node.address}")
+    return [sys.executable, "-m", "torch.distributed.run", *where,
             f"--nproc_per_node={cfg.nproc_per_node}", "-m", "draftsmith.train.worker", str(job)]
+
+
+def write_job(job: Path, cfg: TrainConfig, hidden: Descriptor, merged: Descriptor,
+              target: Descriptor, out: Path, online=None, drafter_settings=None) -> None:
+    """What every rank reads (`draftsmith.train.worker`): the settings and input descriptors."""
+    atomic_write_json(job, {"train": cfg.model_dump(), "hidden": hidden.model_dump(mode="json"),
+                            "merged": merged.model_dump(mode="json"),
+                            "target": target.model_dump(mode="json"), "out": str(out),
+                            "online": None if online is None else {
+                                "extract": online.extract.model_dump(),
+                                "target": online.target.model_dump()},
+                            "drafter": None if drafter_settings is None
+                            else drafter_settings.model_dump()})
 
 
 def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: Descriptor,
@@ -60,14 +87,7 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
     result_path.unlink(missing_ok=True)
     for stale in out.glob(INPUT_ERROR_FILE.format(rank="*")):
         stale.unlink()
-    atomic_write_json(job, {"train": cfg.model_dump(), "hidden": hidden.model_dump(mode="json"),
-                            "merged": merged.model_dump(mode="json"),
-                            "target": target.model_dump(mode="json"), "out": str(out),
-                            "online": None if online is None else {
-                                "extract": online.extract.model_dump(),
-                                "target": online.target.model_dump()},
-                            "drafter": None if drafter_settings is None
-                            else drafter_settings.model_dump()})
+    write_job(job, cfg, hidden, merged, target, out, online, drafter_settings)
     env = {"OMP_NUM_THREADS": "1"} if not cfg.device.startswith("cuda") else {}
     process = ManagedProcess(torchrun_argv(cfg, job), out / LOG_FILE, env=env, name="torchrun")
     try:
