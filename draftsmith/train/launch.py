@@ -78,7 +78,8 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
         raise
     code = process.exit_code()
     process.stop(grace_s=10)  # stragglers of the group, and the reader thread
-    if code != 0 or not result_path.is_file():
+    result = finished_result(result_path)
+    if result is None:
         input_errors = sorted(out.glob(INPUT_ERROR_FILE.format(rank="*")))
         if input_errors:  # a rank refused its input: the same on every attempt
             error = json.loads(input_errors[0].read_text())
@@ -89,9 +90,27 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
                               + (f"; a worker failed with {cause}" if cause else "")
                               + f"; the last lines of {out / LOG_FILE}:\n"
                               + process.recent_output())
-    result = json.loads(result_path.read_text())
+    if code != 0:  # every rank had finished and the result was on disk: keep it
+        log.warning("train: torchrun exited with code %s after all %d ranks had finished the "
+                    "run (%s records them); the result is kept, nothing is trained again. "
+                    "See %s", code, result["world"], RESULT_FILE, out / LOG_FILE)
+    result["torchrun_exit_code"] = code
     result_path.unlink()
     job.unlink()
+    return result
+
+
+def finished_result(path: Path) -> dict | None:
+    """Rank 0's result, only if it records that every rank finished (draftsmith/train/worker.py
+    writes it, atomically, after a collective that every rank joins once its share of the run
+    is done): None when there is none or it records fewer ranks."""
+    try:
+        result = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    world = result.get("world")
+    if not isinstance(world, int) or result.get("ranks_finished") != list(range(world)):
+        return None
     return result
 
 
