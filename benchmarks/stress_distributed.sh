@@ -8,6 +8,10 @@
 #                this checkout. The driver (benchmarks/stress_distributed.py) is this checkout's.
 #   BURNERS=N    CPU burners to start (default 2); TASKSET=CPUS pins burners and training
 #                (e.g. TASKSET=0 for one core); MODES=ddp-offline,fsdp-offline,... (default all).
+#   SETSID=1     each burner in a session of its own. With the kernel's autogroup scheduling
+#                (/proc/sys/kernel/sched_autogroup_enabled) the processes of one session share
+#                one CPU share, and torchrun runs in a session of its own: burners started
+#                from one shell weigh as one task against it.
 #   CORES=1      an aborted rank dumps core; gdb's backtrace of its threads goes into the output.
 #   PROBE=1      each rank reports the gloo worker threads it still runs after Dist.close
 #                (benchmarks/stress_probe_worker.py).
@@ -31,14 +35,16 @@ stop() {
   rm -rf "$work"
 }
 trap stop EXIT
+own=(); [ -n "${SETSID:-}" ] && own=(setsid)
 for _ in $(seq "$burners"); do
-  "${pin[@]}" python3 -c "while True: pass" &
+  "${own[@]}" "${pin[@]}" python3 -c "while True: pass" &
   pids+=($!)
 done
 
 {
   echo "# $(date -u +%FT%TZ) $(nproc) cores, $(free -g | awk '/^Mem/ {print $2}') GiB;" \
-       "$burners burners${TASKSET:+ pinned to CPU $TASKSET}; code $code at" \
+       "$burners burners${SETSID:+, each in its own session}${TASKSET:+, pinned to CPU $TASKSET};" \
+       "autogroup $(cat /proc/sys/kernel/sched_autogroup_enabled 2> /dev/null || echo n/a); code $code at" \
        "$(git -C "$code" rev-parse --short HEAD); load average $(cut -d' ' -f1-3 /proc/loadavg)"
   # faulthandler prints every Python thread's stack when a rank dies by SIGABRT.
   PYTHONPATH=$code PYTHONFAULTHANDLER=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
