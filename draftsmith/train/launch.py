@@ -90,31 +90,65 @@ def run_torchrun(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, targe
     write_job(job, cfg, hidden, merged, target, out, online, drafter_settings)
     env = {"OMP_NUM_THREADS": "1"} if not cfg.device.startswith("cuda") else {}
     process = ManagedProcess(torchrun_argv(cfg, job), out / LOG_FILE, env=env, name="torchrun")
+    code = wait_for(process, on_start, poll_s)
+    result = finished_result(result_path)
+    if result is None:
+        raise launch_failure(out, out / LOG_FILE, code, process)
+    if code != 0:  # every rank had finished and the result was on disk: keep it
+        log.warning("train: torchrun exited with code %s after all %d ranks had finished the "
+                    "run (%s records them); the result is kept, nothing is trained again. "
+                    "See %s", code, result["world"], RESULT_FILE, out / LOG_FILE)
+    result["torchrun_exit_code"] = code
+    result_path.unlink()
+    job.unlink()
+    return result
+
+
+def wait_for(process: ManagedProcess, on_start: Callable[[ManagedProcess], None] | None = None,
+             poll_s: float = 0.5) -> int:
+    """Start torchrun, wait for it to exit and return its exit code. Cancellation
+    (KeyboardInterrupt, a task cancel) kills its whole process group too."""
     try:
         process.start()
         if on_start:
             on_start(process)
         while process.exit_code() is None:
             time.sleep(poll_s)
-    except BaseException:  # cancellation (KeyboardInterrupt, task cancel) kills the group too
+    except BaseException:
         process.stop(grace_s=10)
         raise
     code = process.exit_code()
     process.stop(grace_s=10)  # stragglers of the group, and the reader thread
-    if code != 0 or not result_path.is_file():
-        input_errors = sorted(out.glob(INPUT_ERROR_FILE.format(rank="*")))
-        if input_errors:  # a rank refused its input: the same on every attempt
-            error = json.loads(input_errors[0].read_text())
-            raise TrainInputError(f"train: {error['type']}: {error['message']} (torchrun exited "
-                                  f"with code {code}; log {out / LOG_FILE})")
-        cause = worker_error(out / LOG_FILE)
-        raise TrainCrashError(f"torchrun exited with code {code}"
-                              + (f"; a worker failed with {cause}" if cause else "")
-                              + f"; the last lines of {out / LOG_FILE}:\n"
-                              + process.recent_output())
-    result = json.loads(result_path.read_text())
-    result_path.unlink()
-    job.unlink()
+    return code
+
+
+def launch_failure(out: Path, log_path: Path, code: int | None, process: ManagedProcess,
+                   where: str = "", hint: str = "") -> TrainLaunchError:
+    """Why a job left no finished result: a rank's refused input (the same on every attempt)
+    or a crash (another attempt resumes from the last checkpoint)."""
+    input_errors = sorted(out.glob(INPUT_ERROR_FILE.format(rank="*")))
+    if input_errors:
+        error = json.loads(input_errors[0].read_text())
+        return TrainInputError(f"train{where}: {error['type']}: {error['message']} (torchrun "
+                               f"exited with code {code}; log {log_path})")
+    cause = worker_error(log_path)
+    return TrainCrashError(f"train{where}: torchrun exited with code {code}"
+                           + (f"; a worker failed with {cause}" if cause else "")
+                           + hint + f"; the last lines of {log_path}:\n"
+                           + process.recent_output())
+
+
+def finished_result(path: Path) -> dict | None:
+    """Rank 0's result, only if it records that every rank finished (draftsmith/train/worker.py
+    writes it, atomically, after a collective that every rank joins once its share of the run
+    is done): None when there is none or it records fewer ranks."""
+    try:
+        result = json.loads(path.read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    world = result.get("world")
+    if not isinstance(world, int) or result.get("ranks_finished") != list(range(world)):
+        return None
     return result
 
 

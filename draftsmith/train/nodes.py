@@ -17,7 +17,6 @@ rendezvous and resume from the last checkpoint.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -31,10 +30,11 @@ from draftsmith.train.launch import (
     INPUT_ERROR_FILE,
     RESULT_FILE,
     TrainCrashError,
-    TrainInputError,
     check_devices,
+    finished_result,
+    launch_failure,
     torchrun_argv,
-    worker_error,
+    wait_for,
     write_job,
 )
 from draftsmith.train.trainer import OnlineInputs, finish_train, prepare_output, use_compile_cache
@@ -78,32 +78,17 @@ def run_node(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: D
     process = ManagedProcess(torchrun_argv(cfg, job, node), out / log_file(node.index),
                              env=env, name=f"torchrun node {node.index}")
     started = time.monotonic()
-    try:
-        process.start()
-        if on_start:
-            on_start(process)
-        while process.exit_code() is None:
-            time.sleep(poll_s)
-    except BaseException:  # cancellation (the pipeline cancels the other nodes) kills it too
-        process.stop(grace_s=10)
-        raise
-    code = process.exit_code()
-    process.stop(grace_s=10)
+    code = wait_for(process, on_start, poll_s)  # cancellation (of the pipeline) kills it too
     if code != 0:
-        # Another node's rank may have written it: the stage directory is shared.
-        input_errors = sorted(out.glob(INPUT_ERROR_FILE.format(rank="*")))
-        if input_errors:
-            error = json.loads(input_errors[0].read_text())
-            raise TrainInputError(f"train {node.where()}: {error['type']}: {error['message']} "
-                                  f"(torchrun exited with code {code}; log "
-                                  f"{out / log_file(node.index)})")
-        cause = worker_error(out / log_file(node.index))
-        raise TrainCrashError(
-            f"train {node.where()}: torchrun exited with code {code}"
-            + (f"; a worker failed with {cause}" if cause else "")
-            + "; a node of the job failed or was lost (each node's log is "
-            f"train.node<i>.log in {out}); a retry resumes from the last checkpoint. The last "
-            f"lines of {out / log_file(node.index)}:\n" + process.recent_output())
+        # The stage directory is shared: rank 0's result may have been written on another node.
+        if finished_result(out / RESULT_FILE) is None:
+            raise launch_failure(
+                out, out / log_file(node.index), code, process, where=f" {node.where()}",
+                hint="; a node of the job failed or was lost (each node's log is "
+                     f"train.node<i>.log in {out}); a retry resumes from the last checkpoint")
+        log.warning("train %s: torchrun exited with code %s after every rank had finished "
+                    "the run (%s records them); the result is kept, nothing is trained again",
+                    node.where(), code, RESULT_FILE)
     return {"node": node.index, "host": node.host, "seconds": round(time.monotonic() - started, 1)}
 
 
@@ -112,11 +97,11 @@ def join_nodes(cfg: TrainConfig, plan: StagePlan,
     """Every node finished: the stage's output from rank 0's result."""
     out = plan.dir
     result_path = out / RESULT_FILE
-    if not result_path.is_file():
-        raise TrainCrashError(f"train: every node finished but {result_path} is missing (rank "
-                              "0 writes it last); run the stage again: it resumes from the "
-                              "last checkpoint")
-    result = json.loads(result_path.read_text())
+    result = finished_result(result_path)
+    if result is None:
+        raise TrainCrashError(f"train: every node finished but {result_path} is missing or "
+                              "does not record every rank (rank 0 writes it last); run the "
+                              "stage again: it resumes from the last checkpoint")
     result_path.unlink()
     for job in out.glob(job_file("*")):
         job.unlink()

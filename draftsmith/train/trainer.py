@@ -483,8 +483,10 @@ def finish_train(cfg: TrainConfig, plan: StagePlan, result: dict,
     best = result["best"]
     log.info("train: best epoch %d, validation tau %.3f, acceptance replayed %.3f",
              result["best_epoch"], best["tau"], best.get("acceptance_replayed", float("nan")))
+    ranks = {k: result[k] for k in ("ranks_finished", "torchrun_exit_code") if k in result}
     return finish_stage(
         plan,
         counts={"steps": result["steps"], "epochs": result["best_epoch"] + 1},
         figures={k: round(v, 4) for k, v in best.items() if k not in ("split", "step", "epoch")},
+        extra=ranks or None,  # under torchrun: every rank finished (how torchrun exited)
     )
