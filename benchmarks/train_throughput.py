@@ -135,11 +135,14 @@ class Setup:
                                   t2d, target_head=head.float())
         self.lm_head = lm_head
         if args.parallel == "fsdp":
+            from torch.distributed.device_mesh import init_device_mesh
+
             from draftsmith.train.fsdp import shard_drafter
 
             init_world_of_one(device)
             drafter.lm_head.weight.requires_grad_(lm_head == "trainable")
-            shard_drafter(drafter, torch.bfloat16, torch.device(device), world=1)
+            shard_drafter(drafter, torch.bfloat16, init_device_mesh(torch.device(device).type,
+                                                                    (1,)))
         else:
             with torch.no_grad():
                 for p in drafter.parameters():

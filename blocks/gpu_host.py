@@ -24,6 +24,10 @@ class GpuHost(Block):
     scratch_path: str = Field("/tmp", description="Fast local disk for temporary files.")
     shared_path: str = Field(
         ..., description="Storage both pools see; run_root must live under it.")
+    address: str | None = Field(
+        None, description="With several GPU hosts: how the others reach this one (a host name "
+        "they resolve, or an IP), given to torchrun as --local-addr when it trains as one of "
+        "several nodes. Default: the host's fully qualified name.")
 
     def devices(self) -> str:
         return self.visible_devices or ",".join(str(i) for i in range(self.gpu_count))

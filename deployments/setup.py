@@ -39,6 +39,10 @@ class SetupOptions:
     cpu_pool: str = "cpu"
     gpu_pool: str = "gpu"
     gpu_host: str = "gpu-host"
+    # Several GPU hosts: one block, work queue, GPU limit and set of GPU deployments each
+    # (draftsmith-<stage>/<host>); the first one first. Empty: the one host gpu_host.
+    hosts: list[str] = field(default_factory=list)
+    addresses: dict[str, str] = field(default_factory=dict)  # host -> how the others reach it
     gpu_count: int = 1
     visible_devices: str | None = None
     nccl_env: dict[str, str] = field(default_factory=dict)
@@ -133,10 +137,11 @@ def save_blocks(options: SetupOptions, run_root: str) -> None:
 
     GpuHost.register_type_and_schema()
     InferenceEndpoint.register_type_and_schema()
-    GpuHost(gpu_count=options.gpu_count, visible_devices=options.visible_devices,
-            nccl_env=options.nccl_env, scratch_path=options.scratch_path,
-            shared_path=options.shared_path or str(Path(run_root).parent)).save(
-        options.gpu_host, overwrite=True)
+    for name in options.hosts or [options.gpu_host]:
+        GpuHost(gpu_count=options.gpu_count, visible_devices=options.visible_devices,
+                nccl_env=options.nccl_env, scratch_path=options.scratch_path,
+                shared_path=options.shared_path or str(Path(run_root).parent),
+                address=options.addresses.get(name)).save(name, overwrite=True)
     if options.endpoint_url:
         secret_name = None
         if options.api_key_env:
@@ -157,7 +162,9 @@ def pipeline_parameters(config_path: Path, overrides: list[str],
     """The pipeline deployment's default parameters (the UI form's defaults): the config file,
     and the overrides that select distributed mode on this GPU host before the user's own."""
     orchestration = ["orchestration.mode=distributed",
-                     f"orchestration.gpu_host={options.gpu_host}"]
+                     f"orchestration.gpu_host={(options.hosts or [options.gpu_host])[0]}"]
+    if options.hosts:
+        orchestration.append(f"orchestration.gpu_hosts=[{','.join(options.hosts)}]")
     if options.endpoint_url:
         orchestration.append(f"orchestration.endpoint_block={options.endpoint_block}")
     return {"config": str(Path(config_path).resolve()), "overrides": orchestration + overrides}
@@ -183,7 +190,8 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
         options.endpoint_block = "inference-endpoint"
     config = config.model_copy(deep=True)
     config.orchestration.mode = "distributed"
-    config.orchestration.gpu_host = options.gpu_host
+    config.orchestration.gpu_host = (options.hosts or [options.gpu_host])[0]
+    config.orchestration.gpu_hosts = list(options.hosts)
     if options.endpoint_url:
         config.orchestration.endpoint_block = options.endpoint_block
 
@@ -191,8 +199,9 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
         _ensure_pool(client, options.cpu_pool, "draftsmith: the pipeline flow and CPU stages")
         _ensure_pool(client, options.gpu_pool, "draftsmith: GPU stages, on the GPU host")
         save_blocks(options, config.run_root)
-        host = GpuHost.load(options.gpu_host)
-        _ensure_limit(client, concurrency_limit_name(options.gpu_host), host.gpu_count)
+        host_blocks = {name: GpuHost.load(name) for name in options.hosts or [options.gpu_host]}
+        for name, host in host_blocks.items():
+            _ensure_limit(client, concurrency_limit_name(name), host.gpu_count)
     if options.zombie_after_s:
         ensure_zombie_detection(options.zombie_after_s)
 
@@ -224,12 +233,24 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
         tags=["draftsmith"])
     ids[f"{pipeline.name}/{PIPELINE_DEPLOYMENT}"] = str(deployment.apply())
     for flow_ in STAGE_FLOWS.values():
-        stage_deployment = flow_.to_deployment(
-            config.orchestration.gpu_deployment, work_pool_name=options.gpu_pool,
-            job_variables={"env": {**LOG_ENV, **host.job_env()}},
-            entrypoint_type=EntrypointType.MODULE_PATH, tags=["draftsmith", "gpu"])
-        ids[f"{flow_.name}/{config.orchestration.gpu_deployment}"] = str(
-            stage_deployment.apply())
+        if not options.hosts:  # one GPU host: the pool's default queue
+            host = host_blocks[options.gpu_host]
+            stage_deployment = flow_.to_deployment(
+                config.orchestration.gpu_deployment, work_pool_name=options.gpu_pool,
+                job_variables={"env": {**LOG_ENV, **host.job_env()}},
+                entrypoint_type=EntrypointType.MODULE_PATH, tags=["draftsmith", "gpu"])
+            ids[f"{flow_.name}/{config.orchestration.gpu_deployment}"] = str(
+                stage_deployment.apply())
+            continue
+        # Several: each host's deployment goes to its own work queue, which only that host's
+        # worker polls (prefect worker start --pool gpu --work-queue HOST).
+        for name, host in host_blocks.items():
+            stage_deployment = flow_.to_deployment(
+                name, work_pool_name=options.gpu_pool, work_queue_name=name,
+                parameters={"host": name},
+                job_variables={"env": {**LOG_ENV, **host.job_env()}},
+                entrypoint_type=EntrypointType.MODULE_PATH, tags=["draftsmith", "gpu", name])
+            ids[f"{flow_.name}/{name}"] = str(stage_deployment.apply())
     for name in ids:
         log.info("deployment %s", name)
     return ids

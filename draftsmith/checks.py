@@ -61,6 +61,7 @@ def check_config(config: PipelineConfig, deep: bool = False) -> list[Finding]:
     check_ports(checks, config)
     check_endpoint(checks, config)
     check_devices(checks, config)
+    check_hosts(checks, config)
     check_run_root(checks, config)
     check_init_from(checks, config)
     if deep:
@@ -356,6 +357,25 @@ def check_devices(checks: Checks, config: PipelineConfig) -> None:
                                 "GPU(s) are visible here")
     else:
         checks.ok("devices", f"{count} CUDA device(s) visible")
+
+
+def check_hosts(checks: Checks, config: PipelineConfig) -> None:
+    """Training across hosts: enough GPU hosts, and distributed mode (where one flow run per
+    host starts them)."""
+    nodes, hosts = config.train.nnodes, config.orchestration.hosts()
+    if nodes == 1:
+        return
+    if config.orchestration.mode != "distributed":
+        checks.warn("hosts", f"train.nnodes={nodes}: training across hosts runs in distributed "
+                             "mode only (the pipeline deployment that draftsmith prefect setup "
+                             "--host ... creates selects it); draftsmith run refuses it")
+    elif nodes > len(hosts):
+        checks.error("hosts", f"train.nnodes={nodes} but orchestration.gpu_hosts names "
+                              f"{len(hosts)} GPU host block(s) ({', '.join(hosts)}): name one "
+                              "per host, or lower train.nnodes")
+    else:
+        checks.ok("hosts", f"train on {', '.join(hosts[:nodes])}, rendezvous at "
+                           f"{config.train.rdzv_endpoint}")
 
 
 def check_run_root(checks: Checks, config: PipelineConfig) -> None:

@@ -400,11 +400,24 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
     return out
 
 
+def _hosts(items: list[str] | None) -> dict[str, str | None]:
+    """--host NAME or NAME=ADDRESS, in order."""
+    out: dict[str, str | None] = {}
+    for item in items or []:
+        name, _, address = item.partition("=")
+        if not name or name in out:
+            console.print(f"[red]--host {item!r}: expected NAME or NAME=ADDRESS, each name "
+                          "once, e.g. --host gpu-a=10.0.0.1 --host gpu-b=10.0.0.2[/red]")
+            raise typer.Exit(2)
+        out[name] = address or None
+    return out
+
+
 @prefect_app.command("setup")
 def prefect_setup(
     config: Annotated[Path, typer.Argument(
-        help="Pipeline YAML: the deployment's default parameters (the UI form).")] = EXAMPLES
-    / "tiny.yaml",
+        help="Pipeline YAML: the deployment's default parameters (the UI form).",
+        show_default="examples/tiny.yaml")] = EXAMPLES / "tiny.yaml",
     gpus: Annotated[int, typer.Option(help="GPUs on the GPU host (concurrency slots).")] = 1,
     visible_devices: Annotated[str | None, typer.Option(
         help="CUDA_VISIBLE_DEVICES of GPU stages; default 0..gpus-1.")] = None,
@@ -415,6 +428,12 @@ def prefect_setup(
         help="Storage both pools see (run_root lives under it); default run_root's parent."
     )] = None,
     gpu_host: Annotated[str, typer.Option(help="Name of the GPU host block.")] = "gpu-host",
+    host: Annotated[list[str] | None, typer.Option(
+        help="Several GPU hosts: NAME or NAME=ADDRESS, one per host, first host first "
+             "(repeatable). Each gets a GPU host block, a work queue of the gpu pool and its "
+             "own GPU deployments; ADDRESS is how the other hosts reach it (torchrun "
+             "--local-addr).")
+    ] = None,
     cron: Annotated[str | None, typer.Option(
         help="Cron schedule of the pipeline, e.g. '0 3 * * *' (paused unless --cron-active).")
     ] = None,
@@ -434,7 +453,11 @@ def prefect_setup(
     from deployments.setup import SetupOptions, setup
 
     pipeline_config = _load(config, set_)
-    options = SetupOptions(gpu_host=gpu_host, gpu_count=gpus, visible_devices=visible_devices,
+    hosts = _hosts(host)
+    options = SetupOptions(gpu_host=gpu_host, hosts=list(hosts),
+                           addresses={name: address for name, address in hosts.items() if address},
+                           gpu_count=gpus,
+                           visible_devices=visible_devices,
                            nccl_env=_pairs(nccl, "--nccl"), scratch_path=scratch,
                            shared_path=shared, cron=cron, cron_active=cron_active,
                            endpoint_url=endpoint_url, endpoint_model=endpoint_model,
@@ -446,6 +469,11 @@ def prefect_setup(
         raise typer.Exit(2) from None
     for name, deployment_id in ids.items():
         print(f"{name}\t{deployment_id}")
+    if host:
+        console.print("[green]ready[/green]: start `prefect worker start --pool cpu` anywhere "
+                      "and, on each GPU host, `prefect worker start --pool gpu --work-queue "
+                      "HOST` with its block's name (" + ", ".join(hosts) + ")")
+        return
     console.print("[green]ready[/green]: start `prefect worker start --pool cpu` anywhere and "
                   "`prefect worker start --pool gpu` on the GPU host")
 

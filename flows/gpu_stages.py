@@ -20,6 +20,7 @@ from blocks.gpu_host import GpuHost, concurrency_limit_name  # noqa: E402
 from draftsmith import stages  # noqa: E402
 from draftsmith.artifacts import Descriptor, StagePlan  # noqa: E402
 from draftsmith.config import PipelineConfig  # noqa: E402
+from draftsmith.hosts import HostPart  # noqa: E402
 from draftsmith.logs import configure_logging  # noqa: E402
 from draftsmith.plan import stage_plan  # noqa: E402
 from draftsmith.serve import process as child_processes  # noqa: E402
@@ -27,6 +28,7 @@ from draftsmith.serve import servers  # noqa: E402
 from draftsmith.stages import Stage  # noqa: E402
 from flows.dispatch import flow_name  # noqa: E402
 from flows.pipeline import run_stage_task  # noqa: E402
+from tasks.stages import part_task_for  # noqa: E402
 
 
 def gpus_in_use(host: GpuHost) -> int:
@@ -39,21 +41,34 @@ def gpus_in_use(host: GpuHost) -> int:
 
 
 def run_gpu_stages(names: list[str], config: PipelineConfig, inputs: dict[str, Descriptor],
-                   plan: StagePlan | None = None) -> dict[str, dict]:
+                   plan: StagePlan | None = None, host_block: str | None = None,
+                   part: HostPart | None = None) -> dict[str, dict]:
     """Run `names` in order in this flow run; `plan`: the parent's plan of the first (the
-    others are planned here, on the outputs before them)."""
-    configure_logging(log_file=Path(config.run_root) / "draftsmith.log", console=False)
+    others are planned here, on the outputs before them). host_block: the GPU host this run
+    is pinned to (default the first of the config's). part: this host's part of a stage
+    spread over several hosts (the stage's part task runs instead of its task)."""
+    # The log file is the host's own: draftsmith.log on a shared run root has one writer.
+    configure_logging(log_file=Path(config.run_root) / (
+        "draftsmith.log" if part is None else f"draftsmith.{part.host}.log"), console=False)
     logger = get_run_logger()
-    host = GpuHost.load(config.orchestration.gpu_host)
+    block = host_block or (part.host if part else config.orchestration.hosts()[0])
+    host = GpuHost.load(block)
     for key, value in host.nccl_env.items():  # the job variables set them; a manual run too
         os.environ.setdefault(key, value)
     slots = gpus_in_use(host)
-    limit = concurrency_limit_name(config.orchestration.gpu_host)
+    limit = concurrency_limit_name(block)
     out = dict(inputs)
     results: dict[str, dict] = {}
-    logger.info("%s: waiting for %d GPU slot(s) of %s", "+".join(names), slots, limit)
+    logger.info("%s%s: waiting for %d GPU slot(s) of %s", "+".join(names),
+                f" {part.label}" if part else "", slots, limit)
     try:
         with concurrency(limit, occupy=slots, strict=True) if slots else nullcontext():
+            if part is not None:
+                stage = stages.get(names[0])
+                assert plan is not None, "a part runs on the plan the pipeline made"
+                report = part_task_for(stage)(plan, config,
+                                              {n: out[n] for n in stage.stage_inputs()}, part)
+                return {stage.name: {"state": "Completed", "part": report}}
             for index, name in enumerate(names):
                 stage = stages.get(name)
                 planned = plan if index == 0 and plan is not None else \
@@ -80,9 +95,10 @@ def stage_flow(stage: Stage) -> Flow:
     index = stages.names().index(stage.name)
 
     def body(config: PipelineConfig, inputs: dict[str, Descriptor],
-             plan: StagePlan | None = None, with_next: bool = False) -> dict[str, dict]:
+             plan: StagePlan | None = None, with_next: bool = False,
+             host: str | None = None, part: HostPart | None = None) -> dict[str, dict]:
         names = stages.names()[index: index + 2] if with_next else [stage.name]
-        return run_gpu_stages(names, config, inputs, plan)
+        return run_gpu_stages(names, config, inputs, plan, host, part)
 
     body.__name__ = body.__qualname__ = f"{stage.name}_flow"
     body.__module__ = __name__

@@ -52,18 +52,27 @@ Engine = DeployConfig.model_fields["engine"].annotation
 
 
 def run_stage_task(config: PipelineConfig, stage: Stage, plan: StagePlan,
-                   inputs: Inputs) -> State:
+                   inputs: Inputs, joined_run: str | None = None) -> State:
     """Run one stage's task in this process; the same call in local mode and inside a GPU
     stage flow, so caching is the same in both. A live output (a server) is never taken from
-    the cache, and neither is one whose directory has gone."""
+    the cache, and neither is one whose directory has gone. joined_run: the stage's parts
+    ran on several GPU hosts (that run id): the task joins their output."""
     refresh = stage.live(config) or not plan.is_complete()
     return task_for(stage).with_options(refresh_cache=refresh)(plan, config, inputs,
-                                                               return_state=True)
+                                                               joined_run, return_state=True)
 
 
 def execute(run: RunPlan, step: Step, run_name: str | None) -> None:
-    """Run a step here, or as a child run on the gpu pool; record what it wrote."""
+    """Run a step here, or as a child run on the gpu pool (one per GPU host when the stage
+    is spread over several, then joined here); record what it wrote."""
     logger = get_run_logger()
+    if dispatch.is_spread(run.config, step.stage) and not step.plan.is_complete():
+        joined_run = dispatch.run_parts(run.config, step, run_name)
+        state = run_stage_task(run.config, step.stage, step.plan, step.inputs, joined_run)
+        run.record(step.name, state.name, state.result())
+        logger.info("stage %s: %s on %d GPU hosts (%s)", step.name, state.name,
+                    step.stage.parts(run.config), run.outputs[step.name].path)
+        return
     if dispatch.is_remote(run.config, step.stage) and (
             step.stage.live(run.config) or not step.plan.is_complete()):
         states = dispatch.run_remote(run.config, step, run_name)

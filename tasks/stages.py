@@ -19,11 +19,13 @@ from prefect.artifacts import (
     create_table_artifact,
     update_progress_artifact,
 )
+from prefect.cache_policies import NO_CACHE
 
 from draftsmith import progress as engine_progress
 from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
 from draftsmith.config import PipelineConfig, TargetConfig
 from draftsmith.errors import worth_retrying
+from draftsmith.hosts import HostPart, check_shared
 from draftsmith.stages import Inputs, Report, Stage, artifact_key
 
 
@@ -92,15 +94,20 @@ def secret_value(name: str | None) -> str | None:
     return Secret.load(name).get()
 
 
-def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig,
-              inputs: Inputs) -> Descriptor:
-    """The body of every stage task."""
+def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inputs,
+              joined_run: str | None = None) -> Descriptor:
+    """The body of every stage task. joined_run: the stage ran as parts on several GPU hosts
+    (that run id); here its output is joined from theirs."""
     # A retry, or a rerun after Prefect's cache was cleared, finds the finished directory; a
     # live output (a server) is checked against the server by the engine instead.
     if plan.is_complete() and not stage.live(config):
         get_run_logger().info("%s: complete output found at %s, reusing it", stage.name,
                               plan.dir)
         descriptor = read_descriptor(plan)
+    elif joined_run is not None and stage.spread is not None:
+        get_run_logger().info("%s: joining the output of its %d hosts", stage.name,
+                              stage.parts(config))
+        descriptor = stage.spread.finish(config, inputs, plan, joined_run)
     else:
         stage.preflight(config, inputs, plan)
         secret = secret_value(stage.secret(config))
@@ -114,14 +121,58 @@ def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig,
 
 
 def stage_task(stage: Stage) -> Task:
-    def body(plan: StagePlan, config: PipelineConfig, inputs: Inputs) -> Descriptor:
-        return run_stage(stage, plan, config, inputs)
+    def body(plan: StagePlan, config: PipelineConfig, inputs: Inputs,
+             joined_run: str | None = None) -> Descriptor:
+        return run_stage(stage, plan, config, inputs, joined_run)
 
     body.__name__ = body.__qualname__ = f"{stage.name}_task"
     body.__doc__ = f"{stage.name}: {stage.what} ({stage.module})."
     return task(body, name=stage.label, cache_key_fn=plan_cache_key, persist_result=True,
                 retries=stage.retries, retry_delay_seconds=[5, 30],
                 retry_condition_fn=retry_unless_hopeless)
+
+
+def run_part(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inputs,
+             part: HostPart) -> dict:
+    """The body of every part task: one GPU host's part of a stage spread over several. It
+    proves this host sees the run root before anything else, then checks its GPUs and disk
+    as the whole stage would."""
+    assert stage.spread is not None
+    logger = get_run_logger()
+    check_shared(plan, part, config.run_root, config.orchestration.shared_storage_wait_s)
+    logger.info("%s %s: sees the shared run root (%s)", stage.name, part.where(),
+                config.run_root)
+    stage.preflight(config, inputs, plan)
+    if stage.progress:
+        key = artifact_key(config, f"{stage.label}-progress-{part.kind}-{part.index}")
+        with progress_artifact(f"{stage.name} {part.label}", key):
+            report = stage.spread.run(config, inputs, plan, part)
+    else:
+        report = stage.spread.run(config, inputs, plan, part)
+    logger.info("%s %s: done %s", stage.name, part.where(), report)
+    return report
+
+
+def part_task(stage: Stage) -> Task:
+    """A part's task: retried as the stage's own is (a crashed node or range again; an input
+    error, such as a host that does not see the run root, at once), never cached (the
+    pipeline decides which parts run)."""
+    def body(plan: StagePlan, config: PipelineConfig, inputs: Inputs, part: HostPart) -> dict:
+        return run_part(stage, plan, config, inputs, part)
+
+    body.__name__ = body.__qualname__ = f"{stage.name}_part_task"
+    body.__doc__ = f"{stage.name} on one of several GPU hosts: {stage.what} ({stage.module})."
+    return task(body, name=f"{stage.label}-part", cache_policy=NO_CACHE, retries=stage.retries,
+                retry_delay_seconds=[5, 30], retry_condition_fn=retry_unless_hopeless)
+
+
+_PART_TASKS: dict[Stage, Task] = {}
+
+
+def part_task_for(stage: Stage) -> Task:
+    if stage not in _PART_TASKS:
+        _PART_TASKS[stage] = part_task(stage)
+    return _PART_TASKS[stage]
 
 
 _TASKS: dict[Stage, Task] = {}

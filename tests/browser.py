@@ -54,6 +54,19 @@ class Browser:
             time.sleep(0.5)
         return found
 
+    def show(self, url: str, text: str, timeout_s: float = 120) -> bool:
+        """Open `url` and wait until the page shows `text` (the UI renders after loading);
+        True when it did."""
+        self.driver.get(url)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            shown = self.driver.execute_script(
+                "return document.body ? document.body.innerText : ''")
+            if text in shown:
+                return True
+            time.sleep(0.5)
+        return False
+
     def screenshot(self, path: Path) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
         self.driver.save_screenshot(str(path))

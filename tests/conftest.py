@@ -52,6 +52,59 @@ def random_target_tokenizer(random_target):
     return load_tokenizer(random_target)
 
 
+# generate -> merge -> extract on the random tiny target, as the training tests' inputs: 32
+# records, answers of 8 tokens, 3 shards of hidden states.
+TRAIN_INPUT_SOURCES = [
+    {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 16},
+    {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 16},
+]
+TRAIN_INPUT_SECTIONS = {
+    "generate": {"max_new_tokens": 8, "batch_size": 16},
+    "merge": {"max_length": 64, "validation_fraction": 0.25, "draft_vocab_size": 128},
+    "extract": {"shard_tokens": 400},
+}
+
+
+@pytest.fixture(scope="session")
+def train_inputs(tmp_path_factory, random_target, random_target_dir) -> dict:
+    """generate -> merge -> extract once on the random tiny target (the training tests, and
+    the two-host tests, which compare what two hosts make of the same data with these)."""
+    from draftsmith.artifacts import plan_stage
+    from draftsmith.config import (
+        DataConfig,
+        ExtractConfig,
+        GenerateConfig,
+        MergeConfig,
+        TargetConfig,
+    )
+    from draftsmith.data.merge import run_merge
+    from draftsmith.extract.stage import run_extract
+    from draftsmith.generate.stage import run_generate
+
+    root = tmp_path_factory.mktemp("train_inputs")
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    data = DataConfig(sources=TRAIN_INPUT_SOURCES)
+    t = random_target
+    sections = TRAIN_INPUT_SECTIONS
+    gen = run_generate(GenerateConfig(**sections["generate"]), data, target_cfg, t,
+                       plan_stage(root, "generate", {}, [t]))
+    merged = run_merge(MergeConfig(**sections["merge"]), gen, t,
+                       plan_stage(root, "merge", {}, [gen]))
+    hidden = run_extract(ExtractConfig(**sections["extract"]), target_cfg, merged, t,
+                         plan_stage(root, "extract", {}, [merged]))
+    return {"hidden": hidden, "merged": merged, "target": t, "generated": gen}
+
+
+@pytest.fixture(scope="session")
+def one_host_two_processes(train_inputs, tmp_path_factory) -> tuple[dict, Path]:
+    """torchrun --standalone with 2 gloo processes on train_inputs (tests/test_train_loop.py
+    torchrun_cfg): rank 0's result and the output directory."""
+    from tests.test_train_loop import run_in, torchrun_cfg
+
+    out = tmp_path_factory.mktemp("ddp")
+    return run_in(train_inputs, out, torchrun_cfg()), out
+
+
 @pytest.fixture(scope="session")
 def draftsmith_cache_dir(tmp_path_factory) -> Path:
     """The session's DRAFTSMITH_CACHE: a developer's cache kept between runs, if

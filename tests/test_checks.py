@@ -153,6 +153,24 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def test_training_across_hosts_needs_distributed_mode_and_enough_hosts(random_target_dir,
+                                                                       tmp_path):
+    nodes = {"nnodes": 2, "rdzv_endpoint": "gpu-a:29400"}
+    found = findings(write_config(tmp_path, random_target_dir, train=nodes))
+    ((level, message),) = found["hosts"]
+    assert level == "warning" and "runs in distributed mode only" in message
+    one_host = {"mode": "distributed", "gpu_hosts": ["gpu-a"]}
+    found = findings(write_config(tmp_path, random_target_dir, train=nodes,
+                                  orchestration=one_host))
+    assert found["hosts"] == [("error", "train.nnodes=2 but orchestration.gpu_hosts names 1 GPU "
+                                        "host block(s) (gpu-a): name one per host, or lower "
+                                        "train.nnodes")]
+    two_hosts = {"mode": "distributed", "gpu_hosts": ["gpu-a", "gpu-b"]}
+    found = findings(write_config(tmp_path, random_target_dir, train=nodes,
+                                  orchestration=two_hosts))
+    assert levels(found, "hosts") == {"ok"}
+
+
 def test_a_port_in_use_fails_validate(random_target_dir, tmp_path):
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))

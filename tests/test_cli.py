@@ -102,7 +102,9 @@ def test_export_refusal_and_inspect_of_a_broken_drafter_exit_nonzero(native_draf
     root = native_drafter
     result = runner.invoke(app, ["export", str(root / "native"), "--to", "onnx",
                                  "--out", str(root / "x")])
-    assert result.exit_code == 2 and "unknown layout" in text(result)
+    # The refusal names the bad value and the layouts to choose from.
+    assert result.exit_code == 2, result.output
+    assert "'onnx'" in text(result) and "['sglang', 'speculators']" in text(result)
     (root / "native" / "drafter.safetensors").write_bytes(b"not a safetensors file")
     result = runner.invoke(app, ["inspect", str(root / "native")])
     assert result.exit_code != 0
@@ -137,3 +139,11 @@ def test_deploy_refuses_a_drafter_shorter_than_the_served_context(random_target_
     result = runner.invoke(app, ["deploy", str(REPO / "examples/kimi-k2.5-8gpu.yaml"),
                                  "--drafter", str(tmp_path / "d"), "--dry-run"])
     assert result.exit_code == 2 and "--context-length 262144" in text(result)
+
+
+def test_prefect_setup_refuses_a_host_named_twice_or_without_a_name():
+    for hosts in (["gpu-a", "gpu-a=10.0.0.1"], ["=10.0.0.1"]):
+        result = runner.invoke(app, ["prefect", "setup", str(REPO / "examples" / "tiny.yaml"),
+                                     *(f"--host={h}" for h in hosts)])
+        assert result.exit_code == 2, result.output
+        assert "expected NAME or NAME=ADDRESS, each name once" in text(result)

@@ -107,3 +107,37 @@ def test_the_gpu_host_block_pins_devices_and_nccl_for_gpu_runs():
                    shared_path="/mnt/shared")
     assert host.job_env() == {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,5,6,7", "TMPDIR": "/nvme",
                               "NCCL_IB_HCA": "mlx5"}
+
+
+def test_several_gpu_hosts_each_have_their_deployments_and_train_needs_enough(tmp_path):
+    from draftsmith.artifacts import plan_stage
+    from draftsmith.plan import Step
+    from draftsmith.stages import get
+
+    hosts = {"mode": "distributed", "gpu_hosts": ["gpu-a", "gpu-b"]}
+    cfg = config(orchestration=hosts)
+    assert dispatch.deployment_name(cfg, "train") == "draftsmith-train/gpu-a"
+    assert dispatch.deployment_name(cfg, "extract", "gpu-b") == "draftsmith-extract/gpu-b"
+    assert dispatch.is_spread(cfg, get("extract")) and dispatch.is_spread(cfg, get("generate"))
+    assert not dispatch.is_spread(cfg, get("train"))  # train.nnodes=1: one host
+    assert not dispatch.is_spread(config(), get("extract"))  # local mode: all here
+    three = config(orchestration=hosts, train={"nnodes": 3, "rdzv_endpoint": "gpu-a:29400"})
+    plan = plan_stage(tmp_path, "train", {}, [])
+    with pytest.raises(ConfigError, match=r"train: train.nnodes=3 but orchestration.gpu_hosts "
+                                          r"names 2 GPU host block\(s\) \(gpu-a, gpu-b\)"):
+        dispatch.run_parts(three, Step(get("train"), plan, {}, "test"))
+    assert not plan.dir.exists()  # refused before anything was prepared
+
+
+def test_the_pipeline_form_selects_the_hosts_setup_registered(tmp_path):
+    from deployments.setup import SetupOptions, pipeline_parameters
+    from draftsmith.config import apply_overrides
+
+    options = SetupOptions(hosts=["gpu-a", "gpu-b"])
+    parameters = pipeline_parameters(tmp_path / "kimi.yaml", ["train.nnodes=2"], options)
+    assert parameters["overrides"] == [
+        "orchestration.mode=distributed", "orchestration.gpu_host=gpu-a",
+        "orchestration.gpu_hosts=[gpu-a,gpu-b]", "train.nnodes=2"]
+    raw = apply_overrides({"data": {"sources": [{"name": "a", "path": "x"}]},
+                           "train": {"rdzv_endpoint": "gpu-a:29400"}}, parameters["overrides"])
+    assert parse_config(raw).orchestration.hosts() == ["gpu-a", "gpu-b"]

@@ -453,7 +453,7 @@ def test_flex_mask_matches_a_hand_built_dense_mask_for_steps_0_to_k():
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_path_gives_the_sdpa_outputs_on_a_packed_row():
     """The CPU half of the equivalence check (flex_attention has no backward on a CPU); the
-    GPU half, with gradients, ran on an H200 (README, "Training speed")."""
+    GPU half, with gradients, ran on an H200 (docs/results/training-speed.md)."""
     from draftsmith.model.attention_check import compare_attention_paths
 
     result = compare_attention_paths("cpu", doc_lengths=[40, 3, 70, 15], steps=3, grads=False)

@@ -126,6 +126,19 @@ def test_stored_states_are_transformers_hidden_states_of_those_layers(
     assert 0 <= descriptor.figures["padding_waste"] < 0.2
 
 
+def test_the_target_can_capture_in_bfloat16_while_it_stays_float32_elsewhere(
+        tmp_path, merged, random_target, random_target_model):
+    """extract.target_dtype: bf16 states for training (what a bf16 server computes) while
+    target.dtype stays float32 for the embedded engine's exact identity check."""
+    descriptor = extract(tmp_path, merged, random_target, target_dtype="bfloat16")
+    sample = ShardReader(descriptor.path).sample("train-7")
+    aux, final, _ = reference_states(random_target_model, sample.input_ids.tolist())
+    # The bf16 target's states: near the float32 ones, and not equal to them.
+    torch.testing.assert_close(sample.aux, aux, rtol=5e-2, atol=5e-2)
+    assert not torch.allclose(sample.aux, aux, rtol=1e-4, atol=1e-5)
+    assert sample.aux.dtype == torch.float32  # the store's dtype is extract.dtype
+
+
 def test_rerun_of_a_finished_store_redoes_only_what_is_missing(tmp_path, single, merged,
                                                                random_target):
     _, reference = single

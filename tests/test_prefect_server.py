@@ -216,10 +216,8 @@ def server(tmp_path_factory):
         server.stop()
 
 
-@pytest.fixture(scope="module")
-def config_file(tmp_path_factory):
+def write_tiny_config(root: Path) -> Path:
     """examples/tiny.yaml, tinier: few records, one short epoch, two benchmark prompts."""
-    root = tmp_path_factory.mktemp("orch")
     raw = yaml.safe_load((REPO / "examples" / "tiny.yaml").read_text())
     for source in raw["data"]["sources"]:  # their first 12 records
         copy = root / os.path.basename(source["path"])
@@ -237,7 +235,13 @@ def config_file(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def workers(server, config_file):
+def config_file(tmp_path_factory):
+    return write_tiny_config(tmp_path_factory.mktemp("orch"))
+
+
+def start_workers(server: Server, config_file: Path) -> str:
+    """`draftsmith prefect setup`, then one process worker per pool; the GPU worker sees one
+    stand-in GPU. Returns setup's output."""
     setup = subprocess.run(
         [str(BIN / "draftsmith"), "prefect", "setup", str(config_file), "--gpus", "1",
          "--nccl", "NCCL_DEBUG=WARN", "--cron", "0 3 * * *",
@@ -258,6 +262,11 @@ def workers(server, config_file):
         server.start(f"worker-{pool}", [str(BIN / "prefect"), "worker", "start", "--pool", pool,
                                         "--type", "process", "--name", f"{pool}-worker"], env)
     return setup.stdout
+
+
+@pytest.fixture(scope="module")
+def workers(server, config_file):
+    return start_workers(server, config_file)
 
 
 def start_from_ui(server: Server, **parameters) -> tuple[dict, str]:

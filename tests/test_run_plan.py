@@ -14,7 +14,7 @@ from draftsmith.artifacts import (
     finish_stage,
     stage_output,
 )
-from draftsmith.config import PipelineConfig, is_keyed
+from draftsmith.config import PipelineConfig, is_keyed, models_in
 from draftsmith.figures import Figures
 from draftsmith.plan import RunPlan, run_in_process
 
@@ -144,7 +144,7 @@ def test_every_setting_says_whether_it_is_in_a_cache_key():
         for name, field in model.model_fields.items():
             if model is not PipelineConfig and is_keyed(field) is None:
                 unmarked.append(f"{where}.{name}")
-            for kind in _models_in(field.annotation):
+            for kind in models_in(field.annotation):
                 walk(kind, f"{where}.{name}" if model is not PipelineConfig else name)
 
     walk(PipelineConfig, "")
@@ -152,11 +152,16 @@ def test_every_setting_says_whether_it_is_in_a_cache_key():
     assert len(seen) > 10  # every section was reached
 
 
-def _models_in(annotation) -> list[type]:
-    from typing import get_args
+def test_a_setting_added_later_changes_no_key_at_its_default():
+    """keyed(..., added=True): a run root made before the setting existed stays cached after
+    an upgrade; a value other than the default is in the key like any keyed setting."""
+    from draftsmith.plan import key_material
 
-    from pydantic import BaseModel
-
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+    config = PipelineConfig.model_validate({"data": {"sources": [
+        {"name": "a", "path": "a.jsonl"}]}})
+    material = key_material(config, "generate")["generate"]
+    assert "cache" not in material and "dtype" not in material
+    assert "batch_size" in material  # an ordinary keyed setting is there at its default
+    changed = config.model_copy(deep=True)
+    changed.generate.cache = "static"
+    assert key_material(changed, "generate")["generate"]["cache"] == "static"

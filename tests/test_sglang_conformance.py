@@ -410,7 +410,7 @@ def test_speculative_settings_and_metrics(sglang_env):
         r'"--attention-data-parallel-size"\]', "attention DP is --attn-dp-size N")
     where, text = sglang_source(sglang_env, "srt/arg_groups/fields/exec_.py")
     pin(where, text, r"enable_return_aux_hidden_states: A\[", "SGLang's built-in aux capture "
-        "(JSON through return_hidden_states; README says why capture does not use it)")
+        "(JSON through return_hidden_states; docs/extraction.md says why capture does not use it)")
 
 
 def test_vllm_reads_speculators_configs_as_the_export_writes_them(sglang_env):

@@ -9,6 +9,7 @@ serves both, and 3 HumanEval prompts decoded by it equal the target's greedy dec
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 from pathlib import Path
@@ -149,6 +150,51 @@ def test_python_function_prompts_do_not_overlap_humaneval(humaneval):
     assert report["exact_matches"] == 0 and report["near_matches"] == 0
     assert report["records_checked"] == 600 and report["max_similarity"] < 0.5
     assert len(report["closest"]) == 5  # the closest pairs are shown, for a reader to judge
+
+
+def test_function_starts_are_the_undocumented_functions_cut_after_their_first_statement():
+    from draftsmith.data.packaged import function_starts
+
+    source = (
+        "import functools\n\n"
+        "@functools.cache\n"
+        "def _area(w, h):\n"
+        "    total = w * h\n"
+        "    if total < 0:\n"
+        "        raise ValueError(total)\n"
+        "    return total\n\n"
+        "def documented(x):\n"
+        "    \"\"\"Double x, which python-functions already asks for.\"\"\"\n"
+        "    y = x\n    y += x\n    return y\n\n"
+        "def loop(xs):\n"
+        "    for x in xs:\n        print(x)\n        print(x)\n        print(x)\n\n"
+        "class Box:\n"
+        "    def grow(self, by):\n"
+        "        self.size += by\n"
+        "        self.size *= 2\n"
+        "        self.size -= 1\n"
+        "        return self\n")
+    starts = dict(function_starts(source))
+    # Decorators and private names kept; a docstring (the other set) and a compound first
+    # statement (nothing would be left to complete) are not.
+    assert set(starts) == {"_area", "grow"}
+    assert starts["_area"] == "@functools.cache\ndef _area(w, h):\n    total = w * h"
+    assert starts["grow"] == "def grow(self, by):\n    self.size += by"
+
+
+def test_python_function_starts_hold_other_functions_and_no_humaneval(humaneval):
+    name, prompts = humaneval
+    starts, _ = load_source("train", builtin="python-function-starts", limit=300)
+    functions, _ = load_source("train", builtin="python-functions", limit=300)
+    assert len({r.id for r in starts}) == 300
+    assert not {r.messages[0].content for r in starts} & \
+        {r.messages[0].content for r in functions}
+    for record in starts:  # each start parses as a function whose body is one statement
+        code = record.messages[0].content.split("```python\n", 1)[1].rsplit("\n```", 1)[0]
+        function = ast.parse(code).body[0]
+        assert ast.get_docstring(function) is None and len(function.body) == 1, code
+    report = check_overlap(starts, prompts, name, max_similarity=0.5)
+    assert report["exact_matches"] == 0 and report["near_matches"] == 0
 
 
 # -- the pipeline on the real target ---------------------------------------------------------

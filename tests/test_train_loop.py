@@ -12,11 +12,8 @@ from safetensors.torch import load_file
 
 from draftsmith.artifacts import plan_stage
 from draftsmith.config import (
-    DataConfig,
     DrafterConfig,
     ExtractConfig,
-    GenerateConfig,
-    MergeConfig,
     TargetConfig,
     TrainConfig,
 )
@@ -26,26 +23,9 @@ from tests.conftest import REPO
 
 
 @pytest.fixture(scope="module")
-def inputs(tmp_path_factory, random_target, random_target_dir):
-    """generate -> merge -> extract once on the random tiny target."""
-    from draftsmith.data.merge import run_merge
-    from draftsmith.extract.stage import run_extract
-    from draftsmith.generate.stage import run_generate
-
-    root = tmp_path_factory.mktemp("train_inputs")
-    target_cfg = TargetConfig(model=str(random_target_dir))
-    data = DataConfig(sources=[
-        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 16},
-        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 16},
-    ])
-    t = random_target
-    gen = run_generate(GenerateConfig(max_new_tokens=8, batch_size=16), data, target_cfg, t,
-                       plan_stage(root, "generate", {}, [t]))
-    merged = run_merge(MergeConfig(max_length=64, validation_fraction=0.25, draft_vocab_size=128),
-                       gen, t, plan_stage(root, "merge", {}, [gen]))
-    hidden = run_extract(ExtractConfig(shard_tokens=400), target_cfg, merged, t,
-                         plan_stage(root, "extract", {}, [merged]))
-    return {"hidden": hidden, "merged": merged, "target": t}
+def inputs(train_inputs):
+    """generate -> merge -> extract once on the random tiny target (tests/conftest.py)."""
+    return train_inputs
 
 
 def train(inputs, root, cfg: TrainConfig, drafter: DrafterConfig | None = None):
@@ -283,9 +263,8 @@ def run_in(inputs, out, cfg: TrainConfig) -> dict:
 
 
 @pytest.fixture(scope="module")
-def ddp_run(inputs, tmp_path_factory):
-    out = tmp_path_factory.mktemp("ddp")
-    return run_in(inputs, out, torchrun_cfg()), out
+def ddp_run(one_host_two_processes):
+    return one_host_two_processes  # tests/conftest.py: shared with tests/test_multi_host.py
 
 
 @pytest.fixture(scope="module")
@@ -416,6 +395,74 @@ def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypat
             assert wa[name].dtype == torch.bfloat16, name
         torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=0, msg=name)
     assert resumed["rows_trained"] == straight["rows_trained"]
+
+
+def test_a_rank_that_dies_at_the_end_of_a_run_costs_no_training(inputs, fsdp_run, tmp_path,
+                                                                monkeypatch, caplog):
+    """Issue 29, with real torchrun processes. Rank 0 is killed once its training is done,
+    before the result is recorded: the attempt is a crash (the task retries it) and nothing
+    is kept. The retry resumes from the last checkpoint, at the last step, and trains nothing;
+    its rank 1 then aborts (SIGABRT) after the final barrier and close, as the FSDP rank of
+    the issue did: the result every rank finished is kept, and the manifest says so. The
+    weights are the uninterrupted run's. Each rank's close joined its gloo worker threads."""
+    import re
+    import sys
+
+    from draftsmith.train import launch
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [
+        str(REPO), os.environ.get("PYTHONPATH")])))
+
+    def ranks_die(rank: int, signal: str, when: str) -> None:
+        monkeypatch.setattr(launch, "torchrun_argv", lambda cfg, job: [
+            sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node=2", str(REPO / "tests" / "train_worker_dies_at_exit.py"),
+            str(rank), signal, when, str(job)])
+
+    cfg = torchrun_cfg(parallel="fsdp")
+    plan = plan_stage(tmp_path, "train", {"train": cfg.model_dump()}, [inputs["hidden"]])
+    ranks_die(0, "SIGKILL", "before-result")
+    with pytest.raises(launch.TrainCrashError):
+        train(inputs, tmp_path, cfg)
+    assert not plan.is_complete()
+    assert (plan.dir / trainer.RESUME_DIR / trainer.STATE_FILE).is_file()
+
+    ranks_die(1, "SIGABRT", "after-close")
+    caplog.set_level("WARNING", logger="draftsmith")
+    descriptor = train(inputs, tmp_path, cfg)
+    attempt = (plan.dir / launch.LOG_FILE).read_text().split("\n$ ")[-1]  # the retry's lines
+    assert "Signal 6 (SIGABRT)" in attempt  # rank 1 did die
+    assert "after all 2 ranks had finished the run" in caplog.text
+    expected, fsdp_out = fsdp_run
+    assert f"at step {expected['steps']} " in attempt and "resuming from" in attempt
+    assert "train step " not in attempt and "validation after epoch" not in attempt
+    joined = re.findall(r"gloo worker threads: (\d+) before close, (\d+) after", attempt)
+    assert len(joined) == 2 and all(int(b) > 0 and a == "0" for b, a in joined), joined
+    manifest = json.loads((plan.dir / "manifest.json").read_text())
+    assert manifest["ranks_finished"] == [0, 1] and manifest["torchrun_exit_code"] != 0
+    wa, wb = weights_of(fsdp_out), weights_of(plan.dir)
+    for name in wa:
+        torch.testing.assert_close(wb[name], wa[name], rtol=0, atol=0, msg=name)
+    assert descriptor.figures["tau"] == round(expected["best"]["tau"], 4)
+
+
+def test_only_a_result_that_records_every_rank_is_accepted(tmp_path):
+    """What the parent reads back: a result cut short, or one that does not record every
+    rank as finished, is no result (the attempt is a crash and its retry resumes)."""
+    from draftsmith.train.launch import finished_result
+
+    path = tmp_path / "torchrun_result.json"
+    assert finished_result(path) is None
+    whole = {"steps": 7, "world": 2, "ranks_finished": [0, 1]}
+    text = json.dumps(whole)
+    path.write_text(text[: len(text) // 2])
+    assert finished_result(path) is None
+    for partial in ({**whole, "ranks_finished": [0]}, {**whole, "world": 3},
+                    {k: v for k, v in whole.items() if k != "world"}):
+        path.write_text(json.dumps(partial))
+        assert finished_result(path) is None, partial
+    path.write_text(text)
+    assert finished_result(path) == whole
 
 
 def test_fsdp_misconfiguration_names_the_key_and_the_fix(inputs, tmp_path):

@@ -17,7 +17,7 @@ the first N answer tokens), and greedy chain decoding is replayed over the store
 (acceptance counted per verify round, as the benchmark counts it; replay_check.py shows it
 equals the measured figure prompt by prompt on the CPU demo).
 
-On one H200 (see the README for the exact command and the figures):
+On one H200 (docs/results/acceptance.md has the exact command and the figures):
     python benchmarks/quality/run_quality.py --out /tmp/quality --device cuda --bench-tokens 256
 A CPU smoke run of every step, in about two minutes:
     python benchmarks/quality/run_quality.py --out /tmp/quality-smoke --smoke

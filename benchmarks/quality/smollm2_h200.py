@@ -16,7 +16,7 @@ and speculators 0.9.0's trainer side by side on the same extracted store.
 Everything runs in this process; the figures are written to --out after every step
 (smollm2_quality.json and .md), so a run cut short keeps what it measured.
 
-One H200 (the GGUF joined from two halves, see the README):
+One H200 (the GGUF joined from two halves, see docs/results/acceptance.md):
     python benchmarks/quality/smollm2_h200.py --out /tmp/q --gguf /tmp/smollm2.gguf \
         --sizes 500 1000 2000 --speculators
 CPU smoke run (tiny sizes; speculators' model with sdpa attention and its eager loss):

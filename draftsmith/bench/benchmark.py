@@ -100,6 +100,8 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
             "accepted_by_position": accepted_by_position(speculative.round_tokens,
                                                          engine.num_steps),
             "speculative_s": speculative.seconds,
+            "draft_s": speculative.draft_seconds,
+            "verify_s": speculative.verify_seconds,
             "greedy_s": greedy.seconds,
             "identical": None if sampled else speculative.tokens == greedy.tokens,
         })

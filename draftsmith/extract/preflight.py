@@ -106,7 +106,7 @@ def check_extract_disk(cfg: ExtractConfig, merged: Descriptor, target: Descripto
     return estimate
 
 
-# The rule (README, "Online or offline"): a store that does not fit -> online; a store that
+# The rule (docs/training.md, "Online or offline"): a store that does not fit -> online; one that
 # fits easily, trained on for several epochs -> offline (online repeats the target's forward
 # every epoch, offline pays it once).
 EASY_FIT = 0.5  # the store takes at most this share of the free disk

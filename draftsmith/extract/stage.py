@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage
-from draftsmith.config import ExtractConfig, TargetConfig
+from draftsmith.config import ExtractConfig, TargetConfig, capture_dtype
 from draftsmith.data.merge import SPLITS, read_split
 from draftsmith.distributed import Dist
 from draftsmith.errors import ConfigValueError, WorkerCrashError
@@ -25,6 +25,7 @@ from draftsmith.export.layer_ids import aux_layer_ids_for
 from draftsmith.extract.batching import plan_batches, plan_shards
 from draftsmith.extract.capture import HiddenStateCapture
 from draftsmith.extract.store import (
+    RECEIPTS,
     AsyncShardWriter,
     ShardSpec,
     finished_shard,
@@ -33,6 +34,7 @@ from draftsmith.extract.store import (
     write_index,
 )
 from draftsmith.figures import TargetFigures
+from draftsmith.hosts import HostPart, range_bounds
 from draftsmith.progress import Progress
 from draftsmith.target import DTYPES
 
@@ -145,7 +147,7 @@ def extract_shards(cfg: ExtractConfig, target_cfg: TargetConfig, target_path: st
     if not mine:
         return figures
     device = dist.device_name(target_cfg.device)
-    model = load_model(target_path, device, target_cfg.dtype, cfg.device_map)
+    model = load_model(target_path, device, capture_dtype(cfg, target_cfg), cfg.device_map)
     if device.startswith("cuda") and cfg.device_map is None:
         torch.cuda.set_device(torch.device(device))
     capture = HiddenStateCapture(model, aux_ids)
@@ -260,9 +262,7 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
     if len(pending) < len(specs):
         log.info("extract: resuming, %d of %d shards already complete",
                  len(specs) - len(pending), len(specs))
-    meta = {"target_fingerprint": target.fingerprint, "aux_layer_ids": aux_ids,
-            "hidden_size": TargetFigures.of(target).hidden_size, "dtype": cfg.dtype,
-            "backend": cfg.backend, "layer_id_convention": LAYER_ID_CONVENTION}
+    meta = _store_meta(cfg, target, aux_ids)
     if cfg.backend == "sglang":
         from draftsmith.extract.sglang_backend import run_sglang_capture
 
@@ -285,23 +285,33 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
             reports = _run_spawned(cfg.data_parallel, args)
         else:
             reports = [extract_shards(*args)]
-    descriptor = _finish(plan, out, specs, meta, aux_ids, cfg, reports)
+    descriptor = _finish(plan, out, specs, meta, aux_ids, cfg,
+                         (sum(r.get("real_tokens", 0) for r in reports),
+                          sum(r.get("padded_tokens", 0) for r in reports)))
     dist.barrier()
     return descriptor
 
 
+def _store_meta(cfg: ExtractConfig, target: Descriptor, aux_ids: list[int]) -> dict[str, Any]:
+    return {"target_fingerprint": target.fingerprint, "aux_layer_ids": aux_ids,
+            "hidden_size": TargetFigures.of(target).hidden_size, "dtype": cfg.dtype,
+            "backend": cfg.backend, "layer_id_convention": LAYER_ID_CONVENTION}
+
+
 def _finish(plan: StagePlan, out: Path, specs: list[ShardSpec], meta: dict[str, Any],
-            aux_ids: list[int], cfg: ExtractConfig, reports: list[dict[str, Any]]) -> Descriptor:
+            aux_ids: list[int], cfg: ExtractConfig, padding: tuple[int, int],
+            missing_hint: str = "a worker failed") -> Descriptor:
+    """The index of every shard (store.json) and the manifest, once every shard is written.
+    padding: (real, padded) tokens of the forward passes."""
     records = {s.file: finished_shard(out, s) for s in specs}
     missing = [name for name, r in records.items() if r is None]
     if missing:
-        raise WorkerCrashError(f"extract: shards {missing[:5]} were not written (a worker "
-                               "failed); run extract again to redo them")
+        raise WorkerCrashError(f"extract: shards {missing[:5]} were not written ({missing_hint}); "
+                               "run extract again to redo them")
     splits = {split: [records[s.file] for s in specs if s.split == split] for split in SPLITS}
     write_index(out, meta, splits)
     tokens = sum(s.num_tokens for s in specs)
-    real = sum(r.get("real_tokens", 0) for r in reports)
-    padded = sum(r.get("padded_tokens", 0) for r in reports)
+    real, padded = padding
     log.info("extract: %d tokens in %d shards, aux layers %s (outputs of those decoder layers)",
              tokens, len(specs), aux_ids)
     return finish_stage(
@@ -312,3 +322,53 @@ def _finish(plan: StagePlan, out: Path, specs: list[ShardSpec], meta: dict[str, 
                  "padding_waste": round(1 - real / padded, 4) if padded else 0.0},
         known_checksums={name: r["sha256"] for name, r in records.items()},
     )
+
+
+# --------------------------------------------------------------------------- several hosts
+
+
+def range_shards(specs: list[ShardSpec], part: HostPart) -> list[ShardSpec]:
+    """The part's contiguous range of the store's shards (in plan order, splits in turn)."""
+    start, end = range_bounds(len(specs), part.count, part.index)
+    return specs[start:end]
+
+
+def run_extract_range(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor,
+                      target: Descriptor, plan: StagePlan, part: HostPart) -> dict[str, Any]:
+    """One host's range of the shards, written into the shared stage directory beside the
+    other hosts' (each shard with its receipt, as on one host); `join_extract` writes the
+    index once every range is done. Shards of the range already receipted are kept."""
+    aux_ids = aux_layer_ids_for(cfg, target)
+    out = plan.dir
+    out.mkdir(parents=True, exist_ok=True)
+    rows = load_rows(merged)
+    mine = range_shards(shard_plan(rows, cfg.shard_tokens), part)
+    # Only this range's leftovers: the other hosts are writing theirs.
+    for spec in mine:
+        for leftover in (out / f".{spec.file}.tmp", out / RECEIPTS / f".{spec.file}.json.tmp"):
+            leftover.unlink(missing_ok=True)
+    pending = [s for s in mine if finished_shard(out, s) is None]
+    log.info("extract %s: %d shards (%d tokens), %d already written", part.where(), len(mine),
+             sum(s.num_tokens for s in mine), len(mine) - len(pending))
+    args = (cfg, target_cfg, target.path, out, pending, rows, aux_ids)
+    if cfg.data_parallel > 1 and len(pending) > 1:
+        reports = _run_spawned(cfg.data_parallel, args)
+    else:
+        reports = [extract_shards(*args)]
+    return {"shards": len(mine), "computed": len(pending),
+            "tokens": sum(r.get("tokens", 0) for r in reports)}
+
+
+def join_extract(cfg: ExtractConfig, merged: Descriptor, target: Descriptor,
+                 plan: StagePlan) -> Descriptor:
+    """Every range is written: the index and the manifest, the same bytes one host writes.
+    The padding figure comes from the plan, which fixes every forward pass."""
+    aux_ids = aux_layer_ids_for(cfg, target)
+    rows = load_rows(merged)
+    specs = shard_plan(rows, cfg.shard_tokens)
+    real = padded = 0
+    for spec in specs:
+        batches = plan_batches(spec.tokens, cfg.batch_size, cfg.batch_tokens)
+        real, padded = real + batches.real_tokens, padded + batches.padded_tokens
+    return _finish(plan, plan.dir, specs, _store_meta(cfg, target, aux_ids), aux_ids, cfg,
+                   (real, padded), missing_hint="a host's range did not finish")

@@ -177,20 +177,36 @@ class Journal:
     """Answers and failures of one generate run, in a directory that outlives a crashed attempt.
 
     One JSON line per answer, flushed and fsynced before the next is written: a kill loses at
-    most the line being written, which is ignored (and cut off) on the next read."""
+    most the line being written, which is ignored (and cut off) on the next read.
 
-    def __init__(self, directory: str | Path):
+    `writer` names this process's own files (`answers.<writer>.jsonl`): the hosts of a
+    generate spread over several hosts each append to their own file only, never to one file
+    together, and every reader sees the answers of all of them."""
+
+    def __init__(self, directory: str | Path, writer: str | None = None):
         self.dir = Path(directory)
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.answers_path = self.dir / ANSWERS_FILE
-        self.errors_path = self.dir / ERRORS_FILE
+        suffix = f".{writer}" if writer else ""
+        self.answers_path = self.dir / ANSWERS_FILE.replace(".jsonl", f"{suffix}.jsonl")
+        self.errors_path = self.dir / ERRORS_FILE.replace(".jsonl", f"{suffix}.jsonl")
+
+    def answer_files(self) -> list[Path]:
+        """This writer's file first, then the others' (other hosts, earlier spread runs)."""
+        others = sorted(p for p in self.dir.glob("answers*.jsonl") if p != self.answers_path)
+        return [self.answers_path, *others]
 
     def answers(self) -> dict[str, Answer]:
-        if not self.answers_path.is_file():
-            return {}
         out: dict[str, Answer] = {}
+        for path in self.answer_files():
+            if path.is_file():
+                self.read_answers(path, out, own=path == self.answers_path)
+        return out
+
+    def read_answers(self, path: Path, out: dict[str, Answer], own: bool) -> None:
+        """Add the answers of one journal file to `out` (the first answer of a key wins).
+        own: this writer's file, whose torn last line is cut off."""
         good_bytes = 0
-        with open(self.answers_path, "rb") as f:
+        with open(path, "rb") as f:
             for raw in f:
                 try:
                     answer = Answer(**json.loads(raw))
@@ -198,13 +214,12 @@ class Journal:
                     break  # a line torn by a crash: everything after it is untrusted
                 out.setdefault(answer.key, answer)
                 good_bytes += len(raw)
-        if good_bytes < self.answers_path.stat().st_size:
-            log.warning("journal %s: cutting off a partial last line left by a crash",
-                        self.answers_path)
-            with open(self.answers_path, "rb+") as f:
+        # Only this writer's own file is cut: another host may be writing the end of its own.
+        if own and good_bytes < path.stat().st_size:
+            log.warning("journal %s: cutting off a partial last line left by a crash", path)
+            with open(path, "rb+") as f:
                 f.truncate(good_bytes)
                 os.fsync(f.fileno())
-        return out
 
     def failures(self) -> list[Failure]:
         if not self.errors_path.is_file():

@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
@@ -31,6 +32,7 @@ from draftsmith.config import (
     slug,
 )
 from draftsmith.data.formats import Message, Record, SourceStats, load_source
+from draftsmith.errors import ConfigValueError, WorkerCrashError
 from draftsmith.generate.openai_client import (
     ERRORS_FILE,
     Answer,
@@ -43,6 +45,7 @@ from draftsmith.generate.openai_client import (
     cost_usd,
     resolve_api_key,
 )
+from draftsmith.hosts import HostPart, range_bounds
 from draftsmith.progress import Progress
 
 log = logging.getLogger(__name__)
@@ -159,14 +162,18 @@ def _answer_with_vllm(cfg: GenerateConfig, target_cfg: TargetConfig, target: Des
 
 def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
                               requests: list[Request], journal: SourceJournals) -> RunTotals:
-    from draftsmith.generate.transformers_backend import TransformersGenerator
+    from draftsmith.generate.transformers_backend import TransformersGenerator, resolve_cache
     from draftsmith.target import load_target_model, load_tokenizer
 
+    dtype = target_cfg.dtype if cfg.dtype == "auto" else cfg.dtype
+    model = load_target_model(target.path, target_cfg.device, dtype)
+    cache = resolve_cache(cfg.cache, model.device)
+    log.info("generate: transformers, %s cache, %s, batches of %d", cache, dtype, cfg.batch_size)
     generator = TransformersGenerator(
-        load_target_model(target.path, target_cfg.device, target_cfg.dtype),
-        load_tokenizer(target),
+        model, load_tokenizer(target),
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, seed=cfg.seed,
+        top_p=cfg.top_p, seed=cfg.seed, cache=cache, batch_size=cfg.batch_size,
+        longest_prompt=max((r.prompt_tokens for r in requests), default=0),
     )
     totals = RunTotals()
     started = time.monotonic()
@@ -200,11 +207,28 @@ def with_completion_budget(endpoint: EndpointConfig, max_new_tokens: int) -> End
         for p in endpoint.partitions]})
 
 
-def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
-                 target: Descriptor, plan: StagePlan, *, api_key: str | None = None,
-                 backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0) -> Descriptor:
-    """api_key: a Prefect Secret's value, passed by the task layer (never logged or written);
-    without it the key comes from generate.endpoint.api_key_env, if set."""
+@dataclass
+class GenerateWork:
+    """What generate has to do: the records read, the requests for the prompts to answer, and
+    the journals that hold the answers so far."""
+
+    records: list[Record]
+    stats: list[SourceStats]
+    journal: SourceJournals
+    requests: list[Request]
+    request_for: dict[int, Request]  # record index -> its request
+
+    @property
+    def unique(self) -> dict[str, Request]:
+        """Records repeated with the same id and prompt share one request (and its answer)."""
+        return {r.key: r for r in self.requests}
+
+
+def plan_requests(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
+                  target: Descriptor, plan: StagePlan, writer: str | None = None
+                  ) -> GenerateWork:
+    """Read every source and make a request of every prompt to answer. writer: the journal
+    files this process appends to (one per host when generate is spread over hosts)."""
     records: list[Record] = []
     stats: list[SourceStats] = []
     for source in data.sources:
@@ -218,10 +242,9 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     todo = [(i, prompt) for i, r in enumerate(records)
             if (prompt := _prompt_part(r, cfg.regenerate)) is not None]
     journal = SourceJournals({
-        source.name: Journal(journal_dir(plan, cfg, source, target, target_cfg.dtype))
+        source.name: Journal(journal_dir(plan, cfg, source, target, target_cfg.dtype), writer)
         for source in data.sources}, plan.dir.parent / ANSWERS_DIR)
-    requests: list[Request] = []
-    request_for: dict[int, Request] = {}  # record index -> its request
+    request_for: dict[int, Request] = {}
     if todo:
         from draftsmith.target import load_tokenizer
 
@@ -239,17 +262,36 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                 key=hash_json([records[index].id, wire])[:24], record_id=records[index].id,
                 messages=wire, prompt_tokens=prompt_tokens)
             journal.source_of[request_for[index].key] = records[index].source
-        requests = list(request_for.values())
+    return GenerateWork(records, stats, journal, list(request_for.values()), request_for)
+
+
+def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
+                 target: Descriptor, plan: StagePlan, *, api_key: str | None = None,
+                 backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
+                 joined_run: str | None = None) -> Descriptor:
+    """api_key: a Prefect Secret's value, passed by the task layer (never logged or written);
+    without it the key comes from generate.endpoint.api_key_env, if set. joined_run: the
+    hosts of that spread run answered every prompt (run_generate_range): write the stage's
+    output from the journals, answering nothing here."""
+    work = plan_requests(cfg, data, target_cfg, target, plan)
+    records, stats, journal = work.records, work.stats, work.journal
+    requests, request_for, unique = work.requests, work.request_for, work.unique
     done_before = journal.answers()
-    # Records repeated with the same id and prompt share one request (and its answer).
-    unique = {r.key: r for r in requests}
     missing = [r for key, r in unique.items() if key not in done_before]
-    answered_before = len(unique.keys() & done_before.keys())
+    totals = RunTotals()
+    if joined_run is not None:
+        if missing:
+            raise WorkerCrashError(
+                f"generate: {len(missing)} of {len(unique)} prompts have no answer after every "
+                f"host's range finished (first: {missing[0].record_id}); run the stage again: "
+                "only the missing answers are asked")
+        # The hosts' answers count as this run's, the rest as answered before.
+        totals.answered = len(answered_by(journal, joined_run) & unique.keys())
+    answered_before = len(unique.keys() & done_before.keys()) - totals.answered
     if answered_before:
         log.info("generate: %d of %d prompts answered before (earlier runs or attempts; "
                  "journals under %s), %d to ask", answered_before, len(unique), journal.dir,
                  len(missing))
-    totals = RunTotals()
     if missing and cfg.backend == "openai":
         assert cfg.endpoint is not None  # the config refuses openai without an endpoint
         regenerator = OpenAIRegenerator(
@@ -339,7 +381,10 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                          if totals.seconds else None),
         "cost_usd": round(cost, 6) if cost is not None else None,
         "per_partition": totals.per_partition,
-        "per_source": per_source_counts(requests, journal.source_of, done_before, answers),
+        "per_source": per_source_counts(
+            requests, journal.source_of,
+            {k: a for k, a in done_before.items()
+             if joined_run is None or k not in answered_by(journal, joined_run)}, answers),
     }
     with stage_output(plan) as out:
         with open(out / RECORDS_FILE, "w") as f:
@@ -405,3 +450,48 @@ def think_tags_without_reasoning(answers: list) -> list:
 def read_records(generated: Descriptor) -> list[Record]:
     with open(generated.dir / RECORDS_FILE) as f:
         return [Record.model_validate_json(line) for line in f]
+
+
+# --------------------------------------------------------------------------- several hosts
+
+
+def answered_by(journal: SourceJournals, run_id: str) -> set[str]:
+    """The request keys answered by the hosts of one spread run (their own journal files)."""
+    keys: set[str] = set()
+    for source_journal in journal.journals.values():
+        for path in source_journal.dir.glob(f"answers.{run_id}-*.jsonl"):
+            partial: dict[str, Answer] = {}
+            source_journal.read_answers(path, partial, own=False)
+            keys |= partial.keys()
+    return keys
+
+
+def range_requests(requests: list[Request], batch_size: int, part: HostPart) -> list[Request]:
+    """The part's range of the prompts: whole batches of the order one host answers them in
+    (by prompt length), so each batch, and each answer, is the one a single host computes."""
+    ordered = sorted(requests, key=lambda r: r.prompt_tokens)
+    start, end = range_bounds(-(-len(ordered) // batch_size), part.count, part.index)
+    return ordered[start * batch_size:end * batch_size]
+
+
+def run_generate_range(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
+                       target: Descriptor, plan: StagePlan, part: HostPart) -> dict:
+    """One host's range of the prompts, answered by the target in this process into this
+    host's own journal files; run_generate(joined_run=...) writes the stage's output once
+    every range is done. Prompts of the range answered before are not asked again."""
+    if cfg.backend != "transformers":
+        raise ConfigValueError(f"generate.backend={cfg.backend}: only the transformers backend "
+                               "answers on the GPU hosts, so only it is split over them")
+    work = plan_requests(cfg, data, target_cfg, target, plan, writer=f"{part.run_id}-{part.index}")
+    mine = range_requests(list(work.unique.values()), cfg.batch_size, part)
+    done = work.journal.answers()
+    missing = [r for r in mine if r.key not in done]
+    log.info("generate %s: %d of %d prompts, %d answered before", part.where(), len(mine),
+             len(work.unique), len(mine) - len(missing))
+    totals = RunTotals()
+    if missing:
+        work.journal.start_attempt()
+        totals = _answer_with_transformers(cfg, target_cfg, target, missing, work.journal)
+    return {"requests": len(mine), "answered": totals.answered,
+            "completion_tokens": totals.completion_tokens,
+            "seconds": round(totals.seconds, 2)}

@@ -1,10 +1,33 @@
-"""In-process generation with transformers: batched, left-padded, greedy or sampled."""
+"""In-process generation with transformers: batched, left-padded, greedy or sampled.
+
+Two ways to run `generate` (`generate.cache`):
+- `dynamic`: transformers' default DynamicCache, in eager mode. The CPU path.
+- `static` (the default on CUDA): a StaticCache and `generate`'s compiled decode step
+  (torch.compile with CUDA graphs). The decode step compiles once per shape (25-50 s for
+  SmolLM2 on an H200, each time), so there is one shape: every batch is filled up to
+  `generate.batch_size` rows (with a repeated prompt, dropped afterwards), and the cache
+  length is the longest prompt of the whole stage plus max_new_tokens, rounded up to a
+  multiple of CACHE_LENGTH_STEP. (A length per batch recompiled at almost every batch.)
+
+Decode attention over a padded cache is most of a decode step's work on a small target.
+transformers' SDPA path repeats every KV head for its query heads whenever a mask is given
+(grouped-query attention: SmolLM2 has 9 query heads on 3 KV heads), so a step reads and writes
+each cached key and value `groups` times over. `grouped_decode_attention` lays the query heads
+of one KV head along the query axis instead, so SDPA reads each KV head once; it is registered
+with transformers' AttentionInterface and used for the static cache.
+"""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
+
+log = logging.getLogger(__name__)
+
+GROUPED_DECODE = "draftsmith_grouped_decode"
+CACHE_LENGTH_STEP = 128
 
 
 @dataclass
@@ -12,24 +35,85 @@ class Completion:
     text: str
     completion_tokens: int
     finish_reason: str  # "stop" (end of turn) or "length"
+    token_ids: list[int] | None = None  # the completion's tokens, end of turn included
+
+
+def grouped_decode_attention(module, query: torch.Tensor, key: torch.Tensor,
+                             value: torch.Tensor, attention_mask: torch.Tensor | None,
+                             dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """transformers' SDPA attention, except for one-token decode steps of a grouped-query
+    model with a mask. Heads are ordered as repeat_kv orders them (query head h reads KV head
+    h // groups), so query [B, nkv * g, 1, d] viewed as [B, nkv, g, d] puts each KV head's g
+    query heads on the query axis; the mask [B, 1, 1, S] broadcasts over them."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, head_dim = query.shape
+    if q_len != 1 or groups == 1 or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    grouped = query.reshape(batch, key.shape[1], groups, head_dim)  # [B, nkv, g, d]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
+        scale=scaling)  # [B, nkv, g, d]
+    return out.reshape(batch, 1, heads, head_dim), None  # [B, 1, nh, d]
+
+
+def register_grouped_decode() -> None:
+    """Make GROUPED_DECODE an attention implementation transformers knows (masks as SDPA's)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+    AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_DECODE, sdpa_mask)
+
+
+def resolve_cache(cache: str, device: torch.device) -> str:
+    """`auto`: static on CUDA (compiled decode with CUDA graphs), dynamic elsewhere."""
+    if cache == "auto":
+        return "static" if device.type == "cuda" else "dynamic"
+    return cache
+
+
+def cache_length(longest_prompt: int, max_new_tokens: int) -> int:
+    """The StaticCache length for a batch: rounded up, so batches of similar prompt lengths
+    share one compiled decode step."""
+    needed = longest_prompt + max_new_tokens
+    return -(-needed // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
 
 
 class TransformersGenerator:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
-                 seed: int):
+                 seed: int, cache: str = "dynamic", batch_size: int | None = None,
+                 longest_prompt: int = 0):
+        """cache: dynamic or static (resolve `auto` with resolve_cache first). With the
+        static cache every batch is filled up to batch_size rows, and the cache holds
+        longest_prompt (the longest of all the prompts to come) + max_new_tokens: one shape."""
+        if cache not in ("dynamic", "static"):
+            raise ValueError(f"cache={cache!r}: dynamic or static")
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.generator_seed = seed
+        self.cache, self.batch_size, self.longest_prompt = cache, batch_size, longest_prompt
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.compiled = cache == "static"  # generate compiles the decode step on CUDA
+        if cache == "static":
+            register_grouped_decode()
+            model.set_attn_implementation(GROUPED_DECODE)
+
+    def prompt_tokens(self, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
+        return [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                   return_dict=False) for c in conversations]
+
+    def complete(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
+        return self.complete_tokens(self.prompt_tokens(conversations))
 
     @torch.inference_mode()
-    def complete(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                               return_dict=False)
-            for c in conversations
-        ]
+    def complete_tokens(self, prompts: list[list[int]]) -> list[Completion]:
+        real = len(prompts)
+        if self.cache == "static" and self.batch_size and real < self.batch_size:
+            prompts = prompts + [prompts[-1]] * (self.batch_size - real)  # one shape per bucket
         width = max(len(p) for p in prompts)
         device = self.model.device
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P]
@@ -40,24 +124,47 @@ class TransformersGenerator:
         sampling = self.temperature > 0
         if sampling:
             torch.manual_seed(self.generator_seed)
-        output = self.model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=self.max_new_tokens,
-            do_sample=sampling,
-            temperature=self.temperature if sampling else None,
-            top_p=self.top_p if sampling else None,
-            top_k=None,
-            eos_token_id=self.eos_id,
-            pad_token_id=self.pad_id,
-        )
+        extra = {}
+        if self.cache == "static":
+            from transformers import StaticCache
+
+            extra["past_key_values"] = StaticCache(
+                config=self.model.config,
+                max_cache_len=cache_length(max(width, self.longest_prompt),
+                                           self.max_new_tokens))
+        def generate(**compile_args):
+            return self.model.generate(
+                input_ids=input_ids.to(device),
+                attention_mask=attention_mask.to(device),
+                max_new_tokens=self.max_new_tokens,
+                do_sample=sampling,
+                temperature=self.temperature if sampling else None,
+                top_p=self.top_p if sampling else None,
+                top_k=None,
+                eos_token_id=self.eos_id,
+                pad_token_id=self.pad_id,
+                **extra, **compile_args,
+            )
+
+        try:
+            output = generate() if self.compiled else generate(disable_compile=True)
+        except Exception as err:  # noqa: BLE001 - a compiler failure: one rung down, said so
+            if not self.compiled or isinstance(err, torch.OutOfMemoryError):
+                raise
+            log.warning("generate: the compiled decode step failed (%s: %s); decoding with "
+                        "the static cache in eager mode from here on", type(err).__name__,
+                        str(err).splitlines()[0][:300] if str(err) else "")
+            self.compiled = False
+            extra["past_key_values"].reset()
+            output = generate(disable_compile=True)
         completions = []
-        for row in output[:, width:].tolist():
+        for row in output[:real, width:].tolist():
             stopped = self.eos_id in row
             tokens = row[: row.index(self.eos_id)] if stopped else row
             completions.append(Completion(
                 text=self.tokenizer.decode(tokens, skip_special_tokens=True),
                 completion_tokens=len(tokens) + int(stopped),
                 finish_reason="stop" if stopped else "length",
+                token_ids=tokens + [self.eos_id] * stopped,
             ))
         return completions

@@ -79,6 +79,9 @@ class Generation:
     tokens: list[int]
     seconds: float
     round_tokens: list[int] = field(default_factory=list)  # tokens kept per verify forward
+    # Wall time drafting and verifying (each phase ends in a host sync, so no extra ones).
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     @property
     def verify_rounds(self) -> int:
@@ -390,10 +393,14 @@ class EmbeddedSpeculativeEngine:
                 _keep_cache_positions(cache, list(range(n)) + [n + i for i in kept])
                 accepted_tokens = [tree.tokens[i - 1] for i in path]
             else:
+                began = time.perf_counter()
                 drafts, draft_probs, drafter_cache = self._draft(tokens, aux, drafted_upto,
                                                                  drafter_cache, sampling)
+                drafted = time.perf_counter()
                 logits, new_aux = self.runner.forward([tokens[n], *drafts], cache)  # [k+1, V]
                 accepted, next_token = self._verify(drafts, draft_probs, logits, sampling)
+                result.draft_seconds += drafted - began
+                result.verify_seconds += time.perf_counter() - drafted
                 kept = list(range(accepted + 1))
                 if len(drafts) > accepted:
                     cache.crop(accepted - len(drafts))  # negative: drop the rejected drafts

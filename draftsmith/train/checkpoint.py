@@ -61,9 +61,10 @@ class Checkpointer:
         saved = torch.load(self.path, map_location="cpu", weights_only=False)
         state = TrainState.from_dict(saved["position"])
         if state.world != self.dist.world:
-            raise ConfigValueError(f"{self.path} was written by {state.world} process(es); "
-                                   f"resume with train.nproc_per_node={state.world} (now "
-                                   f"{self.dist.world}), or delete it to start over")
+            raise ConfigValueError(f"{self.path} was written by {state.world} process(es) "
+                                   f"and this run has {self.dist.world} (train.nnodes x "
+                                   "train.nproc_per_node): resume with "
+                                   f"{state.world}, or delete it to start over")
         saved_parallel = saved.get("parallel", "ddp")
         if saved_parallel != self.parallel:
             raise ConfigValueError(f"{self.path} was written with train.parallel="

@@ -38,11 +38,9 @@ LAYER_FORWARD_METHODS = ("embedding_qkv", "forward_projected",  # EAGLE-3's
                          "context_kv")  # DFlash's: the context's keys and values per layer
 
 
-def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, device: torch.device,
-                  world: int) -> None:
-    """fully_shard the drafter in place over the default process group's `world` ranks:
-    float32 shards, `compute_dtype` for the all-gathered parameters, float32 reductions."""
-    from torch.distributed.device_mesh import init_device_mesh
+def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, mesh: Any) -> None:
+    """fully_shard the drafter in place over a 1-D device mesh (`Dist.device_mesh`): float32
+    shards, `compute_dtype` for the all-gathered parameters, float32 reductions."""
     from torch.distributed.fsdp import (
         MixedPrecisionPolicy,
         fully_shard,
@@ -52,7 +50,6 @@ def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, device: to
     with torch.no_grad():  # float32 shards are the master weights
         for p in drafter.parameters():
             p.data = p.data.float()
-    mesh = init_device_mesh(device.type, (world,))
     # Inputs are not cast: the row's code casts what it needs to the parameters' dtype.
     policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32,
                                   cast_forward_inputs=False)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from draftsmith.artifacts import Descriptor
-from draftsmith.config import ExtractConfig, TargetConfig
+from draftsmith.config import ExtractConfig, TargetConfig, capture_dtype
 from draftsmith.extract.store import Sample
 
 
@@ -55,7 +55,8 @@ class OnlineTarget:
         from draftsmith.target import DTYPES
 
         self.device = device
-        self.model = load_model(str(target_path), str(device), target_cfg.dtype, None)
+        self.model = load_model(str(target_path), str(device),
+                                capture_dtype(extract_cfg, target_cfg), None)
         self.capture = HiddenStateCapture(self.model, aux_layer_ids)
         self.store_dtype = DTYPES[extract_cfg.dtype]
         self.batch_size, self.batch_tokens = extract_cfg.batch_size, extract_cfg.batch_tokens

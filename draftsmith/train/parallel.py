@@ -70,7 +70,7 @@ class FSDP(DDP):
     def place(self, drafter: Eagle3Drafter, dtype: torch.dtype, device: torch.device) -> None:
         from draftsmith.train import fsdp
 
-        fsdp.shard_drafter(drafter, dtype, device, self.dist.world)  # float32 shards
+        fsdp.shard_drafter(drafter, dtype, self.dist.device_mesh(device.type))  # float32 shards
 
     def sync_gradients(self, params: list[torch.nn.Parameter], rows_in_step: int) -> None:
         from draftsmith.train import fsdp

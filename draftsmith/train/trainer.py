@@ -439,15 +439,13 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
     """Train in this process, or under torchrun with cfg.nproc_per_node processes (always
     under torchrun with train.parallel=fsdp, which shards over a process group even of one). A
     partial directory from a killed attempt is resumed from its last checkpoint, not started
-    over."""
-    if plan.is_complete():
-        raise RuntimeError(f"{plan.dir} is already complete; refusing to overwrite it")
-    out = plan.dir
-    if out.exists() and not (out / RESUME_DIR / STATE_FILE).is_file():
-        import shutil
-
-        shutil.rmtree(out)  # a crashed attempt with nothing to resume from
-    out.mkdir(parents=True, exist_ok=True)
+    over. Several hosts (train.nnodes > 1) train through draftsmith/train/nodes.py instead."""
+    if cfg.nnodes > 1:
+        raise ConfigValueError(
+            f"train.nnodes={cfg.nnodes}: training across hosts runs as one flow run per GPU "
+            "host, in distributed mode (orchestration.mode=distributed, orchestration.gpu_hosts "
+            f"naming at least {cfg.nnodes} GPU host blocks); here, set train.nnodes=1")
+    out = prepare_output(plan)
     use_compile_cache(cfg, plan)
     if cfg.nproc_per_node > 1 or cfg.parallel == "fsdp":
         from draftsmith.train.launch import run_torchrun
@@ -457,19 +455,41 @@ def run_train(cfg: TrainConfig, hidden: Descriptor, merged: Descriptor, target: 
     else:
         result = train_loop(cfg, hidden, merged, target, out, Dist.single(), online,
                             drafter_settings)
+    return finish_train(cfg, plan, result, drafter_settings)
+
+
+def prepare_output(plan: StagePlan) -> Path:
+    """The stage directory, kept when a killed attempt left a checkpoint to resume from."""
+    if plan.is_complete():
+        raise RuntimeError(f"{plan.dir} is already complete; refusing to overwrite it")
+    out = plan.dir
+    if out.exists() and not (out / RESUME_DIR / STATE_FILE).is_file():
+        import shutil
+
+        shutil.rmtree(out)  # a crashed attempt with nothing to resume from
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
+def finish_train(cfg: TrainConfig, plan: StagePlan, result: dict,
+                 drafter_settings: DrafterConfig | None = None) -> Descriptor:
+    """The chart, the resume state removed, the manifest: the stage's output from rank 0's
+    result."""
     from draftsmith.train.charts import plot_metrics
 
-    positions = kind_named((drafter_settings or DrafterConfig()).kind).positions(
-        drafter_settings or DrafterConfig(), cfg)
-    plot_metrics(result["history"], positions, out)
+    out = plan.dir
+    settings = drafter_settings or DrafterConfig()
+    plot_metrics(result["history"], kind_named(settings.kind).positions(settings, cfg), out)
     import shutil
 
     shutil.rmtree(out / RESUME_DIR, ignore_errors=True)  # finished: nothing left to resume
     best = result["best"]
     log.info("train: best epoch %d, validation tau %.3f, acceptance replayed %.3f",
              result["best_epoch"], best["tau"], best.get("acceptance_replayed", float("nan")))
+    ranks = {k: result[k] for k in ("ranks_finished", "torchrun_exit_code") if k in result}
     return finish_stage(
         plan,
         counts={"steps": result["steps"], "epochs": result["best_epoch"] + 1},
         figures={k: round(v, 4) for k, v in best.items() if k not in ("split", "step", "epoch")},
+        extra=ranks or None,  # under torchrun: every rank finished (how torchrun exited)
     )

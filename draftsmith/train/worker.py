@@ -26,14 +26,23 @@ def main(job_path: str) -> None:
         online = OnlineInputs(ExtractConfig.model_validate(job["online"]["extract"]),
                               TargetConfig.model_validate(job["online"]["target"]))
     drafter = DrafterConfig.model_validate(job["drafter"]) if job.get("drafter") else None
+    failed = True
     try:
         result = train_loop(cfg, Descriptor.model_validate(job["hidden"]),
                             Descriptor.model_validate(job["merged"]),
                             Descriptor.model_validate(job["target"]), Path(job["out"]), dist,
                             online, drafter)
+        # A collective every rank joins only once its share of the run is done and written:
+        # the result records that, and the parent keeps a result that says so even when a
+        # rank dies on its way out (draftsmith/train/launch.py).
+        finished = dist.gather_objects(dist.rank)
         if dist.is_main:
-            atomic_write_json(Path(job["out"]) / "torchrun_result.json", result)
-        dist.barrier()
+            from draftsmith.train.launch import RESULT_FILE
+
+            atomic_write_json(Path(job["out"]) / RESULT_FILE,
+                              {**result, "world": dist.world, "ranks_finished": finished})
+        dist.barrier()  # no rank frees the group while another still uses it
+        failed = False
     except InputError as err:  # tell the parent it is the input's fault, not a crash
         from draftsmith.train.launch import INPUT_ERROR_FILE
 
@@ -41,7 +50,7 @@ def main(job_path: str) -> None:
                           {"type": type(err).__name__, "message": str(err)})
         raise
     finally:
-        dist.close()
+        dist.close(failed=failed)
 
 
 if __name__ == "__main__":

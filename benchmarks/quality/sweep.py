@@ -1,0 +1,647 @@
+"""Drafter quality against data size on a real target, in one GPU lease: SmolLM2-135M-Instruct,
+HumanEval held out; the drafter kinds and speculators 0.9.0's trainer side by side.
+
+    prompts: python-functions, then python-function-starts (packaged sets, no HumanEval)
+    -> generate once (static cache, compiled decode, bf16) -> the answers in one seeded order
+    -> for each (drafter, size, epochs): the first N answers -> merge -> train online (the
+       target's prefill feeds the rows; no store on disk) -> export (speculators layout)
+    -> HumanEval in the embedded engine: float32 target, greedy, chain of 3, 48 prompts x 128
+       tokens, spread over worker processes (each decodes its prompts plainly and
+       speculatively, so speed is compared under the same load)
+    -> speculators 0.9.0's Eagle3DraftModel on the offline store of one size, with its own
+       recipe and with draftsmith's, imported and decoded the same way.
+
+The driver runs in the background (setsid) for the whole lease, so device calls only start it
+and collect what it wrote. Every job leaves a file behind: a restarted driver skips finished
+jobs, and the pipeline's cache skips finished stages. A job is started only when its estimate
+fits the budget left; what is not run is recorded as such.
+
+    python benchmarks/quality/sweep.py run --out /tmp/q --report $OUT/.. --budget-s 1500
+    python benchmarks/quality/sweep.py run --out /tmp/q-smoke --smoke     # CPU, tiny target
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[2]
+sys.path.insert(0, str(ROOT))
+
+from draftsmith.artifacts import atomic_write_json  # noqa: E402
+
+log = logging.getLogger("draftsmith.sweep")
+
+SMOLLM2 = "builtin:smollm2-135m-instruct"
+GPU = dict(target=SMOLLM2, device="cuda", sizes=[6000, 12000, 48000], epochs=6,
+           gen_batch=2048, max_new_tokens=160, batch_tokens=16384, draft_vocab=16384,
+           lr=1e-3, validation=0.05, bench_prompts=48, bench_tokens=128, eval_workers=8,
+           extract_batch=256, kinds_size=6000, speculators_size=6000, gpu_jobs=3)
+SMOKE = dict(target="builtin:tiny", device="cpu", sizes=[40, 80], epochs=2, gen_batch=16,
+             max_new_tokens=24, batch_tokens=1024, draft_vocab=256, lr=3e-3,
+             validation=0.25, bench_prompts=4, bench_tokens=16, eval_workers=2,
+             extract_batch=16, kinds_size=40, speculators_size=40, gpu_jobs=1)
+
+
+# --------------------------------------------------------------------------- configs
+
+
+def pipeline_config(out: Path, size: dict, sources: list[dict], train: dict | None = None,
+                    drafter: dict | None = None, mode: str = "online"):
+    """The sweep's pipeline config, as examples/smollm2-h200.yaml: the target answers and is
+    captured in bf16 on a GPU (training data), and stays float32 for decoding HumanEval
+    (token identity with greedy decoding is exact only in float32)."""
+    from draftsmith.config import PipelineConfig
+
+    cuda = size["device"].startswith("cuda")
+    ttt = 3
+    cfg = {
+        "run_root": str(out / "runs"),
+        "target": {"model": size["target"], "device": size["device"], "dtype": "float32"},
+        "data": {"sources": sources},
+        "generate": {"max_new_tokens": size["max_new_tokens"], "batch_size": size["gen_batch"],
+                     "temperature": 0.0, "dtype": "bfloat16" if cuda else "auto"},
+        "merge": {"max_length": 1024, "validation_fraction": size["validation"],
+                  "draft_vocab_size": size["draft_vocab"]},
+        "extract": {"batch_size": size["extract_batch"], "batch_tokens": size["batch_tokens"],
+                    "dtype": "bfloat16" if cuda else "float32",
+                    "target_dtype": "bfloat16" if cuda else "auto"},
+        "train": {"ttt_steps": ttt, "lr": size["lr"], "epochs": size["epochs"],
+                  "batch_tokens": size["batch_tokens"], "device": size["device"],
+                  "dtype": "bfloat16" if cuda else "float32", "log_every": 50,
+                  "mode": mode, **(train or {})},
+        "export": {"format": "speculators", "speculative_tokens": ttt},
+        "benchmark": {"prompts_builtin": "humaneval", "num_prompts": size["bench_prompts"],
+                      "max_new_tokens": size["bench_tokens"]},
+    }
+    if drafter:
+        cfg["drafter"] = drafter
+    return PipelineConfig.model_validate(cfg)
+
+
+# --------------------------------------------------------------------------- jobs
+
+
+@dataclass
+class Job:
+    """One unit of the sweep: a subprocess (argv) or a function run in the driver. done is a
+    file whose existence means the job finished; estimate_s decides whether it still fits."""
+
+    name: str
+    done: Path
+    estimate_s: float
+    after: list[str] = field(default_factory=list)
+    argv: list[str] | None = None
+    run: object = None  # a callable run in the driver
+    heavy: bool = True  # takes one of the GPU job slots
+    workers: int = 0  # evaluation worker processes it needs
+    priority: int = 0  # lower first
+    started: float | None = None
+    process: subprocess.Popen | None = None
+    state: str = "waiting"
+
+
+class Sweep:
+    def __init__(self, out: Path, report: Path, size: dict, budget_s: float, smoke: bool):
+        self.out, self.report, self.size, self.smoke = out, report, size, smoke
+        self.started = time.monotonic()
+        self.budget_s = budget_s
+        self.jobs: dict[str, Job] = {}
+        self.state_path = report / "sweep_state.json"
+        (out / "logs").mkdir(parents=True, exist_ok=True)
+        report.mkdir(parents=True, exist_ok=True)
+
+    # ---------------------------------------------------------------- scheduling
+
+    def add(self, job: Job) -> None:
+        self.jobs[job.name] = job
+
+    def left_s(self) -> float:
+        return self.budget_s - (time.monotonic() - self.started)
+
+    def _ready(self, job: Job) -> bool:
+        return all(self.jobs[a].state == "done" for a in job.after if a in self.jobs)
+
+    def _blocked(self, job: Job) -> bool:
+        return any(self.jobs[a].state in ("failed", "skipped") for a in job.after
+                   if a in self.jobs)
+
+    def run_all(self) -> None:
+        while True:
+            running = [j for j in self.jobs.values() if j.state == "running"]
+            for job in running:
+                code = job.process.poll()
+                if code is None:
+                    continue
+                job.state = "done" if code == 0 and job.done.exists() else "failed"
+                log.info("job %s %s (rc %s) after %.0f s", job.name, job.state, code,
+                         time.monotonic() - job.started)
+            waiting = sorted((j for j in self.jobs.values() if j.state == "waiting"),
+                             key=lambda j: (j.priority, j.name))
+            for job in waiting:
+                if job.done.exists():
+                    job.state = "done"
+                elif self._blocked(job):
+                    job.state = "skipped"
+                    log.info("job %s skipped: a job it needs did not finish", job.name)
+            heavy = sum(j.heavy for j in self.jobs.values() if j.state == "running")
+            workers = sum(j.workers for j in self.jobs.values() if j.state == "running")
+            for job in (j for j in waiting if j.state == "waiting" and self._ready(j)):
+                if job.estimate_s > self.left_s():
+                    job.state = "skipped"
+                    log.info("job %s skipped: needs ~%.0f s, %.0f s of the budget left",
+                             job.name, job.estimate_s, self.left_s())
+                    continue
+                if job.heavy and heavy >= self.size["gpu_jobs"]:
+                    continue
+                if job.workers and workers + job.workers > self.size["eval_workers"]:
+                    continue
+                self._start(job)
+                heavy += job.heavy
+                workers += job.workers
+            self.save_state()
+            if not any(j.state in ("waiting", "running") for j in self.jobs.values()):
+                break
+            time.sleep(1 if self.smoke else 3)
+
+    def _start(self, job: Job) -> None:
+        job.started = time.monotonic()
+        log.info("job %s: starting (%.0f s of the budget left)", job.name, self.left_s())
+        if job.run is not None:
+            try:
+                job.run()
+                job.state = "done" if job.done.exists() else "failed"
+            except Exception:  # noqa: BLE001 - recorded; jobs that need it are skipped
+                log.exception("job %s failed", job.name)
+                job.state = "failed"
+            return
+        logfile = open(self.out / "logs" / f"{job.name}.log", "a")  # noqa: SIM115
+        job.process = subprocess.Popen(job.argv, stdout=logfile, stderr=subprocess.STDOUT,
+                                       cwd=ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        job.state = "running"
+
+    def save_state(self) -> None:
+        atomic_write_json(self.state_path, {
+            "elapsed_s": round(time.monotonic() - self.started, 1),
+            "budget_s": self.budget_s,
+            "jobs": {j.name: {"state": j.state, "estimate_s": j.estimate_s,
+                              "seconds": None if j.started is None else
+                              round(time.monotonic() - j.started, 1)}
+                     for j in self.jobs.values()}})
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def me(*args: str) -> list[str]:
+    return [sys.executable, str(HERE), *args]
+
+
+def plan(sweep: Sweep, args) -> None:
+    size, out = sweep.size, sweep.out
+    args_file = out / "args.json"
+    atomic_write_json(args_file, {"size": size, "out": str(out), "report": str(sweep.report)})
+    common = ["--args", str(args_file)]
+    largest = max(size["sizes"])
+    sweep.add(Job("target", out / "done" / "target", 60, argv=me("target", *common),
+                  priority=0))
+    if not args.no_genbench:
+        sweep.add(Job("genbench", out / "done" / "genbench", 240, after=["target"],
+                      argv=[sys.executable, str(ROOT / "benchmarks/generation_speed.py"),
+                            "--out", str(sweep.report / "generation_speed.jsonl"),
+                            "--done", str(out / "done" / "genbench"),
+                            "--target", size["target"],
+                            "--max-new-tokens", str(size["max_new_tokens"]),
+                            "--deadline-s", "170",
+                            *(["--smoke"] if sweep.smoke else [])],
+                      priority=1))
+    sweep.add(Job("generate", out / "done" / "generate", 300,
+                  after=["target"] + ([] if args.no_genbench else ["genbench"]),
+                  argv=me("generate", *common, "--prompts", str(largest)), priority=2))
+    # Baselines are decoded by each evaluation worker itself (same load, same process).
+    trains = []
+    for n in size["sizes"]:
+        trains.append(("eagle3", n, size["epochs"], {}))
+    for kind, drafter in (("eagle3.1", {"kind": "eagle3", "norm_before_fc": True,
+                                        "norm_before_residual": True, "norm_output": True}),
+                          ("dflash", {"kind": "dflash"})):
+        if kind in args.kinds:
+            trains.append((kind, size["kinds_size"], size["epochs"], drafter))
+    tokens_per_prompt = 245
+    for kind, n, epochs, drafter in trains:
+        name = f"{kind}-{n}-e{epochs}"
+        seconds = 60 + n * tokens_per_prompt * epochs / (2.0e5 if not sweep.smoke else 2e3)
+        sweep.add(Job(f"train:{name}", out / "done" / f"train-{name}", seconds,
+                      after=["generate"],
+                      argv=me("train", *common, "--name", name, "--size", str(n),
+                              "--epochs", str(epochs), "--drafter", json.dumps(drafter)),
+                      # The largest size first; then the side by side at kinds_size.
+                      priority=2 if n == largest else 3 if n == size["kinds_size"] else 4))
+        sweep.add(Job(f"eval:{name}", out / "done" / f"eval-{name}", 120,
+                      after=[f"train:{name}"], heavy=False, workers=size["eval_workers"],
+                      argv=me("evaluate", *common, "--name", name), priority=1))
+    if args.speculators:
+        n = size["speculators_size"]
+        sweep.add(Job(f"store:{n}", out / "done" / f"store-{n}", 120, after=["generate"],
+                      argv=me("store", *common, "--size", str(n)), priority=3))
+        for recipe in ("speculators", "draftsmith"):
+            name = f"speculators-{recipe}-{n}-e{size['epochs']}"
+            sweep.add(Job(f"spec:{name}", out / "done" / f"spec-{name}", 300,
+                          after=[f"store:{n}"],
+                          argv=me("speculators", *common, "--name", name, "--size", str(n),
+                                  "--recipe", recipe), priority=4))
+            sweep.add(Job(f"eval:{name}", out / "done" / f"eval-{name}", 120,
+                          after=[f"spec:{name}"], heavy=False, workers=size["eval_workers"],
+                          argv=me("evaluate", *common, "--name", name), priority=1))
+
+
+# --------------------------------------------------------------------------- job bodies
+
+
+def load_args(path: str) -> dict:
+    return json.loads(Path(path).read_text())
+
+
+def touch(path: Path, content: dict | None = None) -> None:
+    atomic_write_json(path, content or {})
+
+
+def job_target(a: dict) -> None:
+    from draftsmith.config import TargetConfig
+    from draftsmith.target import resolve_target
+
+    target = resolve_target(TargetConfig(model=a["size"]["target"]))
+    touch(Path(a["out"]) / "done" / "target", {"path": target.path, **target.figures})
+
+
+def sources_for(prompts: int) -> list[dict]:
+    """python-functions first; python-function-starts for the rest (the first set holds
+    about 25K prompts in a venv with torch, transformers and vLLM)."""
+    from draftsmith.data.packaged import (
+        PYTHON_FUNCTION_STARTS,
+        PYTHON_FUNCTIONS,
+        packaged_code_prompts,
+    )
+
+    functions = len(packaged_code_prompts(PYTHON_FUNCTIONS, prompts))
+    out = [{"name": PYTHON_FUNCTIONS, "builtin": PYTHON_FUNCTIONS, "limit": functions}]
+    if functions < prompts:
+        out.append({"name": PYTHON_FUNCTION_STARTS, "builtin": PYTHON_FUNCTION_STARTS,
+                    "limit": prompts - functions})
+    return out
+
+
+def job_generate(a: dict, prompts: int) -> None:
+    """The target answers every prompt once; the answers are written in one seeded order, so
+    size N is the first N lines (every smaller size a subset of a larger one)."""
+    from draftsmith.config import TargetConfig
+    from draftsmith.generate.stage import read_records
+    from draftsmith.plan import run_in_process
+    from draftsmith.target import resolve_target
+
+    out, size = Path(a["out"]), a["size"]
+    # Headroom for merge's dedup: a few percent of answers are duplicates.
+    sources = sources_for(int(prompts * 1.04))
+    cfg = pipeline_config(out, size, sources)
+    target = resolve_target(TargetConfig(model=size["target"]))
+    started = time.monotonic()
+    generated = run_in_process(cfg, target, ["generate"]).outputs["generate"]
+    records = read_records(generated)
+    random.Random(0).shuffle(records)
+    with open(out / "answers.jsonl.tmp", "w") as f:
+        for r in records:
+            f.write(json.dumps({"id": r.id, "messages": [
+                m.model_dump(include={"role", "content"}) for m in r.messages]}) + "\n")
+    os.replace(out / "answers.jsonl.tmp", out / "answers.jsonl")
+    touch(out / "done" / "generate", {"sources": sources, "records": len(records),
+                                      "seconds": round(time.monotonic() - started, 1),
+                                      **generated.counts, **generated.figures})
+
+
+def answers_source(out: Path, n: int) -> list[dict]:
+    """The first n answers as a data source file (written once)."""
+    path = out / f"answers-{n}.jsonl"
+    if not path.exists():
+        with open(out / "answers.jsonl") as f:
+            lines = [line for _, line in zip(range(n), f, strict=False)]
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text("".join(lines))
+        os.replace(tmp, path)
+    return [{"name": "answers", "path": str(path)}]
+
+
+def share_the_gpu() -> None:
+    """The sweep runs several jobs on one GPU at once, by design: the stages' check that no
+    other process holds the GPUs (meant for a server's devices) is turned off here."""
+    import draftsmith.preflight as preflight
+
+    preflight.require_free_stage_gpus = lambda *args, **kwargs: None
+
+
+def prepared(cfg, target, n: int, out: Path) -> None:
+    """generate, merge and (online: the capture settings) extract of a size, once: jobs of
+    one size wait on its lock, so only the first computes them and the others find them
+    cached."""
+    from filelock import FileLock
+
+    from draftsmith.plan import run_in_process
+
+    with FileLock(str(out / f"answers-{n}.lock")):
+        run_in_process(cfg, target, ["generate", "merge", "extract"])
+
+
+def job_train(a: dict, name: str, n: int, epochs: int, drafter: dict) -> None:
+    from draftsmith.config import TargetConfig
+    from draftsmith.plan import run_in_process
+    from draftsmith.target import resolve_target
+
+    out, size = Path(a["out"]), {**a["size"], "epochs": epochs}
+    cfg = pipeline_config(out, size, answers_source(out, n), drafter=drafter or None)
+    target = resolve_target(TargetConfig(model=size["target"]))
+    share_the_gpu()
+    prepared(cfg, target, n, out)
+    seconds: dict[str, float] = {}
+    outputs = {}
+
+    def after(stage, descriptor, took):
+        outputs[stage] = descriptor
+        seconds[stage] = round(took, 1)
+
+    run_in_process(cfg, target, ["generate", "merge", "extract", "train", "export"],
+                   after=after)
+    history = [json.loads(line) for line in
+               (outputs["train"].dir / "metrics.jsonl").read_text().splitlines()]
+    touch(out / "done" / f"train-{name}", {
+        "name": name, "prompts": n, "epochs": epochs, "drafter": drafter or {"kind": "eagle3"},
+        "seconds": seconds, "train": {**outputs["train"].counts, **outputs["train"].figures},
+        "merge": outputs["merge"].counts, "train_dir": str(outputs["train"].dir),
+        "drafter_dir": outputs["export"].figures["drafter_dir"],
+        "validation": [h for h in history if h["split"] == "validation"],
+        "train_tokens_per_s": [h["tokens_per_s"] for h in history if h["split"] == "train"]})
+
+
+def job_store(a: dict, n: int) -> None:
+    """The offline hidden-state store of size n (speculators trains from a store)."""
+    from draftsmith.config import TargetConfig
+    from draftsmith.plan import run_in_process
+    from draftsmith.target import resolve_target
+
+    out, size = Path(a["out"]), a["size"]
+    cfg = pipeline_config(out, size, answers_source(out, n), mode="offline")
+    target = resolve_target(TargetConfig(model=size["target"]))
+    share_the_gpu()
+    prepared(cfg, target, n, out)
+    run = run_in_process(cfg, target, ["generate", "merge", "extract"])
+    touch(out / "done" / f"store-{n}", {"store": run.outputs["extract"].path,
+                                        "merge_dir": str(run.outputs["merge"].dir),
+                                        **run.outputs["extract"].counts})
+
+
+def humaneval_prompts(a: dict) -> list[list[int]]:
+    from draftsmith.bench.benchmark import held_out_prompts
+    from draftsmith.config import TargetConfig
+    from draftsmith.target import load_tokenizer, resolve_target
+
+    size = a["size"]
+    cfg = pipeline_config(Path(a["out"]), size, [{"name": "x", "path": "unused.jsonl"}])
+    target = resolve_target(TargetConfig(model=size["target"]))
+    return held_out_prompts(cfg.benchmark, None, load_tokenizer(target))
+
+
+def job_evaluate(a: dict, name: str) -> None:
+    """The drafter on HumanEval in the embedded engine, over eval_workers processes; the
+    per-prompt records are summed into one row."""
+    out, size = Path(a["out"]), a["size"]
+    done = json.loads((out / "done" / f"{'spec' if name.startswith('spec') else 'train'}-"
+                       f"{name}").read_text())
+    parts = out / "eval" / name
+    parts.mkdir(parents=True, exist_ok=True)
+    workers = size["eval_workers"]
+    procs = [subprocess.Popen(me("eval-worker", "--args", a["_path"], "--drafter-dir",
+                                 done["drafter_dir"], "--worker", str(w), "--workers",
+                                 str(workers), "--part", str(parts / f"{w}.json")),
+                              cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+             for w in range(workers)]
+    codes = [p.wait() for p in procs]
+    if any(codes):
+        raise RuntimeError(f"evaluation workers of {name} exited with {codes}")
+    per_prompt = [p for w in range(workers)
+                  for p in json.loads((parts / f"{w}.json").read_text())["prompts"]]
+    touch(out / "done" / f"eval-{name}", summarize(name, done, per_prompt))
+
+
+def summarize(name: str, done: dict, per_prompt: list[dict]) -> dict:
+    rounds = sum(p["verify_rounds"] for p in per_prompt)
+    tokens = sum(p["round_tokens"] for p in per_prompt)
+    positions = [sum(col) for col in zip(*(p["accepted_by_position"] for p in per_prompt),
+                                         strict=True)]
+    spec_s = sum(p["speculative_s"] for p in per_prompt)
+    plain_s = sum(p["greedy_s"] for p in per_prompt)
+    spec_tokens = sum(p["completion_tokens"] for p in per_prompt)
+    plain_tokens = sum(p["plain_tokens"] for p in per_prompt)
+    draft_s = sum(p.get("draft_s", 0.0) for p in per_prompt)
+    verify_s = sum(p.get("verify_s", 0.0) for p in per_prompt)
+    validation = done.get("validation") or []
+    best = max(validation, key=lambda h: h["tau"]) if validation else {}
+    steps = sum(1 for k in best if k.startswith("full_acc_"))
+    measured = tokens / max(rounds, 1)
+    return {
+        "drafter": name, "kind": done.get("kind_label") or name.rsplit("-", 2)[0],
+        "prompts": done.get("prompts"), "epochs": done.get("epochs"),
+        "best_epoch": best.get("epoch"), "ttt_steps": steps or None,
+        "full_acc": [round(best[f"full_acc_{j}"], 4) for j in range(steps)],
+        "tau": round(best["tau"], 4) if best else None,
+        "replayed": round(best["acceptance_replayed"], 4)
+        if best.get("acceptance_replayed") is not None else None,
+        "measured_embedded": round(measured, 4),
+        "accepted_per_position": [round(x / max(rounds, 1), 4) for x in positions],
+        "measured_vllm": None,
+        "speedup_embedded": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
+        "speedup_vllm_c1": None, "speedup_vllm_c4": None,
+        "identical": sum(p["identical"] for p in per_prompt) == len(per_prompt),
+        "identical_prompts": f"{sum(p['identical'] for p in per_prompt)}/{len(per_prompt)}",
+        "humaneval_prompts": len(per_prompt), "verify_rounds": rounds,
+        "ms_per_round": {"draft": round(1000 * draft_s / max(rounds, 1), 2),
+                         "verify": round(1000 * verify_s / max(rounds, 1), 2),
+                         "all": round(1000 * spec_s / max(rounds, 1), 2)},
+        "ms_per_plain_token": round(1000 * plain_s / max(plain_tokens, 1), 2),
+        "replay_gap": round(abs(best["acceptance_replayed"] - measured) / measured, 4)
+        if best.get("acceptance_replayed") else None,
+        "train_seconds": done.get("seconds"), "train_tokens_per_s": done.get("train_tokens_per_s"),
+        "drafter_dir": done.get("drafter_dir"), "extra": done.get("extra"),
+    }
+
+
+def job_eval_worker(a: dict, drafter_dir: str, worker: int, workers: int, part: Path) -> None:
+    """This worker's share of the HumanEval prompts: plain greedy decoding, then speculative
+    decoding, with a float32 target (token identity with greedy decoding is exact only in
+    float32)."""
+    import torch
+
+    from draftsmith.bench.benchmark import measure_embedded, plain_decoding
+    from draftsmith.config import TargetConfig
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+    from draftsmith.target import load_target_model, load_tokenizer, resolve_target
+
+    torch.set_num_threads(1)
+    size = a["size"]
+    cfg = pipeline_config(Path(a["out"]), size, [{"name": "x", "path": "unused.jsonl"}])
+    target = resolve_target(TargetConfig(model=size["target"]))
+    prompts = humaneval_prompts(a)[worker::workers]
+    model = load_target_model(target.path, size["device"], "float32")
+    eos = load_tokenizer(target).eos_token_id
+    engine = EmbeddedSpeculativeEngine.load(model, drafter_dir, num_steps=3)
+    plain = plain_decoding(engine.runner, prompts, cfg.benchmark, eos)
+    _, per_prompt = measure_embedded(engine, prompts, cfg.benchmark, eos, "sweep", plain)
+    touch(part, {"prompts": per_prompt})
+
+
+# --------------------------------------------------------------------------- speculators
+
+
+def job_speculators(a: dict, name: str, n: int, recipe: str) -> None:
+    """speculators 0.9.0 trains its default drafter (EAGLE-3.1 norms, flex attention, fused
+    kl_div loss) on the store of size n, with its recipe (muon + AdamW, linear schedule) or
+    draftsmith's (AdamW, cosine with warm-up, the same lr); then `draftsmith import`."""
+    from speculators_side import train_speculators, validation_of
+
+    out, size = Path(a["out"]), a["size"]
+    store = json.loads((out / "done" / f"store-{n}").read_text())
+    result = train_speculators(store, size, out / "speculators" / name, recipe, size["epochs"])
+    train_cfg = pipeline_config(out, size, answers_source(out, n), mode="offline").train
+    validation = validation_of(Path(result["imported"]), store, size, train_cfg)
+    # The earlier side by side decoded in the process that had trained speculators' model;
+    # the same decoding here, next to the evaluation workers' fresh processes, tells a slow
+    # drafter from a slow process.
+    reference = out / "done" / f"train-eagle3-{n}-e{size['epochs']}"
+    drafters = {"speculators": result["imported"]}
+    if reference.exists():
+        drafters["draftsmith"] = json.loads(reference.read_text())["drafter_dir"]
+    result["in_process_decode"] = decode_in_process(a, drafters, prompts=8)
+    touch(out / "done" / f"spec-{name}", {"name": name, "prompts": n, "epochs": size["epochs"],
+                                         "kind_label": "eagle3.1",
+                                         "drafter_dir": result["imported"],
+                                         "validation": [validation], "extra": result})
+
+
+def decode_in_process(a: dict, drafters: dict[str, str], prompts: int) -> dict:
+    """The first HumanEval prompts through each drafter in this process (as the benchmark
+    stage and the earlier side by side decode): acceptance and milliseconds per round."""
+    from draftsmith.bench.benchmark import measure_embedded, plain_decoding
+    from draftsmith.config import TargetConfig
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+    from draftsmith.target import load_target_model, load_tokenizer, resolve_target
+
+    size = a["size"]
+    cfg = pipeline_config(Path(a["out"]), size, [{"name": "x", "path": "unused.jsonl"}])
+    target = resolve_target(TargetConfig(model=size["target"]))
+    model = load_target_model(target.path, size["device"], "float32")
+    eos = load_tokenizer(target).eos_token_id
+    chosen = humaneval_prompts(a)[:prompts]
+    plain, out = None, {}
+    for name, directory in drafters.items():
+        engine = EmbeddedSpeculativeEngine.load(model, directory, num_steps=3)
+        plain = plain or plain_decoding(engine.runner, chosen, cfg.benchmark, eos)
+        _, per_prompt = measure_embedded(engine, chosen, cfg.benchmark, eos, name, plain)
+        engine.runner.close()
+        row = summarize(name, {}, per_prompt)
+        out[name] = {k: row[k] for k in ("measured_embedded", "speedup_embedded",
+                                         "ms_per_round", "ms_per_plain_token", "identical")}
+    return out
+
+
+# --------------------------------------------------------------------------- report
+
+
+def write_report(out: Path, report: Path) -> None:
+    rows = [json.loads(p.read_text()) for p in sorted((out / "done").glob("eval-*"))]
+    atomic_write_json(report / "summary.json", rows)
+    for name in ("generate", "target"):
+        if (out / "done" / name).exists():
+            atomic_write_json(report / f"{name}.json", json.loads((out / "done" / name)
+                                                                   .read_text()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the driver")
+    run.add_argument("--out", type=Path, required=True)
+    run.add_argument("--report", type=Path, help="summary files (default: OUT/report)")
+    run.add_argument("--budget-s", type=float, default=1e9)
+    run.add_argument("--smoke", action="store_true")
+    run.add_argument("--sizes", type=int, nargs="*")
+    run.add_argument("--target", help="default: SmolLM2 (the tiny target with --smoke)")
+    run.add_argument("--epochs", type=int)
+    run.add_argument("--kinds", nargs="*", default=["eagle3.1", "dflash"])
+    run.add_argument("--speculators", action="store_true")
+    run.add_argument("--no-genbench", action="store_true")
+    run.add_argument("--only", nargs="*", help="run only the jobs whose names contain one of "
+                     "these (a second driver beside a running one)")
+    run.add_argument("--gpu-jobs", type=int)
+    for name in ("target", "generate", "train", "store", "evaluate", "eval-worker",
+                 "speculators"):
+        p = sub.add_parser(name)
+        p.add_argument("--args", required=True)
+        p.add_argument("--name")
+        p.add_argument("--size", type=int)
+        p.add_argument("--epochs", type=int)
+        p.add_argument("--drafter", default="{}")
+        p.add_argument("--drafter-dir")
+        p.add_argument("--prompts", type=int)
+        p.add_argument("--recipe")
+        p.add_argument("--worker", type=int)
+        p.add_argument("--workers", type=int)
+        p.add_argument("--part", type=Path)
+    args = parser.parse_args(argv)
+    from draftsmith.logs import configure_logging
+
+    configure_logging()
+    logging.getLogger("draftsmith.sweep").setLevel(logging.INFO)
+    if args.command == "run":
+        size = dict(SMOKE if args.smoke else GPU)
+        if args.sizes:
+            size["sizes"] = args.sizes
+        if args.epochs:
+            size["epochs"] = args.epochs
+        if args.target:
+            size["target"] = args.target
+        args.out.mkdir(parents=True, exist_ok=True)
+        os.environ.setdefault("DRAFTSMITH_CACHE", str(args.out / "cache"))
+        sweep = Sweep(args.out, args.report or args.out / "report", size, args.budget_s,
+                      args.smoke)
+        if args.gpu_jobs:
+            size["gpu_jobs"] = args.gpu_jobs
+        plan(sweep, args)
+        if args.only:
+            sweep.jobs = {k: j for k, j in sweep.jobs.items() if any(o in k for o in args.only)}
+        try:
+            sweep.run_all()
+        finally:
+            write_report(args.out, sweep.report)
+        return
+    a = load_args(args.args)
+    a["_path"] = args.args
+    sys.path.insert(0, str(HERE.parent))
+    {"target": lambda: job_target(a),
+     "generate": lambda: job_generate(a, args.prompts),
+     "train": lambda: job_train(a, args.name, args.size, args.epochs, json.loads(args.drafter)),
+     "store": lambda: job_store(a, args.size),
+     "evaluate": lambda: job_evaluate(a, args.name),
+     "eval-worker": lambda: job_eval_worker(a, args.drafter_dir, args.worker, args.workers,
+                                            args.part),
+     "speculators": lambda: job_speculators(a, args.name, args.size, args.recipe),
+     }[args.command]()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""In-process generation: the static cache with the grouped decode attention decodes exactly
+what transformers' default path decodes (float32), and the attention itself equals SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.generate.transformers_backend import (
+    CACHE_LENGTH_STEP,
+    TransformersGenerator,
+    cache_length,
+    grouped_decode_attention,
+    resolve_cache,
+)
+
+
+class _Attention(torch.nn.Module):
+    num_key_value_groups = 3
+    is_causal = True
+
+
+def test_grouped_decode_attention_equals_sdpa_with_repeated_heads():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    torch.manual_seed(0)
+    batch, kv_heads, groups, length, dim = 4, 2, 3, 11, 8
+    query = torch.randn(batch, kv_heads * groups, 1, dim)  # [B, nh, 1, d]
+    key = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
+    value = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
+    mask = torch.rand(batch, 1, 1, length) > 0.3  # [B, 1, 1, S]: left padding and holes
+    mask[..., -1] = True
+    module = _Attention()
+    ours, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.5)
+    theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.5)
+    assert ours.shape == theirs.shape == (batch, 1, kv_heads * groups, dim)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # Several query tokens (prefill) take transformers' own path.
+    prefill = torch.randn(batch, kv_heads * groups, length, dim)
+    causal = torch.ones(length, length, dtype=torch.bool).tril()[None, None]
+    ours, _ = grouped_decode_attention(module, prefill, key, value, causal.expand(batch, 1,
+                                                                                 -1, -1))
+    theirs, _ = sdpa_attention_forward(module, prefill, key, value,
+                                       causal.expand(batch, 1, -1, -1))
+    torch.testing.assert_close(ours, theirs)
+
+
+def test_static_cache_decodes_what_the_dynamic_cache_decodes(random_target_dir,
+                                                             random_target_tokenizer):
+    from draftsmith.target import load_target_model
+
+    conversations = [[{"role": "user", "content": "def f(x):" + " return x" * (1 + i % 4)}]
+                     for i in range(5)]
+
+    def answers(cache: str):
+        generator = TransformersGenerator(load_target_model(random_target_dir),
+                                          random_target_tokenizer, max_new_tokens=12,
+                                          temperature=0.0, top_p=1.0, seed=0, cache=cache,
+                                          batch_size=8)
+        return generator.complete(conversations)
+
+    dynamic, static = answers("dynamic"), answers("static")
+    assert len(static) == len(conversations)  # the rows that filled the batch are dropped
+    assert [c.token_ids for c in static] == [c.token_ids for c in dynamic]
+    assert all(len(c.token_ids) == c.completion_tokens for c in static)
+
+
+def test_cache_choice_and_length():
+    assert resolve_cache("auto", torch.device("cpu")) == "dynamic"
+    assert resolve_cache("auto", torch.device("cuda")) == "static"
+    assert resolve_cache("static", torch.device("cpu")) == "static"
+    assert cache_length(100, 160) == 3 * CACHE_LENGTH_STEP
+    assert cache_length(96, 160) == 2 * CACHE_LENGTH_STEP
+    with pytest.raises(ValueError, match="cache='paged'"):
+        TransformersGenerator(None, type("T", (), {"eos_token_id": 0, "pad_token_id": 0})(),
+                              max_new_tokens=1, temperature=0, top_p=1, seed=0, cache="paged")
+
+
+def test_a_failing_compiled_decode_step_falls_back_to_eager_and_says_so(
+        random_target_dir, random_target_tokenizer, caplog):
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    real, calls = model.generate, []
+
+    def generate(**kwargs):
+        calls.append(kwargs.get("disable_compile", False))
+        if not kwargs.get("disable_compile"):
+            raise RuntimeError("inductor: a kernel failed to compile")
+        return real(**kwargs)
+
+    model.generate = generate
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=4,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      batch_size=2)
+    conversation = [[{"role": "user", "content": "def f(x):"}]]
+    first = generator.complete(conversation)
+    second = generator.complete(conversation)
+    assert calls == [False, True, True]  # once compiled, then eager for good
+    assert first[0].token_ids == second[0].token_ids
+    assert "the compiled decode step failed (RuntimeError: inductor" in caplog.text
+
+
+def test_every_static_batch_has_one_shape(random_target_dir, random_target_tokenizer):
+    """Each new shape recompiles the decode step (25-50 s on an H200), so every batch is
+    filled to batch_size rows and sized for the longest prompt of the whole stage."""
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    real, shapes = model.generate, []
+
+    def generate(**kwargs):
+        shapes.append((tuple(kwargs["input_ids"].shape[:1]),
+                       kwargs["past_key_values"].max_cache_len))
+        return real(**kwargs)
+
+    model.generate = generate
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=4,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      batch_size=3, longest_prompt=300)
+    short = [[{"role": "user", "content": "f"}]]
+    long = [[{"role": "user", "content": "def f(x): return x " * 20}]] * 2
+    generator.complete(short)
+    generator.complete(long)
+    assert shapes == [((3,), cache_length(300, 4))] * 2
