@@ -29,7 +29,6 @@ import argparse
 import json
 import logging
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -127,155 +126,19 @@ def decode_side_by_side(target, drafters: dict[str, str], prompts: list[list[int
 
 
 def train_speculators(config: PipelineConfig, outputs: dict, out_dir: Path, device: str) -> dict:
-    """speculators 0.9.0's Eagle3DraftModel, built as `speculators train` builds it (its
-    create_transformer_layer_config and config classes), trained by its own forward and loss
-    on draftsmith's extracted store: the same samples, packed into rows of train.batch_tokens
-    by its CollateFn after its shift_batch, for the same epochs and TTT steps. Its defaults
-    are kept (muon + AdamW, lr 1e-3, linear schedule, kl_div loss, clip 1.0; attention SDPA and
-    the eager loss, as draftsmith runs eager SDPA here) except where the
-    architecture must be the plain EAGLE-3 that draftsmith, SGLang and vLLM run:
-    norm_before_residual, norm_before_fc and norm_output false (the import refuses
-    norm_before_residual=true; the other two change what the served drafter computes). Two
-    adaptations, both to the data, not the method: the store keeps the target's final hidden
-    state after its final norm, so the model's verifier_norm is the identity; the vocab map is
-    merge's."""
-    from safetensors.torch import load_file
-    from speculators.config import SpeculatorsConfig, VerifierConfig
-    from speculators.losses import resolve_loss_config
-    from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig, shift_batch
-    from speculators.proposals.greedy import GreedyTokenProposalConfig
-    from speculators.train.cli import create_transformer_layer_config
-    from speculators.train.data import CollateFn
-    from speculators.train.optimizers import build_optimizers
-    from speculators.train.trainer import TrainerConfig
-    from transformers import get_linear_schedule_with_warmup
+    """speculators 0.9.0's Eagle3DraftModel on draftsmith's extracted store, with its own
+    recipe (benchmarks/quality/speculators_side.py), as the plain EAGLE-3 that draftsmith,
+    SGLang and vLLM run: norm_before_residual, norm_before_fc and norm_output false (the
+    import refused norm_before_residual then; the other two change what the served drafter
+    computes), SDPA attention and the eager kl_div, as draftsmith's side runs eager SDPA
+    here."""
+    from speculators_side import train_speculators as train
 
-    from draftsmith.extract.store import ShardReader
-    from draftsmith.target import load_target_head_and_embedding
-
-    started = time.monotonic()
-    cuda = device.startswith("cuda")
-    cfg = config.train
-    target = outputs["target"]
-    hidden = target.figures["hidden_size"]
-    exported = json.loads((Path(outputs["export"].figures["drafter_dir"]) / "config.json")
-                          .read_text())
-    vocab = load_file(str(outputs["merge"].dir / "vocab_map.safetensors"))
-    d2t, t2d = vocab["d2t"].long(), vocab["t2d"].bool()  # [D], [V]
-    layer = create_transformer_layer_config(
-        verifier_name_or_path=target.path, num_layers=1, draft_arch="llama", hidden_act="silu",
-        sliding_window=2048, full_attention_indices=[0], mrope_full_head_hack=True)
-    layer._attn_implementation = "sdpa"  # eager, as draftsmith's side runs (config_for)
-    spec_cfg = Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=int(d2t.numel()),
-        # norm_output=False: the final norm feeds the lm_head only and the next TTT step gets
-        # the state before it, as SGLang's and vLLM's EAGLE-3 drafters decode (True hands the
-        # normed state on).
-        norm_before_residual=False, norm_before_fc=False, fc_norm=False, norm_output=False,
-        embed_requires_grad=False,
-        # The layer ids as draftsmith's own speculators export writes them for vLLM.
-        eagle_aux_hidden_state_layer_ids=exported["eagle_aux_hidden_state_layer_ids"],
-        speculators_config=SpeculatorsConfig(
-            algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=cfg.ttt_steps)],
-            default_proposal_method="greedy",
-            verifier=VerifierConfig.from_pretrained(target.path)))
-    dev = torch.device(device)
-    model = Eagle3DraftModel(config=spec_cfg)
-    model.load_vocab_mappings(t2d, d2t)
-    embed, head = load_target_head_and_embedding(target)  # [V, H], [V, H]
-    with torch.no_grad():  # what its load_verifier_weights copies: embed, head rows of t2d
-        model.embed_tokens.weight.copy_(embed.float())
-        model.lm_head.weight.copy_(head.float()[t2d])
-        model.verifier_lm_head.weight.copy_(head.float()[t2d])
-    model.verifier_norm = torch.nn.Identity()  # the store's final state is already normed
-    for p in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight):
-        p.requires_grad_(False)
-    model.to(dev).train()
-
-    store = ShardReader(outputs["extract"].path)
-    samples = []
-    for s in store.samples("train"):
-        # Copies: the store's tensors are views of memory-mapped shards, unmapped at close.
-        item = {"hidden_states": s.aux.clone(), "input_ids": s.input_ids.clone(),
-                "verifier_last_hidden_states": s.final.clone(), "loss_mask": s.loss_mask.bool(),
-                "lengths": torch.tensor([len(s.input_ids)]),
-                "position_ids": torch.arange(len(s.input_ids))}
-        samples.append(shift_batch(item))
-    store.close()
-    collate = CollateFn(cfg.batch_tokens, hidden, 3, torch.bfloat16 if cuda else torch.float32)
-
-    def rows(order: list[int]) -> list[list[dict]]:
-        out, row, used = [], [], 0
-        for i in order:
-            n = int(samples[i]["input_ids"].numel())
-            if row and used + n > cfg.batch_tokens:
-                out.append(row)
-                row, used = [], 0
-            row.append(samples[i])
-            used += n
-        return out + ([row] if row else [])
-
-    generator = torch.Generator().manual_seed(0)
-    epoch_rows = [rows(torch.randperm(len(samples), generator=generator).tolist())
-                  for _ in range(cfg.epochs)]
-    total = sum(len(r) for r in epoch_rows)
-    # Its eager kl_div: the same math as its fused Triton kernels, without their autotuning
-    # (and the torch 2.11 quirk the anchor harness patches).
-    loss_config = resolve_loss_config("kl_div", "eager")
-    kwargs = {"ttt_steps": cfg.ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
-    trainer_cfg = TrainerConfig(lr=1e-3, num_epochs=cfg.epochs, save_path=str(out_dir),
-                                train_call_kwargs=kwargs, val_call_kwargs=kwargs,
-                                optimizer="muon", weight_decay=0.01, muon_lr=1e-3,
-                                muon_momentum=0.95, muon_weight_decay=0.1, muon_ns_steps=5,
-                                muon_adjust_lr_fn="match_rms_adamw", scheduler_type="linear",
-                                hidden_states_dtype=torch.bfloat16, log_freq=50,
-                                max_steps=total)
-    optimizers = build_optimizers(model, trainer_cfg)
-    schedulers = [get_linear_schedule_with_warmup(o, num_warmup_steps=total // 100,
-                                                  num_training_steps=total)
-                  for o in optimizers]
-    losses, step = [], 0
-    train_started = time.monotonic()
-    tokens = 0
-    for epoch in epoch_rows:
-        for row in epoch:
-            # As its Trainer does: tensors to the device; error_records and metadata stay.
-            batch = {k: v.to(dev) for k, v in collate(row).items()
-                     if isinstance(v, torch.Tensor)}
-            tokens += int((batch["document_ids"] != -1).sum())
-            with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=cuda):
-                _, loss, _metrics = model(**batch, **kwargs)
-            for o in optimizers:
-                o.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            for o in optimizers:
-                o.step()
-            for s in schedulers:
-                s.step()
-            step += 1
-            if step % 50 == 0 or step in (1, total):
-                losses.append(round(float(loss.detach()), 4))
-                shown = {k: round(float(v), 4) for k, v in _metrics.items()
-                         if isinstance(v, torch.Tensor) and v.numel() == 1}
-                log.info("speculators step %d/%d: loss %.4f %s", step, total, losses[-1], shown)
-    train_s = time.monotonic() - train_started
-    model.eval()
-    save_dir = out_dir / "speculators-drafter"
-    model.save_pretrained(str(save_dir))
-    native = out_dir / "speculators-imported"
-    command = [sys.executable, "-m", "draftsmith.cli", "import", str(save_dir), "--out",
-               str(native), "--family", target.figures["family"]]
-    done = subprocess.run(command, capture_output=True, text=True)
-    log.info("$ %s\n%s%s", " ".join(command), done.stdout, done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"draftsmith import failed: {done.stdout}{done.stderr}")
-    return {"steps": step, "rows_per_epoch": [len(r) for r in epoch_rows], "tokens": tokens,
-            "train_s": round(train_s, 1), "tokens_per_s": round(tokens / max(train_s, 1e-9)),
-            "loss_first_every_50_last": losses, "saved": str(save_dir), "imported": str(native),
-            "import_output": done.stdout.strip()[-400:], "seconds": round(
-                time.monotonic() - started, 1)}
+    store = {"store": outputs["extract"].path, "merge_dir": str(outputs["merge"].dir)}
+    size = {"target": config.target.model, "device": device,
+            "batch_tokens": config.train.batch_tokens}
+    return train(store, size, out_dir, "speculators", config.train.epochs, plain_eagle3=True,
+                 ttt_steps=config.train.ttt_steps)
 
 
 # --------------------------------------------------------------------------- report

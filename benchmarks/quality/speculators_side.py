@@ -51,7 +51,12 @@ def unshare_fused_loss_autotune_lists() -> list[str]:
     return changed
 
 
-def train_speculators(store: dict, size: dict, out_dir: Path, recipe: str, epochs: int) -> dict:
+def train_speculators(store: dict, size: dict, out_dir: Path, recipe: str, epochs: int,
+                      plain_eagle3: bool = False, ttt_steps: int = 3) -> dict:
+    """store: {"store": the extract stage's store, "merge_dir": the merge stage's output};
+    size: target, device and batch_tokens. plain_eagle3: the plain EAGLE-3 that SGLang runs
+    (its three norms off, SDPA and the eager loss), as smollm2_h200.py's earlier side by side
+    trained it."""
     from safetensors.torch import load_file
     from speculators.config import SpeculatorsConfig, VerifierConfig
     from speculators.losses import resolve_loss_config
@@ -81,17 +86,19 @@ def train_speculators(store: dict, size: dict, out_dir: Path, recipe: str, epoch
     layer = create_transformer_layer_config(
         verifier_name_or_path=target.path, num_layers=1, draft_arch="llama", hidden_act="silu",
         sliding_window=2048, full_attention_indices=[], mrope_full_head_hack=True)
-    layer._attn_implementation = "simple_flex_attention" if cuda else "sdpa"
+    layer._attn_implementation = "simple_flex_attention" if cuda and not plain_eagle3 \
+        else "sdpa"
     spec_cfg = Eagle3SpeculatorConfig(
         transformer_layer_config=layer, draft_vocab_size=int(d2t.numel()),
-        norm_before_residual=True, norm_before_fc=True, fc_norm=False, norm_output=True,
+        norm_before_residual=not plain_eagle3, norm_before_fc=not plain_eagle3, fc_norm=False,
+        norm_output=not plain_eagle3,
         embed_requires_grad=False,
         # The ids vLLM reads (inputs of layers), as draftsmith's speculators export writes them.
         eagle_aux_hidden_state_layer_ids=engine_layer_ids(reader.aux_layer_ids,
                                                           target.figures["family"], "vllm"),
         speculators_config=SpeculatorsConfig(
             algorithm="eagle3",
-            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=3)],
+            proposal_methods=[GreedyTokenProposalConfig(speculative_tokens=ttt_steps)],
             default_proposal_method="greedy",
             verifier=VerifierConfig.from_pretrained(target.path)))
     model = Eagle3DraftModel(config=spec_cfg)
@@ -134,8 +141,9 @@ def train_speculators(store: dict, size: dict, out_dir: Path, recipe: str, epoch
                   for _ in range(epochs)]
     total = sum(len(r) for r in epoch_rows)
     fix = unshare_fused_loss_autotune_lists() if cuda else []
-    loss_config = resolve_loss_config("kl_div", "fused" if cuda else "eager")
-    kwargs = {"ttt_steps": 3, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
+    loss_config = resolve_loss_config("kl_div", "fused" if cuda and not plain_eagle3
+                                      else "eager")
+    kwargs = {"ttt_steps": ttt_steps, "ttt_step_loss_decay": 1.0, "loss_config": loss_config}
     if recipe == "speculators":
         trainer_cfg = TrainerConfig(lr=1e-3, num_epochs=epochs, save_path=str(out_dir),
                                     train_call_kwargs=kwargs, val_call_kwargs=kwargs,
