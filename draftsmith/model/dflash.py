@@ -23,8 +23,6 @@ and its own block.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from pydantic import BaseModel, ConfigDict, Field
@@ -37,7 +35,12 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from draftsmith.model.eagle3 import BlockMask, create_block_mask, flex_attention_fn
+from draftsmith.model.eagle3 import (
+    BlockMask,
+    TargetTiedDrafter,
+    create_block_mask,
+    flex_attention_fn,
+)
 
 
 class DFlashConfig(BaseModel):
@@ -157,7 +160,7 @@ class DFlashDecoderLayer(nn.Module):
         return self.self_attn.keys_values(context, cos, sin)
 
 
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(TargetTiedDrafter):
     def __init__(self, cfg: DFlashConfig):
         super().__init__()
         self.config = cfg
@@ -170,38 +173,8 @@ class DFlashDrafter(nn.Module):
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.register_vocab_map(cfg)
         self.reset_parameters()
-
-    def reset_parameters(self) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=1 / math.sqrt(module.in_features))
-        # Copied from the target before use: NaN makes a forgotten copy fail loudly.
-        nn.init.constant_(self.embed_tokens.weight, float("nan"))
-        with torch.no_grad():
-            self.d2t.fill_(0)
-            self.t2d.fill_(False)
-
-    def load_target_parts(self, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
-                          target_head: torch.Tensor | None = None) -> None:
-        """Copy the target's embedding and the vocab map; optionally start lm_head from the
-        target head's rows for the draft vocab."""
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed)
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
-            if target_head is not None:
-                self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
-
-    def draft_to_target_ids(self) -> torch.Tensor:
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
-
-    def in_forward(self, fn, *args, **kwargs):
-        """fn(self, *args, **kwargs) as a forward pass of this module (FSDP: whole parameters
-        inside; see Eagle3Drafter.in_forward)."""
-        return fn(self, *args, **kwargs)
 
     def compile_layer(self, enabled: bool = True) -> None:
         """The trainer's switch for compiled paths: here the loss's softmax and fused

@@ -230,26 +230,15 @@ class Eagle3DecoderLayer(nn.Module):
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, T, H]
 
 
-class Eagle3Drafter(nn.Module):
-    def __init__(self, cfg: Eagle3Config):
-        super().__init__()
-        self.config = cfg
-        k = len(cfg.aux_layer_ids)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.embed_tokens.weight.requires_grad_(False)
-        self.input_norm = LlamaRMSNorm(k * cfg.target_hidden_size, eps=cfg.rms_norm_eps) \
-            if cfg.norm_before_fc else None
-        self.fc_norm = nn.ModuleList(
-            LlamaRMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps) for _ in range(k)) \
-            if cfg.fc_norm else None
-        self.fc = nn.Linear(k * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = Eagle3DecoderLayer(cfg)
-        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.reset_parameters()
+class TargetTiedDrafter(nn.Module):
+    """What every drafter kind (draftsmith/model/kinds.py) shares: the target's embedding,
+    copied in before use, and the draft vocab map (d2t: offsets, target id = draft id +
+    d2t; t2d: whether a target id is in the draft vocab). A subclass makes embed_tokens,
+    lm_head and its layers, calls register_vocab_map, then reset_parameters."""
+
+    def register_vocab_map(self, cfg) -> None:
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [D]
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # [V]
 
     def reset_parameters(self) -> None:
         for module in self.modules():
@@ -271,6 +260,39 @@ class Eagle3Drafter(nn.Module):
             self.t2d.copy_(t2d)
             if target_head is not None:
                 self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
+
+    def in_forward(self, fn, *args, **kwargs):
+        """fn(self, *args, **kwargs), run as a forward pass of this module. Under FSDP2 a
+        parameter is whole only inside a forward of the module that owns it, and the trainer's
+        row (the kind's forward, then the loss fused with lm_head, which reads lm_head.weight
+        itself) is more than one forward: the trainer registers this method as a forward
+        (`register_fsdp_forward_method`), so the whole row runs with whole parameters.
+        Without FSDP it is a plain call."""
+        return fn(self, *args, **kwargs)
+
+    def draft_to_target_ids(self) -> torch.Tensor:
+        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
+
+
+class Eagle3Drafter(TargetTiedDrafter):
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__()
+        self.config = cfg
+        k = len(cfg.aux_layer_ids)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.input_norm = LlamaRMSNorm(k * cfg.target_hidden_size, eps=cfg.rms_norm_eps) \
+            if cfg.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(
+            LlamaRMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps) for _ in range(k)) \
+            if cfg.fc_norm else None
+        self.fc = nn.Linear(k * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.midlayer = Eagle3DecoderLayer(cfg)
+        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+        self.register_vocab_map(cfg)
+        self.reset_parameters()
 
     def layer_and_norm(self, embedding_qkv, offset, hidden, cos, sin, past_kv=None, mask=None):
         """The decoder layer at TTT step `offset`, then the final norm: the next step's hidden
@@ -327,18 +349,6 @@ class Eagle3Drafter(nn.Module):
     @property
     def compiled(self) -> bool:
         return "_compiled_layer" in self.__dict__
-
-    def in_forward(self, fn, *args, **kwargs):
-        """fn(self, *args, **kwargs), run as a forward pass of this module. Under FSDP2 a
-        parameter is whole only inside a forward of the module that owns it, and the trainer's
-        row (TTT forward, then the loss fused with lm_head, which reads lm_head.weight itself)
-        is more than forward_ttt_hidden: the trainer registers this method as a forward
-        (`register_fsdp_forward_method`), so the whole row runs with whole parameters.
-        Without FSDP it is a plain call."""
-        return fn(self, *args, **kwargs)
-
-    def draft_to_target_ids(self) -> torch.Tensor:
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
 
     def rope(self, hidden: torch.Tensor, position_ids: torch.Tensor):
         return self.rotary(hidden, position_ids)  # cos, sin [B, T, d]

@@ -11,7 +11,7 @@ Mixed precision the FSDP way: the sharded parameters stay float32 and are the ma
 bf16 for compute when `train.dtype` is bfloat16, and gradients are reduce-scattered in float32.
 
 A parameter is whole only inside a forward of the module that owns it, so the trainer's row
-(TTT forward and the loss fused with lm_head) runs through `Eagle3Drafter.in_forward`,
+(TTT forward and the loss fused with lm_head) runs through `TargetTiedDrafter.in_forward`,
 registered here as a forward method, and so are the decoder layer's `embedding_qkv` and
 `forward_projected`, which the row calls instead of its forward. Every rank must join every
 all-gather and reduce-scatter: a rank without a row runs an all-padding row (zero loss, zero

@@ -28,7 +28,7 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
     RMS), seeded by noise_seed. with_runs: also return runs [T], the drafts in a row the
     target accepts at each anchor (what replay_chain_decoding walks).
 
-    The row runs as the drafter's forward (`Eagle3Drafter.in_forward`): under FSDP that is
+    The row runs as the drafter's forward (`TargetTiedDrafter.in_forward`): under FSDP that is
     where its parameters, lm_head's included, are whole."""
     if isinstance(step_weights, float | int):
         step_weights = [float(step_weights) ** j for j in range(steps)]
