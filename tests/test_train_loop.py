@@ -437,7 +437,9 @@ def test_a_rank_that_dies_at_the_end_of_a_run_costs_no_training(inputs, fsdp_run
     assert f"at step {expected['steps']} " in attempt and "resuming from" in attempt
     assert "train step " not in attempt and "validation after epoch" not in attempt
     joined = re.findall(r"gloo worker threads: (\d+) before close, (\d+) after", attempt)
-    assert len(joined) == 2 and all(int(b) > 0 and a == "0" for b, a in joined), joined
+    # A rank that logged its close had joined its threads. Rank 0 may not get to log it:
+    # torchrun stops the other ranks once rank 1 aborts, which on a busy machine can come first.
+    assert 1 <= len(joined) <= 2 and all(int(b) > 0 and a == "0" for b, a in joined), joined
     manifest = json.loads((plan.dir / "manifest.json").read_text())
     assert manifest["ranks_finished"] == [0, 1] and manifest["torchrun_exit_code"] != 0
     wa, wb = weights_of(fsdp_out), weights_of(plan.dir)
