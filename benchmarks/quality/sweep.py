@@ -43,7 +43,7 @@ log = logging.getLogger("draftsmith.sweep")
 
 SMOLLM2 = "builtin:smollm2-135m-instruct"
 GPU = dict(target=SMOLLM2, device="cuda", sizes=[6000, 12000, 48000], epochs=6,
-           gen_batch=2048, max_new_tokens=160, batch_tokens=16384, draft_vocab=16384,
+           gen_batch=2048, max_new_tokens=160, batch_tokens=32768, draft_vocab=16384,
            lr=1e-3, validation=0.05, bench_prompts=48, bench_tokens=128, eval_workers=8,
            extract_batch=256, kinds_size=6000, speculators_size=6000, gpu_jobs=3)
 SMOKE = dict(target="builtin:tiny", device="cpu", sizes=[40, 80], epochs=2, gen_batch=16,
