@@ -61,9 +61,12 @@ case "$cmd" in
   wait)
     wait_for "${1:-540}"; report
     ;;
-  collect)  # each drafter named: its exported directory, split into <= 15 MiB parts
+  collect)  # each drafter named: its exported directory, split into <= 15 MiB parts. At most
+    # 8 files of 16 MiB, 64 MiB in all, come back from a call: two drafters (29 MB each in
+    # bf16) and the logs fit one call, so name two at a time.
+    tar czf "$OUT"/logs.tgz -C "$Q" logs done report driver.log 2>/dev/null
     for name in "$@"; do
-      dir=$(python3 -c "import json; print(json.load(open('$Q/done/eval-$name'))['drafter_dir'])")
+      dir=$(python3 -c "import json; print(json.load(open('$Q/done/train-$name'))['drafter_dir'])")
       tar cf /tmp/"$name".tar -C "$dir" .
       sha256sum /tmp/"$name".tar | tee "$OUT"/"$name".sha256
       split -b 15M /tmp/"$name".tar "$OUT"/"$name".tar.part_

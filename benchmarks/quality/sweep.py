@@ -156,7 +156,9 @@ class Sweep:
             heavy = sum(j.heavy for j in self.jobs.values() if j.state == "running")
             workers = sum(j.workers for j in self.jobs.values() if j.state == "running")
             for job in (j for j in waiting if j.state == "waiting" and self._ready(j)):
-                if job.estimate_s > self.left_s():
+                # The budget decides what to start; an evaluation of a finished training
+                # (not heavy, a few minutes) always runs, or the training would be lost.
+                if job.heavy and job.estimate_s > self.left_s():
                     job.state = "skipped"
                     log.info("job %s skipped: needs ~%.0f s, %.0f s of the budget left",
                              job.name, job.estimate_s, self.left_s())

@@ -39,8 +39,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--concurrency", type=int, nargs="*", default=[1, 4])
     parser.add_argument("--work", type=Path, default=Path("/tmp/draftsmith-vllm-cpu"))
     parser.add_argument("--port", type=int, default=30181)
+    parser.add_argument("--from-report", action="store_true",
+                        help="serve nothing: fill the row from the kept vllm_NAME.json")
     args = parser.parse_args(argv)
     configure_logging()
+    if args.from_report:
+        kept = args.summary.parent / f"vllm_{args.name}.json"
+        update_row(args.summary, args.name, json.loads(kept.read_text()))
+        return
     started = time.monotonic()
     target_cfg = TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32")
     target = resolve_target(target_cfg)
@@ -68,27 +74,37 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         servers.stop_all()
     full = json.loads((Path(report.figures["report"]).with_suffix(".json")).read_text())
+    full = {**full, "prompts": len(prompts), "seconds": round(time.monotonic() - started, 1),
+            "command": " ".join(sys.argv)}
+    atomic_write_json(args.summary.parent / f"vllm_{args.name}.json", full)
+    update_row(args.summary, args.name, full)
+
+
+def row_update(full: dict) -> dict:
+    """The summary row's vLLM columns from a vLLM report (speedups are keyed by concurrency,
+    which JSON turns into strings)."""
     summary = full["summary"]
-    speedups = summary.get("speedups") or {}
-    update = {"measured_vllm": summary["acceptance_length"],
-              "accepted_per_position_vllm": summary["accepted_per_position"],
-              "speedup_vllm_c1": speedups.get(1), "speedup_vllm_c4": speedups.get(4),
-              "identical_vllm": summary.get("identical_outputs"),
-              "vllm_prompts": len(prompts), "vllm_tokens_per_s_c1": summary[
-                  "single_stream_tokens_per_s"],
-              "vllm_baseline_tokens_per_s_c1": summary.get(
-                  "baseline_single_stream_tokens_per_s")}
-    atomic_write_json(args.summary.parent / f"vllm_{args.name}.json",
-                      {**full, "seconds": round(time.monotonic() - started, 1),
-                       "command": " ".join(sys.argv)})
-    rows = json.loads(args.summary.read_text()) if args.summary.exists() else []
+    speedups = {int(c): x for c, x in (summary.get("speedups") or {}).items()}
+    return {"measured_vllm": summary["acceptance_length"],
+            "accepted_per_position_vllm": summary["accepted_per_position"],
+            "speedup_vllm_c1": speedups.get(1), "speedup_vllm_c4": speedups.get(4),
+            "identical_vllm": summary.get("identical_outputs"),
+            "vllm_prompts": full.get("prompts", summary.get("prompts")),
+            "vllm_tokens_per_s_c1": summary["single_stream_tokens_per_s"],
+            "vllm_baseline_tokens_per_s_c1": summary.get("baseline_single_stream_tokens_per_s"),
+            "vllm_guard": summary.get("guard")}
+
+
+def update_row(summary_path: Path, name: str, full: dict) -> None:
+    update = row_update(full)
+    rows = json.loads(summary_path.read_text()) if summary_path.exists() else []
     for row in rows:
-        if row["drafter"] == args.name:
+        if row["drafter"] == name:
             row.update(update)
             break
     else:
-        raise SystemExit(f"{args.summary} has no row named {args.name!r}")
-    atomic_write_json(args.summary, rows)
+        raise SystemExit(f"{summary_path} has no row named {name!r}")
+    atomic_write_json(summary_path, rows)
     print(json.dumps(update, indent=1))
 
 

@@ -1,0 +1,60 @@
+"""The quality benchmark scripts' bookkeeping: what they write is what the docs' tables read."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+QUALITY = Path(__file__).resolve().parents[1] / "benchmarks" / "quality"
+
+
+def load(name: str):
+    spec = importlib.util.spec_from_file_location(f"quality_{name}", QUALITY / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up
+    sys.path.insert(0, str(QUALITY))
+    try:
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(str(QUALITY))
+    return module
+
+
+def test_vllm_speedups_survive_the_json_round_trip_into_the_summary_row(tmp_path: Path) -> None:
+    vllm_cpu = load("vllm_cpu")
+    # A kept report, as read back from disk: concurrency keys are strings now.
+    report = json.loads(json.dumps({"prompts": 48, "summary": {
+        "acceptance_length": 2.84, "accepted_per_position": [0.77, 0.59, 0.47],
+        "speedups": {1: 1.389, 4: 1.045}, "identical_outputs": "48/48",
+        "single_stream_tokens_per_s": 12.9, "baseline_single_stream_tokens_per_s": 9.3,
+        "guard": {"ok": True}}}))
+    summary = tmp_path / "summary.json"
+    summary.write_text(json.dumps([{"drafter": "a", "speedup_vllm_c1": None},
+                                   {"drafter": "b", "speedup_vllm_c1": None}]))
+    vllm_cpu.update_row(summary, "b", report)
+    rows = json.loads(summary.read_text())
+    assert rows[0] == {"drafter": "a", "speedup_vllm_c1": None}
+    assert rows[1]["speedup_vllm_c1"] == 1.389 and rows[1]["speedup_vllm_c4"] == 1.045
+    assert rows[1]["measured_vllm"] == 2.84 and rows[1]["vllm_prompts"] == 48
+    with pytest.raises(SystemExit, match="no row named 'c'"):
+        vllm_cpu.update_row(summary, "c", report)
+
+
+def test_a_finished_trainings_evaluation_runs_past_the_budget(tmp_path: Path) -> None:
+    sweep_module = load("sweep")
+    sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", dict(sweep_module.SMOKE),
+                               budget_s=0, smoke=True)
+    (tmp_path / "done").mkdir()
+    (tmp_path / "done" / "train").write_text("{}")
+    evaluation = [sys.executable, "-c", f"open({str(tmp_path / 'done' / 'eval')!r}, 'w')"]
+    sweep.add(sweep_module.Job("train:x", tmp_path / "done" / "train", 60, argv=["false"]))
+    sweep.add(sweep_module.Job("eval:x", tmp_path / "done" / "eval", 120, after=["train:x"],
+                               heavy=False, argv=evaluation))
+    sweep.add(sweep_module.Job("train:y", tmp_path / "done" / "y", 60, argv=["false"]))
+    sweep.run_all()
+    assert sweep.jobs["eval:x"].state == "done"
+    assert sweep.jobs["train:y"].state == "skipped"  # a new training does not fit
