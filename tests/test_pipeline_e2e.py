@@ -140,12 +140,21 @@ def test_a_cached_rerun_imports_neither_torch_nor_transformers(first_run, base_r
     assert "heavy modules: []" in proc.stdout
 
 
+def session_api_env(tmp_path: Path) -> dict[str, str]:
+    """A CLI child's environment pointed at the session's Prefect API (tests/conftest.py
+    `prefect_api`), so it does not start a temporary server of its own (seconds of CPU each;
+    test_a_cached_rerun_imports_neither_torch_nor_transformers runs the CLI with one)."""
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"),
+            "PREFECT_API_URL": PREFECT_API_URL.value()}
+
+
 def test_cli_runs_one_stage_from_finished_outputs(first_run, base_raw, tmp_path):
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(base_raw))
     # A wide console: rich folds the result column of a narrow one mid-word.
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect"), "COLUMNS": "250"}
-    env.pop("PREFECT_API_URL", None)
+    env = {**session_api_env(tmp_path), "COLUMNS": "250"}
     proc = subprocess.run(
         [sys.executable, "-m", "draftsmith.cli", "run", str(config), "--only", "fix-keys"],
         capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
@@ -289,20 +298,21 @@ def test_generate_and_merge_publish_their_stats_as_table_artifacts(first_run):
 
 
 def test_cli_runs_generate_and_merge_alone_and_logs_their_stats(first_run, base_raw, tmp_path):
+    """Both stages in one CLI process (--from/--to): each logs its stats."""
     config = tmp_path / "tiny.yaml"
     config.write_text(yaml.safe_dump(base_raw))
-    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect")}
-    env.pop("PREFECT_API_URL", None)
-    for stage, lines in (("generate", ["generate source", "generate summary"]),
-                         ("merge", ["merge source", "merge draft vocab"])):
-        proc = subprocess.run(
-            [sys.executable, "-m", "draftsmith.cli", "run", str(config), "--only", stage],
-            capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
-        )
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        output = proc.stdout + proc.stderr
-        assert all(line in output for line in lines), output[-3000:]
-        assert stage in proc.stdout  # the summary table
+    env = {**session_api_env(tmp_path), "COLUMNS": "250"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "draftsmith.cli", "run", str(config), "--from", "generate",
+         "--to", "merge"],
+        capture_output=True, text=True, env=env, cwd=REPO, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    output = proc.stdout + proc.stderr
+    for line in ("generate source", "generate summary", "merge source", "merge draft vocab"):
+        assert line in output, output[-3000:]
+    rows = dict(re.findall(r"│ (\S+) +│ (\w+) +│", proc.stdout))  # the summary table
+    assert set(rows) == {"generate", "merge"}, proc.stdout
 
 
 def test_extract_stops_before_starting_when_the_store_will_not_fit(first_run, base_raw,

@@ -173,12 +173,28 @@ def kimi_launches(tmp_path_factory, random_target_dir) -> dict[str, SGLangLaunch
     return launches
 
 
+def rejected_launches(spec: SGLangLaunch) -> dict[str, SGLangLaunch]:
+    """The speculative launch with a flag SGLang rejects or deprecates in extra_args."""
+    argvs = {"ambiguous": [*spec.argv, "--cuda-graph-max-bs", "8"],
+             "vllm name": [*spec.argv, "--num-speculative-tokens", "3"],
+             "deprecated": [*spec.argv, "--disable-cuda-graph"]}
+    return {f"rejected {n}": spec.model_copy(update={"argv": argv}) for n, argv in argvs.items()}
+
+
 @pytest.fixture(scope="module")
-def parsed(sglang_env, kimi_launches) -> dict[str, dict]:
-    report = run_probe(sglang_env, "parse", stdin={
+def parse_report(sglang_env, kimi_launches) -> dict:
+    """One probe process (one SGLang import) for every parse of the module: the Kimi
+    example's launches, the rejected ones and Kimi's reasoning parser."""
+    launches = {**kimi_launches, **rejected_launches(kimi_launches["speculative"])}
+    return run_probe(sglang_env, "parse", stdin={
         "launches": [{"name": n, "launch": launch.model_dump()}
-                     for n, launch in kimi_launches.items()], "fields": FIELDS})
-    return {r["name"]: r for r in report["results"]}
+                     for n, launch in launches.items()], "fields": FIELDS,
+        "parsers": ["kimi_k2"]})
+
+
+@pytest.fixture(scope="module")
+def parsed(parse_report, kimi_launches) -> dict[str, dict]:
+    return {r["name"]: r for r in parse_report["results"] if r["name"] in kimi_launches}
 
 
 def test_sglang_parses_every_kimi_command_line_without_deprecated_flags(parsed, kimi_launches):
@@ -224,17 +240,12 @@ def test_capture_server_flags_as_sglang_reads_them(parsed):
     assert capture["speculative_algorithm"] is None
 
 
-def test_sglang_rejections_and_deprecations_reach_the_user(sglang_env, kimi_launches):
+def test_sglang_rejections_and_deprecations_reach_the_user(parse_report):
     """A flag SGLang rejects fails the launch with SGLang's own message; a deprecated one in
     the user's extra_args is reported (and logged) with SGLang's replacement."""
-    spec = kimi_launches["speculative"]
-    launches = {"ambiguous": [*spec.argv, "--cuda-graph-max-bs", "8"],
-                "vllm name": [*spec.argv, "--num-speculative-tokens", "3"],
-                "deprecated": [*spec.argv, "--disable-cuda-graph"]}
-    report = run_probe(sglang_env, "parse", stdin={"fields": [], "launches": [
-        {"name": n, "launch": spec.model_copy(update={"argv": argv}).model_dump()}
-        for n, argv in launches.items()]})
-    results = {r["name"]: r for r in report["results"]}
+    results = {r["name"].removeprefix("rejected "): r for r in parse_report["results"]
+               if r["name"].startswith("rejected ")}
+    assert set(results) == {"ambiguous", "vllm name", "deprecated"}
     assert "SGLang's argument parser rejects" in results["ambiguous"]["error"]
     assert "ambiguous option: --cuda-graph-max-bs" in results["ambiguous"]["error"]
     assert "unrecognized arguments: --num-speculative-tokens" in results["vllm name"]["error"]
@@ -242,10 +253,11 @@ def test_sglang_rejections_and_deprecations_reach_the_user(sglang_env, kimi_laun
         "--disable-cuda-graph (use --cuda-graph-backend-{decode,prefill}=disabled)"]
 
 
-def test_the_generation_server_uses_sglang_reasoning_parser_for_kimi(sglang_env, parsed):
+def test_the_generation_server_uses_sglang_reasoning_parser_for_kimi(sglang_env, parsed,
+                                                                    parse_report):
     fields = parsed["generation"]["fields"]
     assert fields["reasoning_parser"] == "kimi_k2" and fields["tool_call_parser"] == "kimi_k2"
-    parser = run_probe(sglang_env, "parsers", "kimi_k2")
+    parser = parse_report["parsers"]["kimi_k2"]
     assert parser["detector"] == "KimiK2Detector"
     assert (parser["think_start"], parser["think_end"]) == ("<think>", "</think>")
     where, text = sglang_source(sglang_env, "srt/parser/template_detection.py")

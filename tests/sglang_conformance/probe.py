@@ -1,11 +1,13 @@
 """Runs inside the SGLang test environment (tests/sglang_conformance/env.py), one command per
 process, and prints one JSON object. tests/test_sglang_conformance.py drives it.
 
-    parse     stdin: {"launches": [{"name", "launch": SGLangLaunch}], "fields": [...]}.
+    parse     stdin: {"launches": [{"name", "launch": SGLangLaunch}], "fields": [...],
+              "parsers": [...] (optional)}.
               Each launch goes through draftsmith's check_with_sglang_parser (which finds
               sglang importable here) and through SGLang's own prepare_server_args, the
               function `python -m sglang.launch_server` calls; reports the named ServerArgs
-              fields, or the error.
+              fields, or the error; and what `parsers` reports for each reasoning parser
+              named (one SGLang import for all of it).
     registry  SGLang's model registry imported with SGLANG_EXTERNAL_MODEL_PACKAGE set (by the
               caller); reports which class serves DRAFTSMITH_CAPTURE_ARCH, builds it on TP
               ranks 0 and 1, runs one forward and reports the dump it wrote.
@@ -55,7 +57,8 @@ def parse() -> dict:
         else:
             result["fields"] = {f: getattr(args, f) for f in request["fields"]}
         results.append(result)
-    return {"results": results}
+    return {"results": results,
+            "parsers": {name: reasoning_parser(name) for name in request.get("parsers", [])}}
 
 
 def registry() -> dict:
@@ -129,9 +132,12 @@ def registry() -> dict:
 
 
 def parsers() -> dict:
+    return reasoning_parser(sys.argv[2])
+
+
+def reasoning_parser(name: str) -> dict:
     from sglang.srt.parser.reasoning_parser import ReasoningParser
 
-    name = sys.argv[2]
     detector = ReasoningParser.DetectorMap[name]()
     return {"names": sorted(ReasoningParser.DetectorMap), "detector": type(detector).__name__,
             "think_start": detector.think_start_token, "think_end": detector.think_end_token}
