@@ -53,7 +53,7 @@ case "$cmd" in
       DRAFTSMITH_SMOLLM2_GGUF=/tmp/smollm/smollm2.gguf HF_HUB_OFFLINE=1 \
       TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
       setsid nohup python3 "$DS"/benchmarks/quality/sweep.py run --out "$Q" \
-      --report "$Q"/report --budget-s "$budget" --speculators "$@" \
+      --report "$Q"/report --budget-s "$budget" "$@" \
       > "$Q"/driver.log 2>&1 < /dev/null &
     sleep 20
     wait_for "$wait_s"; report

@@ -204,6 +204,12 @@ class Sweep:
 # --------------------------------------------------------------------------- the plan
 
 
+# The drafter section of each kind the side by side trains beside EAGLE-3.
+KIND_SETTINGS = {"eagle3.1": {"kind": "eagle3", "norm_before_fc": True,
+                              "norm_before_residual": True, "norm_output": True},
+                 "dflash": {"kind": "dflash"}}
+
+
 def me(*args: str) -> list[str]:
     return [sys.executable, str(HERE), *args]
 
@@ -213,7 +219,8 @@ def plan(sweep: Sweep, args) -> None:
     args_file = out / "args.json"
     atomic_write_json(args_file, {"size": size, "out": str(out), "report": str(sweep.report)})
     common = ["--args", str(args_file)]
-    largest = max(size["sizes"])
+    kinds = [k for k in ("eagle3.1", "dflash") if k in args.kinds]
+    largest = max(size["sizes"] + ([size["kinds_size"]] if kinds else []))
     sweep.add(Job("target", out / "done" / "target", 60, argv=me("target", *common),
                   priority=0))
     if not args.no_genbench:
@@ -233,11 +240,8 @@ def plan(sweep: Sweep, args) -> None:
     trains = []
     for n in size["sizes"]:
         trains.append(("eagle3", n, size["epochs"], {}))
-    for kind, drafter in (("eagle3.1", {"kind": "eagle3", "norm_before_fc": True,
-                                        "norm_before_residual": True, "norm_output": True}),
-                          ("dflash", {"kind": "dflash"})):
-        if kind in args.kinds:
-            trains.append((kind, size["kinds_size"], size["epochs"], drafter))
+    for kind in kinds:
+        trains.append((kind, size["kinds_size"], size["epochs"], KIND_SETTINGS[kind]))
     tokens_per_prompt = 245
     for kind, n, epochs, drafter in trains:
         name = f"{kind}-{n}-e{epochs}"
@@ -250,7 +254,9 @@ def plan(sweep: Sweep, args) -> None:
                       priority=2 if n == largest else 3 if n == size["kinds_size"] else 4))
         sweep.add(Job(f"eval:{name}", out / "done" / f"eval-{name}", 120,
                       after=[f"train:{name}"], heavy=False, workers=size["eval_workers"],
-                      argv=me("evaluate", *common, "--name", name), priority=1))
+                      argv=me("evaluate", *common, "--name", name),
+                      # EAGLE-3.1 is the quality candidate: first when two finish together.
+                      priority=0 if kind == "eagle3.1" else 1))
     if args.speculators:
         n = size["speculators_size"]
         sweep.add(Job(f"store:{n}", out / "done" / f"store-{n}", 120, after=["generate"],
@@ -585,6 +591,8 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--target", help="default: SmolLM2 (the tiny target with --smoke)")
     run.add_argument("--epochs", type=int)
     run.add_argument("--kinds", nargs="*", default=["eagle3.1", "dflash"])
+    run.add_argument("--kinds-size", type=int, help="prompts of the kinds' side by side "
+                     "(default: 6,000; the tiny target's 40 with --smoke)")
     run.add_argument("--speculators", action="store_true")
     run.add_argument("--no-genbench", action="store_true")
     run.add_argument("--only", nargs="*", help="run only the jobs whose names contain one of "
@@ -617,6 +625,8 @@ def main(argv: list[str] | None = None) -> None:
             size["epochs"] = args.epochs
         if args.target:
             size["target"] = args.target
+        if args.kinds_size:
+            size["kinds_size"] = args.kinds_size
         args.out.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("DRAFTSMITH_CACHE", str(args.out / "cache"))
         sweep = Sweep(args.out, args.report or args.out / "report", size, args.budget_s,
