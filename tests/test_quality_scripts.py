@@ -58,3 +58,36 @@ def test_a_finished_trainings_evaluation_runs_past_the_budget(tmp_path: Path) ->
     sweep.run_all()
     assert sweep.jobs["eval:x"].state == "done"
     assert sweep.jobs["train:y"].state == "skipped"  # a new training does not fit
+
+
+def test_the_kinds_side_by_side_at_a_larger_size_makes_generate_answer_it(tmp_path: Path) -> None:
+    sweep_module = load("sweep")
+    size = {**sweep_module.GPU, "sizes": [24000], "kinds_size": 48000}
+    sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", size, budget_s=1e9, smoke=False)
+    args = type("Args", (), {"no_genbench": True, "kinds": ["eagle3.1", "dflash"],
+                             "speculators": False})
+    sweep_module.plan(sweep, args)
+    generate = sweep.jobs["generate"].argv
+    assert generate[generate.index("--prompts") + 1] == "48000"
+    assert {"train:eagle3-24000-e6", "train:eagle3.1-48000-e6",
+            "train:dflash-48000-e6"} <= set(sweep.jobs)
+    assert "train:eagle3-48000-e6" not in sweep.jobs
+    # Two trainings that finish together: EAGLE-3.1, the quality candidate, is evaluated first.
+    evaluations = sweep.jobs["eval:eagle3.1-48000-e6"], sweep.jobs["eval:dflash-48000-e6"]
+    assert evaluations[0].priority < evaluations[1].priority
+
+
+def _validation(steps: int) -> dict:
+    return {"epoch": 5, "tau": 3.0, "acceptance_replayed": 3.2,
+            **{f"full_acc_{j}": 0.5 for j in range(steps)}}
+
+
+@pytest.mark.parametrize(("steps", "gap"), [(3, 0.6), (15, None)])
+def test_the_replay_gap_compares_only_replays_of_the_measured_drafts(steps: int, gap) -> None:
+    sweep_module = load("sweep")
+    per_prompt = [{"verify_rounds": 10, "round_tokens": 20, "accepted_by_position": [5, 3, 2],
+                   "speculative_s": 1.0, "greedy_s": 1.0, "completion_tokens": 20,
+                   "plain_tokens": 20, "identical": True}]
+    row = sweep_module.summarize("d-48000-e6", {"validation": [_validation(steps)]}, per_prompt)
+    assert row["measured_embedded"] == 2.0 and row["replayed"] == 3.2
+    assert row["replay_gap"] == gap  # a DFlash block of 16 replays 15 drafts, measured with 3
