@@ -19,15 +19,20 @@ torch.set_num_threads(1)
 REPO = Path(__file__).resolve().parent.parent
 
 # --------------------------------------------------------------------------- two workers
-# The suite runs in two pytest-xdist workers (pyproject.toml addopts: -n 2 --dist loadgroup;
-# `-n 0` runs it in this one process). Every module that uses the session's Prefect API or
-# what is built on the session's pipeline run (the e2e and vLLM tests) runs in one worker, as
-# one unit of work: the run has one Prefect API, one pipeline run and one shared vLLM server.
-# Any other module runs whole in one worker or the other (its module fixtures set up once).
-SESSION_CHAIN = "session-chain"
+# The suite runs in two pytest-xdist workers (pyproject.toml addopts: -n 2 --dist loadscope;
+# `-n 0` runs it in this one process). The modules that use the session's Prefect API or what
+# is built on the session's pipeline run (the e2e and vLLM tests) run in one worker, as one unit
+# of work: the run has one Prefect API, one pipeline run and one shared vLLM server. Any other
+# module runs whole in one worker or the other (its module fixtures are set up once).
 CHAIN_FIXTURES = frozenset({"prefect_api", "tiny_run", "eagle31_run", "dflash_run",
                             "vllm_chain", "vllm_server"})
-# The other modules that take longest, handed out first, so that both workers end together
+# The modules whose tests use them (checked at collection: a test that uses one elsewhere would
+# start a second server in the other worker). Those that need no trained tiny target come
+# first, while it is being built.
+CHAIN_MODULES = ("test_multi_host.py", "test_tasks.py", "test_drafter_kinds.py",
+                 "test_extract_vllm.py", "test_generate_http.py", "test_pipeline_e2e.py",
+                 "test_vllm.py", "test_vllm_kinds.py")
+# The other modules that take longest, handed out first so that both workers end together
 # (seconds on a busy machine, tests and fixtures: busy_ci_c8119d4_1.txt); the Prefect server's
 # runs need the trained tiny target, built meanwhile. The rest follow in their usual order.
 SLOW_MODULES = ("test_train_loop.py",  # 190: 12 torchruns
@@ -41,42 +46,37 @@ SLOW_MODULES = ("test_train_loop.py",  # 190: 12 torchruns
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """The session chain's modules in one xdist group; under xdist, the order work is handed
-    out in: the chain first (its modules that need no trained tiny target first, while it is
-    being built), then SLOW_MODULES, then the rest. Each module keeps its tests' order."""
-    chain = {item.path for item in items if CHAIN_FIXTURES & set(item.fixturenames)}
-    tiny = {item.path for item in items if "tiny_target_cache" in item.fixturenames}
-    for item in items:
-        if item.path in chain:
-            item.add_marker(pytest.mark.xdist_group(SESSION_CHAIN))
+    """Every test that uses the session chain is in a CHAIN_MODULES module; under xdist, the
+    order work is handed out in (pytest_xdist_make_scheduler): CHAIN_MODULES as listed, then
+    SLOW_MODULES, then the rest. Each module keeps its tests' order."""
+    stray = sorted({item.path.name for item in items if CHAIN_FIXTURES & set(item.fixturenames)
+                    and item.path.name not in CHAIN_MODULES})
+    if stray:
+        raise pytest.UsageError(f"{', '.join(stray)}: tests there use the session's Prefect "
+                                "API or pipeline run; add them to CHAIN_MODULES "
+                                "(tests/conftest.py)")
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-
-    def rank(item) -> int:
-        if item.path in chain:
-            return int(item.path in tiny)
-        if item.path.name in SLOW_MODULES:
-            return 2 + SLOW_MODULES.index(item.path.name)
-        return 2 + len(SLOW_MODULES)
-
-    items.sort(key=rank)  # stable
+    order = CHAIN_MODULES + SLOW_MODULES
+    items.sort(key=lambda item: order.index(item.path.name) if item.path.name in order
+               else len(order))  # stable
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """--dist loadgroup, with a test outside any group scheduled with the rest of its module,
-    and the units of work handed out in collection order (pytest_collection_modifyitems)."""
-    if config.getvalue("dist") != "loadgroup":
+    """--dist loadscope, with every test of a module in one unit of work (classes too), the
+    CHAIN_MODULES in one, and the units handed out in collection order."""
+    if config.getvalue("dist") != "loadscope":
         return None
-    from xdist.scheduler import LoadGroupScheduling
+    from xdist.scheduler import LoadScopeScheduling
 
-    class ModulesAndGroups(LoadGroupScheduling):
+    class ModulesAndChain(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
-            scope = super()._split_scope(nodeid)
-            return nodeid.split("::", 1)[0] if scope == nodeid else scope
+            module = nodeid.split("::", 1)[0]
+            return "session-chain" if Path(module).name in CHAIN_MODULES else module
 
     config.option.loadscopereorder = False  # else the units with most tests go first
-    return ModulesAndGroups(config, log)
+    return ModulesAndChain(config, log)
 
 
 @pytest.fixture(scope="session")
