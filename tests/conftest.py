@@ -18,6 +18,66 @@ torch.set_num_threads(1)
 
 REPO = Path(__file__).resolve().parent.parent
 
+# --------------------------------------------------------------------------- two workers
+# The suite runs in two pytest-xdist workers (pyproject.toml addopts: -n 2 --dist loadscope;
+# `-n 0` runs it in this one process). The modules that use the session's Prefect API or what
+# is built on the session's pipeline run (the e2e and vLLM tests) run in one worker, as one unit
+# of work: the run has one Prefect API, one pipeline run and one shared vLLM server. Any other
+# module runs whole in one worker or the other (its module fixtures are set up once).
+CHAIN_FIXTURES = frozenset({"prefect_api", "tiny_run", "eagle31_run", "dflash_run",
+                            "vllm_chain", "vllm_server"})
+# The modules whose tests use them (checked at collection: a test that uses one elsewhere would
+# start a second server in the other worker). Those that need no trained tiny target come
+# first, while it is being built.
+CHAIN_MODULES = ("test_multi_host.py", "test_tasks.py", "test_drafter_kinds.py",
+                 "test_extract_vllm.py", "test_generate_http.py", "test_pipeline_e2e.py",
+                 "test_vllm.py", "test_vllm_kinds.py")
+# The other modules that take longest, handed out first so that both workers end together
+# (seconds on a busy machine, tests and fixtures: busy_ci_c8119d4_1.txt); the Prefect server's
+# runs need the trained tiny target, built meanwhile. The rest follow in their usual order.
+SLOW_MODULES = ("test_train_loop.py",  # 190: 12 torchruns
+                "test_smollm2.py",  # 227: SmolLM2's pipeline
+                "test_sglang_conformance.py",  # 52
+                "test_extract_stage.py",  # 48
+                "test_generate_soak.py",  # 45
+                "test_prefect_server.py",  # 344: its own server and runs on builtin:tiny
+                "test_watchdog.py", "test_sampling.py", "test_extract_sglang.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Every test that uses the session chain is in a CHAIN_MODULES module; under xdist, the
+    order work is handed out in (pytest_xdist_make_scheduler): CHAIN_MODULES as listed, then
+    SLOW_MODULES, then the rest. Each module keeps its tests' order."""
+    stray = sorted({item.path.name for item in items if CHAIN_FIXTURES & set(item.fixturenames)
+                    and item.path.name not in CHAIN_MODULES})
+    if stray:
+        raise pytest.UsageError(f"{', '.join(stray)}: tests there use the session's Prefect "
+                                "API or pipeline run; add them to CHAIN_MODULES "
+                                "(tests/conftest.py)")
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    order = CHAIN_MODULES + SLOW_MODULES
+    items.sort(key=lambda item: order.index(item.path.name) if item.path.name in order
+               else len(order))  # stable
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadscope, with every test of a module in one unit of work (classes too), the
+    CHAIN_MODULES in one, and the units handed out in collection order."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModulesAndChain(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "session-chain" if Path(module).name in CHAIN_MODULES else module
+
+    config.option.loadscopereorder = False  # else the units with most tests go first
+    return ModulesAndChain(config, log)
+
 
 @pytest.fixture(scope="session")
 def random_target_dir(tmp_path_factory) -> Path:
@@ -105,22 +165,43 @@ def one_host_two_processes(train_inputs, tmp_path_factory) -> tuple[dict, Path]:
     return run_in(train_inputs, out, torchrun_cfg()), out
 
 
+def run_dir(tmp_path_factory) -> Path:
+    """The directory of this run of the suite that every worker sees: pytest's base temporary
+    directory, or under pytest-xdist its parent (each worker's base directory is in it)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
 @pytest.fixture(scope="session")
 def draftsmith_cache_dir(tmp_path_factory) -> Path:
-    """The session's DRAFTSMITH_CACHE: a developer's cache kept between runs, if
-    DRAFTSMITH_TEST_CACHE names one, or a new one."""
+    """The run's DRAFTSMITH_CACHE, one for all its workers: a developer's cache kept between
+    runs, if DRAFTSMITH_TEST_CACHE names one, or a new one."""
     kept = os.environ.get("DRAFTSMITH_TEST_CACHE")
-    return Path(kept) if kept else tmp_path_factory.mktemp("draftsmith-cache")
+    if kept:
+        return Path(kept)
+    cache = run_dir(tmp_path_factory) / "draftsmith-cache"
+    cache.mkdir(exist_ok=True)
+    return cache
 
 
 @pytest.fixture(scope="session", autouse=True)
-def target_builds(request, draftsmith_cache_dir):
-    """The builtin targets the selected tests need, built into the session's cache in a
-    background process from the first test on (tests/target_builds.py)."""
+def target_builds(request, draftsmith_cache_dir, tmp_path_factory):
+    """The builtin targets the selected tests need, built into the run's cache in a background
+    process from the first test on (tests/target_builds.py): started by the first worker that
+    gets here, once for the run."""
+    from filelock import FileLock
+
     from tests.target_builds import TargetBuilds, needed
 
     fixtures = {name for item in request.session.items for name in item.fixturenames}
-    builds = TargetBuilds(draftsmith_cache_dir, needed(fixtures))
+    models = needed(fixtures)
+    shared = run_dir(tmp_path_factory)
+    with FileLock(shared / "target-builds.lock"):
+        started = shared / "target-builds.started"
+        if started.exists():  # by another worker: its builds are this worker's too
+            models = []
+        started.touch()
+    builds = TargetBuilds(draftsmith_cache_dir, models)
     yield builds
     builds.stop()
 
@@ -158,7 +239,14 @@ def tiny_config(tmp_path_factory) -> dict:
 
 
 @pytest.fixture(scope="session")
-def tiny_run(prefect_api, trained_target_cache, tiny_config) -> dict[str, dict]:
+def tiny_target_cache(trained_target_cache):
+    """trained_target_cache, for the tests that run builtin:tiny (its background build starts
+    when one of them is selected: tests/target_builds.py NEEDED_BY)."""
+    return trained_target_cache
+
+
+@pytest.fixture(scope="session")
+def tiny_run(prefect_api, tiny_target_cache, tiny_config) -> dict[str, dict]:
     """The session's one full run of the real flow, every stage computed: the e2e tests check
     it and rerun from it, the vLLM tests serve the drafter it trained."""
     from tests.tiny_run import run_pipeline

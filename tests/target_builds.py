@@ -2,12 +2,12 @@
 test on (tests/conftest.py `target_builds`).
 
 The tiny demo target trains for 2-3 minutes on one thread, and SmolLM2 is fetched and converted
-in about half a minute. The suite's tests run on one thread (OMP_NUM_THREADS=1), so on a
-2-core machine the build takes the core they leave idle, and it is done before the first test
-that needs it. It is the same `resolve_target` call the pipeline makes, with the session's
-DRAFTSMITH_CACHE: a test that needs a target still being built here waits on the build's lock
-(draftsmith/target.py `build_once`) and then finds it; one that failed to build here is built
-again there, where its error reaches the test.
+in about half a minute. One process builds them for the whole run: the first pytest-xdist worker
+to start a test starts it, into the cache every worker shares. It is the same `resolve_target`
+call the pipeline makes, with the run's DRAFTSMITH_CACHE: a test that needs a target still
+being built here waits on the build's lock (draftsmith/target.py `build_once`) and then finds
+it; one that failed to build here (or was stopped, when the worker that started the build
+finished first) is built again there, where its error reaches the test.
 
 Run as `python -m tests.target_builds MODEL...` with DRAFTSMITH_CACHE set.
 """
@@ -23,7 +23,7 @@ from draftsmith.smollm2_target import BUILTIN_SMOLLM2
 from draftsmith.target import BUILTIN_TINY
 
 # The fixtures whose tests need each target (pytest lists a test's fixtures transitively).
-NEEDED_BY = {BUILTIN_TINY: "tiny_run", BUILTIN_SMOLLM2: "smollm2_target"}
+NEEDED_BY = {BUILTIN_TINY: "tiny_target_cache", BUILTIN_SMOLLM2: "smollm2_target"}
 REPO = Path(__file__).resolve().parent.parent
 
 

@@ -204,7 +204,8 @@ def stage_states(server: Server, pipeline_run: dict,
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server(tmp_path_factory, tiny_target_cache):
+    """The server and its workers run builtin:tiny from the run's cache (its environment)."""
     root = tmp_path_factory.mktemp("prefect-server")
     server = Server(root)
     try:
