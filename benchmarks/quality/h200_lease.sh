@@ -62,8 +62,8 @@ case "$cmd" in
     wait_for "${1:-540}"; report
     ;;
   collect)  # each drafter named: its exported directory, split into <= 15 MiB parts. At most
-    # 8 files of 16 MiB, 64 MiB in all, come back from a call: two drafters (29 MB each in
-    # bf16) and the logs fit one call, so name two at a time.
+    # 8 files of 16 MiB, 64 MiB in all, come back from a call: two EAGLE drafters (29 MB
+    # each in bf16) and the logs fit one call; a DFlash drafter (56 MB) goes alone.
     tar czf "$OUT"/logs.tgz -C "$Q" logs done report driver.log 2>/dev/null
     for name in "$@"; do
       dir=$(python3 -c "import json; print(json.load(open('$Q/done/train-$name'))['drafter_dir'])")
