@@ -221,7 +221,7 @@ def plan(sweep: Sweep, args) -> None:
     args_file = out / "args.json"
     atomic_write_json(args_file, {"size": size, "out": str(out), "report": str(sweep.report)})
     common = ["--args", str(args_file)]
-    kinds = [k for k in ("eagle3.1", "dflash") if k in args.kinds]
+    kinds = [k for k in KIND_SETTINGS if k in args.kinds]
     largest = max(size["sizes"] + ([size["kinds_size"]] if kinds else []))
     sweep.add(Job("target", out / "done" / "target", 60, argv=me("target", *common),
                   priority=0))
