@@ -77,6 +77,42 @@ def test_the_kinds_side_by_side_at_a_larger_size_makes_generate_answer_it(tmp_pa
     assert evaluations[0].priority < evaluations[1].priority
 
 
+def test_a_failed_generation_benchmark_does_not_stop_the_sweep(tmp_path: Path) -> None:
+    sweep_module = load("sweep")
+    sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", dict(sweep_module.SMOKE),
+                               budget_s=1e9, smoke=True)
+    done = tmp_path / "done"
+    done.mkdir()
+    sweep.add(sweep_module.Job("genbench", done / "genbench", 60, argv=["false"]))
+    answer = [sys.executable, "-c", f"open({str(done / 'generate')!r}, 'w')"]
+    sweep.add(sweep_module.Job("generate", done / "generate", 60, after_ended=["genbench"],
+                               argv=answer))
+    sweep.add(sweep_module.Job("train", done / "train", 60, after=["generate", "genbench"],
+                               argv=["true"]))
+    sweep.run_all()
+    assert sweep.jobs["genbench"].state == "failed"
+    assert sweep.jobs["generate"].state == "done"  # it only waited for the benchmark
+    assert sweep.jobs["train"].state == "skipped"  # it needed the benchmark's success
+
+
+def test_eagle31_with_five_ttt_steps_trains_five_and_exports_the_measured_three(
+        tmp_path: Path) -> None:
+    sweep_module = load("sweep")
+    size = {**sweep_module.GPU, "sizes": [], "kinds_size": 48000}
+    sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", size, budget_s=1e9, smoke=False)
+    args = type("Args", (), {"no_genbench": True, "kinds": ["eagle3.1-ttt5"],
+                             "speculators": False})
+    sweep_module.plan(sweep, args)
+    argv = sweep.jobs["train:eagle3.1-ttt5-48000-e6"].argv
+    train = json.loads(argv[argv.index("--train") + 1])
+    drafter = json.loads(argv[argv.index("--drafter") + 1])
+    assert train == {"ttt_steps": 5} and drafter["norm_before_fc"] is True
+    cfg = sweep_module.pipeline_config(tmp_path, size, [{"name": "a", "path": "a.jsonl"}],
+                                       train=train, drafter=drafter)
+    assert cfg.train.ttt_steps == 5 and cfg.export.speculative_tokens == sweep_module.DRAFTS
+    assert sweep.jobs["eval:eagle3.1-ttt5-48000-e6"].priority == 0
+
+
 def _validation(steps: int) -> dict:
     return {"epoch": 5, "tau": 3.0, "acceptance_replayed": 3.2,
             **{f"full_acc_{j}": 0.5 for j in range(steps)}}

@@ -100,6 +100,9 @@ class Job:
     done: Path
     estimate_s: float
     after: list[str] = field(default_factory=list)
+    # Jobs it only waits for: one that failed does not stop it (the generation benchmark
+    # runs before generate so that nothing shares the GPU with it).
+    after_ended: list[str] = field(default_factory=list)
     argv: list[str] | None = None
     run: object = None  # a callable run in the driver
     heavy: bool = True  # takes one of the GPU job slots
@@ -129,7 +132,9 @@ class Sweep:
         return self.budget_s - (time.monotonic() - self.started)
 
     def _ready(self, job: Job) -> bool:
-        return all(self.jobs[a].state == "done" for a in job.after if a in self.jobs)
+        return all(self.jobs[a].state == "done" for a in job.after if a in self.jobs) and \
+            all(self.jobs[a].state in ("done", "failed", "skipped") for a in job.after_ended
+                if a in self.jobs)
 
     def _blocked(self, job: Job) -> bool:
         return any(self.jobs[a].state in ("failed", "skipped") for a in job.after
@@ -206,10 +211,13 @@ class Sweep:
 
 # Drafts a round in every HumanEval measurement (DFlash drafts the first DRAFTS of its block).
 DRAFTS = 3
-# The drafter section of each kind the side by side trains beside EAGLE-3.
-KIND_SETTINGS = {"eagle3.1": {"kind": "eagle3", "norm_before_fc": True,
-                              "norm_before_residual": True, "norm_output": True},
-                 "dflash": {"kind": "dflash"}}
+EAGLE31 = {"kind": "eagle3", "norm_before_fc": True, "norm_before_residual": True,
+           "norm_output": True}
+# Each kind the side by side trains beside EAGLE-3: its drafter section, and what it changes
+# in the train section (eagle3.1-ttt5 trains five steps ahead; it is still measured at DRAFTS).
+KIND_SETTINGS = {"eagle3.1": {"drafter": EAGLE31, "train": {}},
+                 "eagle3.1-ttt5": {"drafter": EAGLE31, "train": {"ttt_steps": 5}},
+                 "dflash": {"drafter": {"kind": "dflash"}, "train": {}}}
 
 
 def me(*args: str) -> list[str]:
@@ -226,39 +234,42 @@ def plan(sweep: Sweep, args) -> None:
     sweep.add(Job("target", out / "done" / "target", 60, argv=me("target", *common),
                   priority=0))
     if not args.no_genbench:
-        sweep.add(Job("genbench", out / "done" / "genbench", 240, after=["target"],
+        sweep.add(Job("genbench", out / "done" / "genbench", args.genbench_deadline_s + 70,
+                      after=["target"],
                       argv=[sys.executable, str(ROOT / "benchmarks/generation_speed.py"),
                             "--out", str(sweep.report / "generation_speed.jsonl"),
                             "--done", str(out / "done" / "genbench"),
                             "--target", size["target"],
                             "--max-new-tokens", str(size["max_new_tokens"]),
-                            "--deadline-s", "170",
+                            "--deadline-s", str(args.genbench_deadline_s),
+                            *(["--only", *args.genbench] if args.genbench else []),
                             *(["--smoke"] if sweep.smoke else [])],
                       priority=1))
     sweep.add(Job("generate", out / "done" / "generate", 300,
-                  after=["target"] + ([] if args.no_genbench else ["genbench"]),
+                  after=["target"], after_ended=["genbench"],
                   argv=me("generate", *common, "--prompts", str(largest)), priority=2))
     # Baselines are decoded by each evaluation worker itself (same load, same process).
     trains = []
     for n in size["sizes"]:
-        trains.append(("eagle3", n, size["epochs"], {}))
+        trains.append(("eagle3", n, size["epochs"], {"drafter": {}, "train": {}}))
     for kind in kinds:
         trains.append((kind, size["kinds_size"], size["epochs"], KIND_SETTINGS[kind]))
     tokens_per_prompt = 245
-    for kind, n, epochs, drafter in trains:
+    for kind, n, epochs, settings in trains:
         name = f"{kind}-{n}-e{epochs}"
         seconds = 60 + n * tokens_per_prompt * epochs / (2.0e5 if not sweep.smoke else 2e3)
         sweep.add(Job(f"train:{name}", out / "done" / f"train-{name}", seconds,
                       after=["generate"],
                       argv=me("train", *common, "--name", name, "--size", str(n),
-                              "--epochs", str(epochs), "--drafter", json.dumps(drafter)),
+                              "--epochs", str(epochs), "--drafter", json.dumps(settings["drafter"]),
+                              "--train", json.dumps(settings["train"])),
                       # The largest size first; then the side by side at kinds_size.
                       priority=2 if n == largest else 3 if n == size["kinds_size"] else 4))
         sweep.add(Job(f"eval:{name}", out / "done" / f"eval-{name}", 120,
                       after=[f"train:{name}"], heavy=False, workers=size["eval_workers"],
                       argv=me("evaluate", *common, "--name", name),
                       # EAGLE-3.1 is the quality candidate: first when two finish together.
-                      priority=0 if kind == "eagle3.1" else 1))
+                      priority=0 if kind.startswith("eagle3.1") else 1))
     if args.speculators:
         n = size["speculators_size"]
         sweep.add(Job(f"store:{n}", out / "done" / f"store-{n}", 120, after=["generate"],
@@ -369,13 +380,14 @@ def prepared(cfg, target, n: int, out: Path) -> None:
         run_in_process(cfg, target, ["generate", "merge", "extract"])
 
 
-def job_train(a: dict, name: str, n: int, epochs: int, drafter: dict) -> None:
+def job_train(a: dict, name: str, n: int, epochs: int, drafter: dict, train: dict) -> None:
     from draftsmith.config import TargetConfig
     from draftsmith.plan import run_in_process
     from draftsmith.target import resolve_target
 
     out, size = Path(a["out"]), {**a["size"], "epochs": epochs}
-    cfg = pipeline_config(out, size, answers_source(out, n), drafter=drafter or None)
+    cfg = pipeline_config(out, size, answers_source(out, n), train=train or None,
+                          drafter=drafter or None)
     target = resolve_target(TargetConfig(model=size["target"]))
     share_the_gpu()
     prepared(cfg, target, n, out)
@@ -392,7 +404,8 @@ def job_train(a: dict, name: str, n: int, epochs: int, drafter: dict) -> None:
                (outputs["train"].dir / "metrics.jsonl").read_text().splitlines()]
     touch(out / "done" / f"train-{name}", {
         "name": name, "prompts": n, "epochs": epochs, "drafter": drafter or {"kind": "eagle3"},
-        "seconds": seconds, "train": {**outputs["train"].counts, **outputs["train"].figures},
+        "train_settings": train, "seconds": seconds,
+        "train": {**outputs["train"].counts, **outputs["train"].figures},
         "merge": outputs["merge"].counts, "train_dir": str(outputs["train"].dir),
         "drafter_dir": outputs["export"].figures["drafter_dir"],
         "validation": [h for h in history if h["split"] == "validation"],
@@ -599,6 +612,10 @@ def main(argv: list[str] | None = None) -> None:
                      "(default: 6,000; the tiny target's 40 with --smoke)")
     run.add_argument("--speculators", action="store_true")
     run.add_argument("--no-genbench", action="store_true")
+    run.add_argument("--genbench", nargs="*", help="generation_speed.py's variants to run "
+                     "(default: all, as the deadline allows)")
+    run.add_argument("--genbench-deadline-s", type=int, default=170,
+                     help="start no generation variant after this many seconds")
     run.add_argument("--only", nargs="*", help="run only the jobs whose names contain one of "
                      "these (a second driver beside a running one)")
     run.add_argument("--gpu-jobs", type=int)
@@ -610,6 +627,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--size", type=int)
         p.add_argument("--epochs", type=int)
         p.add_argument("--drafter", default="{}")
+        p.add_argument("--train", default="{}", help="train settings over the sweep's")
         p.add_argument("--drafter-dir")
         p.add_argument("--prompts", type=int)
         p.add_argument("--recipe")
@@ -650,7 +668,8 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE.parent))
     {"target": lambda: job_target(a),
      "generate": lambda: job_generate(a, args.prompts),
-     "train": lambda: job_train(a, args.name, args.size, args.epochs, json.loads(args.drafter)),
+     "train": lambda: job_train(a, args.name, args.size, args.epochs, json.loads(args.drafter),
+                                      json.loads(args.train)),
      "store": lambda: job_store(a, args.size),
      "evaluate": lambda: job_evaluate(a, args.name),
      "eval-worker": lambda: job_eval_worker(a, args.drafter_dir, args.worker, args.workers,
