@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The README's test command (.ci/run) on a fresh clone, with CPU burners beside it the whole
 # time: the suite on a busy machine (issue 29). Raw output, headed by the commit, the burners
-# and the load: benchmarks/results/suite_time/busy_ci_<commit>_<run>.txt. The clone and its
-# venv are deleted afterwards.
+# and the load: benchmarks/results/suite_time/busy_ci_<commit>_<run>.txt, and each test's
+# worker, time and CPU beside it (.timeline.jsonl; benchmarks/suite_timeline.py reads it). The
+# clone and its venv are deleted afterwards.
 #
 # Usage: benchmarks/suite_busy.sh [RUNS] [BURNERS]   (default 2 runs in a row, 2 burners)
 set -euo pipefail
@@ -30,6 +31,8 @@ for run in $(seq "$runs"); do
   git clone -q "$here" "$clone"
   git -C "$clone" checkout -q "$commit"
   out=$results/busy_ci_${commit}_${run}.txt
+  rm -f "${out%.txt}.timeline.jsonl"
+  export DRAFTSMITH_SUITE_TIMELINE=${out%.txt}.timeline.jsonl
   {
     echo "# .ci/run on a fresh clone of $commit ($clone), run $run of $runs in a row, $burners" \
          "CPU burners (python3 -c 'while True: pass') throughout; $(date -u +%FT%TZ);" \

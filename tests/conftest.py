@@ -325,3 +325,25 @@ def _stop_servers_at_exit():
     from draftsmith.serve.process import stop_started
 
     stop_started(grace_s=10)
+
+
+# --------------------------------------------------------------------------- timeline
+# DRAFTSMITH_SUITE_TIMELINE=FILE appends one JSON line per test phase (worker, test, phase,
+# start, seconds, and the worker's CPU seconds so far, its reaped children included): which
+# worker's path sets the suite's time (benchmarks/suite_timeline.py reads it).
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = os.environ.get("DRAFTSMITH_SUITE_TIMELINE")
+    if not path:
+        yield
+        return
+    import json
+    import time
+
+    start, cpu = time.time(), sum(os.times()[:4])
+    yield
+    with open(path, "a") as out:
+        out.write(json.dumps({"worker": os.environ.get("PYTEST_XDIST_WORKER", "main"),
+                              "test": item.nodeid, "start": round(start, 2),
+                              "seconds": round(time.time() - start, 2),
+                              "cpu_s": round(sum(os.times()[:4]) - cpu, 2)}) + "\n")
