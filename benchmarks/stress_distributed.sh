@@ -15,6 +15,8 @@
 #   CORES=1      an aborted rank dumps core; gdb's backtrace of its threads goes into the output.
 #   PROBE=1      each rank reports the gloo worker threads it still runs after Dist.close
 #                (benchmarks/stress_probe_worker.py).
+#   SLOW_EXIT=S  with PROBE=1: rank 1 holds the GIL S seconds in its last exit handler, which
+#                widens the window of the abort at exit (benchmarks/stress_probe_worker.py).
 #   PYTHON       the interpreter (default .venv/bin/python).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -45,9 +47,9 @@ done
   echo "# $(date -u +%FT%TZ) $(nproc) cores, $(free -g | awk '/^Mem/ {print $2}') GiB;" \
        "$burners burners${SETSID:+, each in its own session}${TASKSET:+, pinned to CPU $TASKSET};" \
        "autogroup $(cat /proc/sys/kernel/sched_autogroup_enabled 2> /dev/null || echo n/a); code $code at" \
-       "$(git -C "$code" rev-parse --short HEAD); load average $(cut -d' ' -f1-3 /proc/loadavg)"
+       "$(git -C "$code" rev-parse --short HEAD);${SLOW_EXIT:+ rank 1 holds the GIL $SLOW_EXIT s at exit;} load average $(cut -d' ' -f1-3 /proc/loadavg)"
   # faulthandler prints every Python thread's stack when a rank dies by SIGABRT.
-  PYTHONPATH=$code PYTHONFAULTHANDLER=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
+  STRESS_SLOW_EXIT=${SLOW_EXIT:-} PYTHONPATH=$code PYTHONFAULTHANDLER=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
     "${pin[@]}" "$python" "$here/benchmarks/stress_distributed.py" --rounds "$rounds" \
     ${MODES:+--modes "$MODES"} ${CORES:+--cores} ${PROBE:+--probe} --work "$work" --keep "$results/$name-logs" 2>&1 \
     | grep --line-buffered -v -e "it/s]" -e "^Loading weights" -e "^Writing model shards"
