@@ -25,9 +25,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from generation_speed import sorted_prompts  # noqa: E402
+
 from draftsmith.config import TargetConfig  # noqa: E402
-from draftsmith.data.packaged import python_function_prompts  # noqa: E402
-from draftsmith.generate.transformers_backend import TransformersGenerator  # noqa: E402
+from draftsmith.generate.transformers_backend import (  # noqa: E402
+    TransformersGenerator,
+    cache_length,
+)
 from draftsmith.target import load_target_model, load_tokenizer, resolve_target  # noqa: E402
 
 log = logging.getLogger("generation_profile")
@@ -82,14 +86,8 @@ def profile_static(model, tokenizer, prompts, batch, max_new_tokens, device, out
                 "decode_steps": steps, "completion_tokens": tokens,
                 # A padded batch decodes every row for its longest answer.
                 "row_steps_used_share": round(tokens / (steps * len(second)), 3),
-                "cache_length": generator_cache_length(generator, prompts, max_new_tokens)})
+                "cache_length": cache_length(generator.longest_prompt, max_new_tokens)})
     return answers
-
-
-def generator_cache_length(generator, prompts, max_new_tokens) -> int:
-    from draftsmith.generate.transformers_backend import cache_length
-
-    return cache_length(generator.longest_prompt, max_new_tokens)
 
 
 def run_generate_batch(model, tokenizer, prompts, max_new_tokens, settings: dict, name: str,
@@ -136,11 +134,8 @@ def main(argv: list[str] | None = None) -> None:
     target = resolve_target(TargetConfig(model="builtin:tiny" if args.smoke
                                          else "builtin:smollm2-135m-instruct"))
     tokenizer = load_tokenizer(target)
-    conversations = [[{"role": "user", "content": p}]
-                     for _, p in python_function_prompts(4 * batch)]
-    prompts = sorted((tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False) for c in conversations),
-                     key=len)[::2][:2 * batch]  # two batches over the whole length range
+    # Two batches over the whole length range of the generation benchmark's prompts.
+    prompts = sorted_prompts(tokenizer, 4 * batch)[::2][:2 * batch]
     dtype = "float32" if args.smoke else "bfloat16"
     model = load_target_model(target.path, device, dtype)
     reference = profile_static(model, tokenizer, prompts, batch, max_new, device, args.out)

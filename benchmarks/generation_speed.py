@@ -52,6 +52,16 @@ SMOKE_VARIANTS = [
 ]
 
 
+def sorted_prompts(tokenizer, count: int) -> list[list[int]]:
+    """`count` python-functions prompts, chat-templated, in the stage's order (by length, so
+    similar lengths share a batch)."""
+    conversations = [[{"role": "user", "content": p}]
+                     for _, p in python_function_prompts(count)]
+    return sorted((tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
+                                                 return_dict=False) for c in conversations),
+                  key=len)
+
+
 def run_variant(model, tokenizer, prompts: list[list[int]], cache: str, batch: int,
                 max_new_tokens: int) -> tuple[list[list[int]], dict]:
     """Answers (completion token ids) and timings; batches in the stage's order."""
@@ -103,11 +113,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.only:
         variants = [v for v in variants if v[0] in args.only]
     most = max(v[4] for v in variants)
-    conversations = [[{"role": "user", "content": p}]
-                     for _, p in python_function_prompts(most)]
-    prompts = sorted((tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
-                                                    return_dict=False) for c in conversations),
-                     key=len)  # the stage's order: similar lengths share a batch
+    prompts = sorted_prompts(tokenizer, most)
     answers: dict[str, list] = {}
     models: dict[str, torch.nn.Module] = {}
     args.out.parent.mkdir(parents=True, exist_ok=True)
