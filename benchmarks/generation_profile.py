@@ -24,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # draftsmith, and generation_speed beside it
 from generation_speed import sorted_prompts  # noqa: E402
 
 from draftsmith.config import TargetConfig  # noqa: E402
