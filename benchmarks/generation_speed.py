@@ -40,15 +40,20 @@ GPU_VARIANTS = [
     # same 12,288 prompts as the b2048 run after it, so the two compare at the same lengths.
     ("static-bf16-b4096", "static", "bfloat16", 4096, 12288, "dynamic-bf16-b512"),
     ("static-bf16-b2048-12k", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
+    # The decode step's attention as compiled matmuls (1.5x SDPA alone: decode_attention.py):
+    # the same prompts as the run above; and the float32 identity with the old path.
+    ("static-bf16-b2048-12k-matmul", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
     ("static-bf16-b2048", "static", "bfloat16", 2048, 8192, "dynamic-bf16-b512"),
     ("dynamic-fp32-b256", "dynamic", "float32", 256, 512, None),
     ("static-fp32-b256", "static", "float32", 256, 512, "dynamic-fp32-b256"),
+    ("static-fp32-b256-matmul", "static", "float32", 256, 512, "dynamic-fp32-b256"),
     # bf16 answers depend on the batch even on the old path: its own share, for comparison.
     ("dynamic-bf16-b256", "dynamic", "bfloat16", 256, 1024, "dynamic-bf16-b512"),
 ]
 SMOKE_VARIANTS = [
     ("dynamic-fp32-b8", "dynamic", "float32", 8, 24, None),
     ("static-fp32-b8", "static", "float32", 8, 24, "dynamic-fp32-b8"),
+    ("static-fp32-b8-matmul", "static", "float32", 8, 24, "dynamic-fp32-b8"),
 ]
 
 
@@ -63,12 +68,14 @@ def sorted_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def run_variant(model, tokenizer, prompts: list[list[int]], cache: str, batch: int,
-                max_new_tokens: int) -> tuple[list[list[int]], dict]:
+                max_new_tokens: int, decode_attention: str = "sdpa"
+                ) -> tuple[list[list[int]], dict]:
     """Answers (completion token ids) and timings; batches in the stage's order."""
     generator = TransformersGenerator(model, tokenizer, max_new_tokens=max_new_tokens,
                                       temperature=0.0, top_p=1.0, seed=0, cache=cache,
                                       batch_size=batch,
-                                      longest_prompt=max(len(p) for p in prompts))
+                                      longest_prompt=max(len(p) for p in prompts),
+                                      decode_attention=decode_attention)
     answers: list[list[int]] = []
     batch_seconds = []
     for start in range(0, len(prompts), batch):
@@ -123,12 +130,14 @@ def main(argv: list[str] | None = None) -> None:
             break
         # Every count-prompt sample spreads over the whole length range.
         sample = prompts[::max(1, len(prompts) // count)][:count]
-        key = f"{dtype}-{cache}"  # a model per dtype and cache (the static one is compiled)
+        attention = "matmul" if name.endswith("-matmul") else "sdpa"
+        # A model per dtype, cache and attention (the static ones are compiled).
+        key = f"{dtype}-{cache}-{attention}"
         if key not in models:
             models[key] = load_target_model(target.path, device, dtype)
         try:
             answers[name], figures = run_variant(models[key], tokenizer, sample, cache, batch,
-                                                 args.max_new_tokens)
+                                                 args.max_new_tokens, attention)
         except torch.OutOfMemoryError as err:  # recorded; the smaller variants still run
             log.warning("%s: out of memory (%s)", name, str(err).splitlines()[0][:200])
             torch.cuda.empty_cache()
@@ -147,7 +156,8 @@ def main(argv: list[str] | None = None) -> None:
             same = [answers[name][i] == theirs[index[tuple(p)]]
                     for i, p in enumerate(sample[:shared]) if tuple(p) in index]
             identical = {"identical": sum(same), "compared": len(same)}
-        row = {"variant": name, "cache": cache, "dtype": dtype, "batch": batch,
+        row = {"variant": name, "cache": cache, "decode_attention": attention,
+               "dtype": dtype, "batch": batch,
                "prompts": len(sample), "max_new_tokens": args.max_new_tokens,
                **figures, "reference": reference,
                "identical_greedy": None if identical is None else

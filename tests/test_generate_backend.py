@@ -8,9 +8,11 @@ import torch
 
 from draftsmith.generate.transformers_backend import (
     CACHE_LENGTH_STEP,
+    DECODE_ATTENTION,
     TransformersGenerator,
     cache_length,
     grouped_decode_attention,
+    grouped_decode_matmul,
     resolve_cache,
 )
 
@@ -45,8 +47,27 @@ def test_grouped_decode_attention_equals_sdpa_with_repeated_heads():
     torch.testing.assert_close(ours, theirs)
 
 
+@pytest.mark.parametrize("masks", ["bool", "additive"])
+def test_the_matmul_decode_step_equals_sdpas(masks: str):
+    torch.manual_seed(0)
+    batch, kv_heads, groups, length, dim = 4, 2, 3, 11, 8
+    query = torch.randn(batch, kv_heads * groups, 1, dim)  # [B, nh, 1, d]
+    key = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
+    value = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
+    keep = torch.rand(batch, 1, 1, length) > 0.3  # [B, 1, 1, S]: left padding and holes
+    keep[..., -1] = True
+    mask = keep if masks == "bool" else torch.where(keep, 0.0, float("-inf"))
+    module = _Attention()
+    ours, _ = grouped_decode_matmul(module, query, key, value, mask, scaling=0.5)
+    theirs, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.5)
+    assert ours.shape == theirs.shape == (batch, 1, kv_heads * groups, dim)
+    torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("decode_attention", ["sdpa", "matmul"])
 def test_static_cache_decodes_what_the_dynamic_cache_decodes(random_target_dir,
-                                                             random_target_tokenizer):
+                                                             random_target_tokenizer,
+                                                             decode_attention: str):
     from draftsmith.target import load_target_model
 
     conversations = [[{"role": "user", "content": "def f(x):" + " return x" * (1 + i % 4)}]
@@ -56,10 +77,13 @@ def test_static_cache_decodes_what_the_dynamic_cache_decodes(random_target_dir,
         generator = TransformersGenerator(load_target_model(random_target_dir),
                                           random_target_tokenizer, max_new_tokens=12,
                                           temperature=0.0, top_p=1.0, seed=0, cache=cache,
-                                          batch_size=8)
+                                          batch_size=8, decode_attention=decode_attention)
+        used.append(generator.model.config._attn_implementation)
         return generator.complete(conversations)
 
+    used: list[str] = []
     dynamic, static = answers("dynamic"), answers("static")
+    assert used[1] == DECODE_ATTENTION[decode_attention][0]  # the static cache decodes with it
     assert len(static) == len(conversations)  # the rows that filled the batch are dropped
     assert [c.token_ids for c in static] == [c.token_ids for c in dynamic]
     assert all(len(c.token_ids) == c.completion_tokens for c in static)
@@ -71,9 +95,13 @@ def test_cache_choice_and_length():
     assert resolve_cache("static", torch.device("cpu")) == "static"
     assert cache_length(100, 160) == 3 * CACHE_LENGTH_STEP
     assert cache_length(96, 160) == 2 * CACHE_LENGTH_STEP
+    tokenizer = type("T", (), {"eos_token_id": 0, "pad_token_id": 0})()
     with pytest.raises(ValueError, match="cache='paged'"):
-        TransformersGenerator(None, type("T", (), {"eos_token_id": 0, "pad_token_id": 0})(),
-                              max_new_tokens=1, temperature=0, top_p=1, seed=0, cache="paged")
+        TransformersGenerator(None, tokenizer, max_new_tokens=1, temperature=0, top_p=1, seed=0,
+                              cache="paged")
+    with pytest.raises(ValueError, match="decode_attention='flash': one of sdpa, matmul"):
+        TransformersGenerator(None, tokenizer, max_new_tokens=1, temperature=0, top_p=1, seed=0,
+                              decode_attention="flash")
 
 
 def test_a_failing_compiled_decode_step_falls_back_to_eager_and_says_so(

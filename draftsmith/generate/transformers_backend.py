@@ -15,6 +15,11 @@ transformers' SDPA path repeats every KV head for its query heads whenever a mas
 each cached key and value `groups` times over. `grouped_decode_attention` lays the query heads
 of one KV head along the query axis instead, so SDPA reads each KV head once; it is registered
 with transformers' AttentionInterface and used for the static cache.
+
+`decode_attention="matmul"` computes the same decode step as two batched matmuls and a float32
+softmax (`grouped_decode_matmul`). Alone, at the stage's shapes on an H200, the compiled form
+took 377 us a call against SDPA's 578 us (benchmarks/decode_attention.py); in the model it is
+not measured yet, so it is the generation benchmark's variant, not the stage's default.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import torch
 log = logging.getLogger(__name__)
 
 GROUPED_DECODE = "draftsmith_grouped_decode"
+GROUPED_DECODE_MATMUL = "draftsmith_grouped_decode_matmul"
 CACHE_LENGTH_STEP = 128
 
 
@@ -59,13 +65,42 @@ def grouped_decode_attention(module, query: torch.Tensor, key: torch.Tensor,
     return out.reshape(batch, 1, heads, head_dim), None  # [B, 1, nh, d]
 
 
+def grouped_decode_matmul(module, query: torch.Tensor, key: torch.Tensor,
+                          value: torch.Tensor, attention_mask: torch.Tensor | None,
+                          dropout: float = 0.0, scaling: float | None = None, **kwargs):
+    """grouped_decode_attention's decode step as two batched matmuls with a float32 softmax,
+    which torch.compile fuses; every other call is SDPA's, as there."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    batch, heads, q_len, head_dim = query.shape
+    if q_len != 1 or groups == 1 or attention_mask is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    grouped = query.reshape(batch, key.shape[1], groups, head_dim)  # [B, nkv, g, d]
+    scale = scaling if scaling is not None else head_dim ** -0.5
+    scores = (grouped @ key.transpose(-1, -2)).float() * scale  # [B, nkv, g, S]
+    if attention_mask.dtype == torch.bool:
+        scores = scores.masked_fill(~attention_mask, float("-inf"))  # [B, nkv, g, S]
+    else:
+        scores = scores + attention_mask  # [B, nkv, g, S]
+    weights = scores.softmax(-1).to(value.dtype)  # [B, nkv, g, S]
+    out = weights @ value  # [B, nkv, g, d]
+    return out.reshape(batch, 1, heads, head_dim), None  # [B, 1, nh, d]
+
+
+DECODE_ATTENTION = {"sdpa": (GROUPED_DECODE, grouped_decode_attention),
+                    "matmul": (GROUPED_DECODE_MATMUL, grouped_decode_matmul)}
+
+
 def register_grouped_decode() -> None:
-    """Make GROUPED_DECODE an attention implementation transformers knows (masks as SDPA's)."""
+    """Make the decode attentions implementations transformers knows (masks as SDPA's)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    AttentionInterface.register(GROUPED_DECODE, grouped_decode_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(GROUPED_DECODE, sdpa_mask)
+    for name, function in DECODE_ATTENTION.values():
+        AttentionInterface.register(name, function)
+        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
 
 
 def resolve_cache(cache: str, device: torch.device) -> str:
@@ -85,12 +120,16 @@ def cache_length(longest_prompt: int, max_new_tokens: int) -> int:
 class TransformersGenerator:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int, cache: str = "dynamic", batch_size: int | None = None,
-                 longest_prompt: int = 0):
+                 longest_prompt: int = 0, decode_attention: str = "sdpa"):
         """cache: dynamic or static (resolve `auto` with resolve_cache first). With the
         static cache every batch is filled up to batch_size rows, and the cache holds
-        longest_prompt (the longest of all the prompts to come) + max_new_tokens: one shape."""
+        longest_prompt (the longest of all the prompts to come) + max_new_tokens: one shape.
+        decode_attention: how the static cache's decode steps attend (DECODE_ATTENTION)."""
         if cache not in ("dynamic", "static"):
             raise ValueError(f"cache={cache!r}: dynamic or static")
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention={decode_attention!r}: one of "
+                             f"{', '.join(DECODE_ATTENTION)}")
         self.model, self.tokenizer = model, tokenizer
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.generator_seed = seed
@@ -100,7 +139,7 @@ class TransformersGenerator:
         self.compiled = cache == "static"  # generate compiles the decode step on CUDA
         if cache == "static":
             register_grouped_decode()
-            model.set_attn_implementation(GROUPED_DECODE)
+            model.set_attn_implementation(DECODE_ATTENTION[decode_attention][0])
 
     def prompt_tokens(self, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
         return [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
