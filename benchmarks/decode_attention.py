@@ -23,7 +23,10 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from draftsmith.generate.transformers_backend import grouped_decode_attention  # noqa: E402
+from draftsmith.generate.transformers_backend import (  # noqa: E402
+    grouped_decode_attention,
+    grouped_decode_matmul,
+)
 
 
 class Layer:  # what grouped_decode_attention reads off transformers' attention module
@@ -47,13 +50,10 @@ def repeated_sdpa(layer, query, key, value, mask, scale):
 
 
 def grouped_matmul(layer, query, key, value, mask, scale):
-    """Two batched matmuls and a softmax: each KV head read once, no attention kernel."""
-    batch, heads, _, dim = query.shape
-    grouped = query.reshape(batch, key.shape[1], layer.num_key_value_groups, dim)  # [B, nkv, g, d]
-    scores = grouped @ key.transpose(-1, -2) * scale  # [B, nkv, g, S]
-    scores = scores.float() + mask  # [B, nkv, g, S]
-    weights = scores.softmax(-1).to(value.dtype)  # [B, nkv, g, S]
-    return (weights @ value).reshape(batch, 1, heads, dim)  # [B, 1, nh, d]
+    """Two batched matmuls and a float32 softmax: each KV head read once, no attention kernel
+    (the generator's `decode_attention="matmul"`). The 2026-12-03 figures were measured with
+    this script's own copy of it (40207e6), which scaled before casting to float32."""
+    return grouped_decode_matmul(layer, query, key, value, mask, scaling=scale)[0]
 
 
 VARIANTS = {"grouped_sdpa": grouped_sdpa, "repeated_sdpa": repeated_sdpa,

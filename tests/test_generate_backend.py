@@ -22,16 +22,25 @@ class _Attention(torch.nn.Module):
     is_causal = True
 
 
+BATCH, KV_HEADS, GROUPS, LENGTH, DIM = 4, 2, 3, 11, 8
+
+
+def decode_step_inputs() -> tuple[torch.Tensor, ...]:
+    """One decode step's query, keys, values and a bool mask with left padding and holes."""
+    torch.manual_seed(0)
+    query = torch.randn(BATCH, KV_HEADS * GROUPS, 1, DIM)  # [B, nh, 1, d]
+    key = torch.randn(BATCH, KV_HEADS, LENGTH, DIM)  # [B, nkv, S, d]
+    value = torch.randn(BATCH, KV_HEADS, LENGTH, DIM)  # [B, nkv, S, d]
+    mask = torch.rand(BATCH, 1, 1, LENGTH) > 0.3  # [B, 1, 1, S]
+    mask[..., -1] = True
+    return query, key, value, mask
+
+
 def test_grouped_decode_attention_equals_sdpa_with_repeated_heads():
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    torch.manual_seed(0)
-    batch, kv_heads, groups, length, dim = 4, 2, 3, 11, 8
-    query = torch.randn(batch, kv_heads * groups, 1, dim)  # [B, nh, 1, d]
-    key = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
-    value = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
-    mask = torch.rand(batch, 1, 1, length) > 0.3  # [B, 1, 1, S]: left padding and holes
-    mask[..., -1] = True
+    batch, kv_heads, groups, length, dim = BATCH, KV_HEADS, GROUPS, LENGTH, DIM
+    query, key, value, mask = decode_step_inputs()
     module = _Attention()
     ours, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.5)
     theirs, _ = sdpa_attention_forward(module, query, key, value, mask, scaling=0.5)
@@ -49,18 +58,12 @@ def test_grouped_decode_attention_equals_sdpa_with_repeated_heads():
 
 @pytest.mark.parametrize("masks", ["bool", "additive"])
 def test_the_matmul_decode_step_equals_sdpas(masks: str):
-    torch.manual_seed(0)
-    batch, kv_heads, groups, length, dim = 4, 2, 3, 11, 8
-    query = torch.randn(batch, kv_heads * groups, 1, dim)  # [B, nh, 1, d]
-    key = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
-    value = torch.randn(batch, kv_heads, length, dim)  # [B, nkv, S, d]
-    keep = torch.rand(batch, 1, 1, length) > 0.3  # [B, 1, 1, S]: left padding and holes
-    keep[..., -1] = True
+    query, key, value, keep = decode_step_inputs()
     mask = keep if masks == "bool" else torch.where(keep, 0.0, float("-inf"))
     module = _Attention()
     ours, _ = grouped_decode_matmul(module, query, key, value, mask, scaling=0.5)
     theirs, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.5)
-    assert ours.shape == theirs.shape == (batch, 1, kv_heads * groups, dim)
+    assert ours.shape == theirs.shape == (BATCH, 1, KV_HEADS * GROUPS, DIM)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 

@@ -44,32 +44,14 @@ class Completion:
     token_ids: list[int] | None = None  # the completion's tokens, end of turn included
 
 
-def grouped_decode_attention(module, query: torch.Tensor, key: torch.Tensor,
-                             value: torch.Tensor, attention_mask: torch.Tensor | None,
-                             dropout: float = 0.0, scaling: float | None = None, **kwargs):
+def _grouped_decode(attend, module, query: torch.Tensor, key: torch.Tensor,
+                    value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
+                    scaling: float | None, **kwargs):
     """transformers' SDPA attention, except for one-token decode steps of a grouped-query
-    model with a mask. Heads are ordered as repeat_kv orders them (query head h reads KV head
-    h // groups), so query [B, nkv * g, 1, d] viewed as [B, nkv, g, d] puts each KV head's g
-    query heads on the query axis; the mask [B, 1, 1, S] broadcasts over them."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, head_dim = query.shape
-    if q_len != 1 or groups == 1 or attention_mask is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    grouped = query.reshape(batch, key.shape[1], groups, head_dim)  # [B, nkv, g, d]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=attention_mask, dropout_p=dropout,
-        scale=scaling)  # [B, nkv, g, d]
-    return out.reshape(batch, 1, heads, head_dim), None  # [B, 1, nh, d]
-
-
-def grouped_decode_matmul(module, query: torch.Tensor, key: torch.Tensor,
-                          value: torch.Tensor, attention_mask: torch.Tensor | None,
-                          dropout: float = 0.0, scaling: float | None = None, **kwargs):
-    """grouped_decode_attention's decode step as two batched matmuls with a float32 softmax,
-    which torch.compile fuses; every other call is SDPA's, as there."""
+    model with a mask, which `attend` computes. Heads are ordered as repeat_kv orders them
+    (query head h reads KV head h // groups), so query [B, nkv * g, 1, d] viewed as
+    [B, nkv, g, d] puts each KV head's g query heads on the query axis; the mask [B, 1, 1, S]
+    broadcasts over them."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     groups = getattr(module, "num_key_value_groups", 1)
@@ -79,14 +61,36 @@ def grouped_decode_matmul(module, query: torch.Tensor, key: torch.Tensor,
                                       dropout=dropout, scaling=scaling, **kwargs)
     grouped = query.reshape(batch, key.shape[1], groups, head_dim)  # [B, nkv, g, d]
     scale = scaling if scaling is not None else head_dim ** -0.5
-    scores = (grouped @ key.transpose(-1, -2)).float() * scale  # [B, nkv, g, S]
-    if attention_mask.dtype == torch.bool:
-        scores = scores.masked_fill(~attention_mask, float("-inf"))  # [B, nkv, g, S]
-    else:
-        scores = scores + attention_mask  # [B, nkv, g, S]
-    weights = scores.softmax(-1).to(value.dtype)  # [B, nkv, g, S]
-    out = weights @ value  # [B, nkv, g, d]
+    out = attend(grouped, key, value, attention_mask, dropout, scale)  # [B, nkv, g, d]
     return out.reshape(batch, 1, heads, head_dim), None  # [B, 1, nh, d]
+
+
+def _sdpa_step(grouped, key, value, mask, dropout: float, scale: float) -> torch.Tensor:
+    return torch.nn.functional.scaled_dot_product_attention(
+        grouped, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)  # [B, nkv, g, d]
+
+
+def _matmul_step(grouped, key, value, mask, dropout: float, scale: float) -> torch.Tensor:
+    """Two batched matmuls with a float32 softmax, which torch.compile fuses (decode runs
+    without dropout)."""
+    scores = (grouped @ key.transpose(-1, -2)).float() * scale  # [B, nkv, g, S]
+    scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
+              else scores + mask)  # [B, nkv, g, S]
+    return scores.softmax(-1).to(value.dtype) @ value  # [B, nkv, g, d]
+
+
+def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
+                             scaling: float | None = None, **kwargs):
+    """The static cache's decode attention: SDPA, reading each KV head once."""
+    return _grouped_decode(_sdpa_step, module, query, key, value, attention_mask, dropout,
+                           scaling, **kwargs)
+
+
+def grouped_decode_matmul(module, query, key, value, attention_mask, dropout: float = 0.0,
+                          scaling: float | None = None, **kwargs):
+    """grouped_decode_attention's decode step as two batched matmuls (`_matmul_step`)."""
+    return _grouped_decode(_matmul_step, module, query, key, value, attention_mask, dropout,
+                           scaling, **kwargs)
 
 
 DECODE_ATTENTION = {"sdpa": (GROUPED_DECODE, grouped_decode_attention),
