@@ -25,6 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from draftsmith.generate.transformers_backend import (  # noqa: E402
     grouped_decode_attention,
+    grouped_decode_flex,
     grouped_decode_matmul,
 )
 
@@ -56,8 +57,17 @@ def grouped_matmul(layer, query, key, value, mask, scale):
     return grouped_decode_matmul(layer, query, key, value, mask, scaling=scale)[0]
 
 
+def grouped_flex(layer, query, key, value, mask, scale):
+    """torch's flex attention (the generator's `decode_attention="flex"`); compiled, it is
+    flex decoding's split-KV kernel."""
+    return grouped_decode_flex(layer, query, key, value, mask, scaling=scale)[0]
+
+
 VARIANTS = {"grouped_sdpa": grouped_sdpa, "repeated_sdpa": repeated_sdpa,
-            "grouped_matmul": grouped_matmul}
+            "grouped_matmul": grouped_matmul, "grouped_flex": grouped_flex}
+# Which variants run eagerly and which compiled: inductor may fuse the matmul form; flex
+# attention is only a kernel when compiled; SDPA stays SDPA.
+COMPILED = {"grouped_matmul": (False, True), "grouped_flex": (True,)}
 
 
 def time_call(fn, args, iters: int, device: str) -> float:
@@ -105,8 +115,7 @@ def main(argv: list[str] | None = None) -> None:
         reference = grouped_sdpa(*inputs).float()
         kv_bytes = 2 * key.numel() * key.element_size()
         for name, fn in VARIANTS.items():
-            # Compiled, only the matmul form: inductor may fuse it; SDPA stays SDPA.
-            for compiled in (False, True) if name == "grouped_matmul" else (False,):
+            for compiled in COMPILED.get(name, (False,)):
                 call = torch.compile(fn, dynamic=False) if compiled else fn
                 try:
                     out = call(*inputs).float()

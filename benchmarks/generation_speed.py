@@ -47,6 +47,10 @@ GPU_VARIANTS = [
     ("dynamic-fp32-b256", "dynamic", "float32", 256, 512, None),
     ("static-fp32-b256", "static", "float32", 256, 512, "dynamic-fp32-b256"),
     ("static-fp32-b256-matmul", "static", "float32", 256, 512, "dynamic-fp32-b256"),
+    # Flex attention: compiled, torch's split-KV decoding kernel.
+    ("static-bf16-b2048-12k-flex", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
+    ("static-bf16-b4096-12k-flex", "static", "bfloat16", 4096, 12288, "dynamic-bf16-b512"),
+    ("static-fp32-b256-flex", "static", "float32", 256, 512, "dynamic-fp32-b256"),
     # bf16 answers depend on the batch even on the old path: its own share, for comparison.
     ("dynamic-bf16-b256", "dynamic", "bfloat16", 256, 1024, "dynamic-bf16-b512"),
 ]
@@ -54,7 +58,14 @@ SMOKE_VARIANTS = [
     ("dynamic-fp32-b8", "dynamic", "float32", 8, 24, None),
     ("static-fp32-b8", "static", "float32", 8, 24, "dynamic-fp32-b8"),
     ("static-fp32-b8-matmul", "static", "float32", 8, 24, "dynamic-fp32-b8"),
+    ("static-fp32-b8-flex", "static", "float32", 8, 24, "dynamic-fp32-b8"),
 ]
+ATTENTIONS = ("matmul", "flex")  # a variant named ...-matmul or ...-flex decodes with it
+
+
+class EagerFallback(RuntimeError):
+    """The compiled decode step failed and the generator went on in eager mode: not the
+    variant asked for, so it is recorded as failed rather than timed."""
 
 
 def sorted_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -85,6 +96,8 @@ def run_variant(model, tokenizer, prompts: list[list[int]], cache: str, batch: i
         if model.device.type == "cuda":
             torch.cuda.synchronize()
         batch_seconds.append(time.perf_counter() - began)
+        if cache == "static" and model.device.type == "cuda" and not generator.compiled:
+            raise EagerFallback("the compiled decode step failed (see the warning above)")
         answers += [c.token_ids for c in completions]
         log.info("%s: batch %d, %.1f s", cache, len(batch_seconds), batch_seconds[-1])
     tokens = [len(a) for a in answers]
@@ -105,7 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="CPU: the tiny target, 2 variants")
     parser.add_argument("--target", help="default: SmolLM2 (builtin:tiny with --smoke)")
     parser.add_argument("--max-new-tokens", type=int, default=160)
-    parser.add_argument("--only", nargs="*", help="variant names to run")
+    parser.add_argument("--only", nargs="*", help="variant names to run, in this order (a "
+                        "reference variant must come before the variants compared with it)")
     parser.add_argument("--deadline-s", type=float, default=1e9,
                         help="start no variant after this many seconds")
     parser.add_argument("--done", type=Path, help="a file written when every variant ran")
@@ -117,8 +131,13 @@ def main(argv: list[str] | None = None) -> None:
         "builtin:tiny" if args.smoke else "builtin:smollm2-135m-instruct")))
     tokenizer = load_tokenizer(target)
     variants = SMOKE_VARIANTS if args.smoke else GPU_VARIANTS
-    if args.only:
-        variants = [v for v in variants if v[0] in args.only]
+    if args.only:  # in the order given: a deadline cuts the last ones
+        by_name = {v[0]: v for v in variants}
+        unknown = [name for name in args.only if name not in by_name]
+        if unknown:
+            parser.error(f"--only {' '.join(unknown)}: not a variant; the variants are "
+                         f"{', '.join(by_name)}")
+        variants = [by_name[name] for name in args.only]
     most = max(v[4] for v in variants)
     prompts = sorted_prompts(tokenizer, most)
     answers: dict[str, list] = {}
@@ -130,7 +149,7 @@ def main(argv: list[str] | None = None) -> None:
             break
         # Every count-prompt sample spreads over the whole length range.
         sample = prompts[::max(1, len(prompts) // count)][:count]
-        attention = "matmul" if name.endswith("-matmul") else "sdpa"
+        attention = name.rsplit("-", 1)[-1] if name.endswith(ATTENTIONS) else "sdpa"
         # A model per dtype, cache and attention (the static ones are compiled).
         key = f"{dtype}-{cache}-{attention}"
         if key not in models:
@@ -138,11 +157,15 @@ def main(argv: list[str] | None = None) -> None:
         try:
             answers[name], figures = run_variant(models[key], tokenizer, sample, cache, batch,
                                                  args.max_new_tokens, attention)
-        except torch.OutOfMemoryError as err:  # recorded; the smaller variants still run
-            log.warning("%s: out of memory (%s)", name, str(err).splitlines()[0][:200])
+        except (torch.OutOfMemoryError, EagerFallback) as err:  # recorded; the others run
+            message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
+            log.warning("%s: %s", name, message)
+            models.pop(key)  # a fallen-back model stays eager; the memory goes back
             torch.cuda.empty_cache()
-            row = {"variant": name, "batch": batch, "prompts": len(sample),
-                   "tokens_per_s": None, "identical_greedy": None, "error": "out of memory"}
+            row = {"variant": name, "decode_attention": attention, "batch": batch,
+                   "prompts": len(sample), "tokens_per_s": None, "identical_greedy": None,
+                   "error": "out of memory" if isinstance(err, torch.OutOfMemoryError)
+                   else message}
             print(json.dumps(row), flush=True)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")

@@ -12,6 +12,7 @@ from draftsmith.generate.transformers_backend import (
     TransformersGenerator,
     cache_length,
     grouped_decode_attention,
+    grouped_decode_flex,
     grouped_decode_matmul,
     resolve_cache,
 )
@@ -57,17 +58,19 @@ def test_grouped_decode_attention_equals_sdpa_with_repeated_heads():
 
 
 @pytest.mark.parametrize("masks", ["bool", "additive"])
-def test_the_matmul_decode_step_equals_sdpas(masks: str):
+@pytest.mark.parametrize("step", [grouped_decode_matmul, grouped_decode_flex],
+                         ids=["matmul", "flex"])
+def test_the_other_decode_steps_equal_sdpas(masks: str, step):
     query, key, value, keep = decode_step_inputs()
     mask = keep if masks == "bool" else torch.where(keep, 0.0, float("-inf"))
     module = _Attention()
-    ours, _ = grouped_decode_matmul(module, query, key, value, mask, scaling=0.5)
+    ours, _ = step(module, query, key, value, mask, scaling=0.5)
     theirs, _ = grouped_decode_attention(module, query, key, value, mask, scaling=0.5)
     assert ours.shape == theirs.shape == (BATCH, 1, KV_HEADS * GROUPS, DIM)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("decode_attention", ["sdpa", "matmul"])
+@pytest.mark.parametrize("decode_attention", ["sdpa", "matmul", "flex"])
 def test_static_cache_decodes_what_the_dynamic_cache_decodes(random_target_dir,
                                                              random_target_tokenizer,
                                                              decode_attention: str):
@@ -102,7 +105,7 @@ def test_cache_choice_and_length():
     with pytest.raises(ValueError, match="cache='paged'"):
         TransformersGenerator(None, tokenizer, max_new_tokens=1, temperature=0, top_p=1, seed=0,
                               cache="paged")
-    with pytest.raises(ValueError, match="decode_attention='flash': one of sdpa, matmul"):
+    with pytest.raises(ValueError, match="decode_attention='flash': one of sdpa, matmul, flex"):
         TransformersGenerator(None, tokenizer, max_new_tokens=1, temperature=0, top_p=1, seed=0,
                               decode_attention="flash")
 

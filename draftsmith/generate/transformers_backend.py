@@ -33,6 +33,7 @@ log = logging.getLogger(__name__)
 
 GROUPED_DECODE = "draftsmith_grouped_decode"
 GROUPED_DECODE_MATMUL = "draftsmith_grouped_decode_matmul"
+GROUPED_DECODE_FLEX = "draftsmith_grouped_decode_flex"
 CACHE_LENGTH_STEP = 128
 
 
@@ -79,6 +80,22 @@ def _matmul_step(grouped, key, value, mask, dropout: float, scale: float) -> tor
     return scores.softmax(-1).to(value.dtype) @ value  # [B, nkv, g, d]
 
 
+def _flex_step(grouped, key, value, mask, dropout: float, scale: float) -> torch.Tensor:
+    """torch's flex attention, with the padding mask as a score modification. Compiled (as
+    generate compiles the static cache's decode step) it becomes flex decoding's split-KV
+    Triton kernel; in eager mode torch computes it unfused, which only tests do."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    rows = mask[:, 0, -1, :]  # [B, S]: the decode step's own row of the mask
+    if rows.dtype == torch.bool:
+        def padding(score, b, h, q_idx, kv_idx):
+            return torch.where(rows[b, kv_idx], score, float("-inf"))
+    else:
+        def padding(score, b, h, q_idx, kv_idx):
+            return score + rows[b, kv_idx]
+    return flex_attention(grouped, key, value, score_mod=padding, scale=scale)  # [B, nkv, g, d]
+
+
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
                              scaling: float | None = None, **kwargs):
     """The static cache's decode attention: SDPA, reading each KV head once."""
@@ -93,8 +110,16 @@ def grouped_decode_matmul(module, query, key, value, attention_mask, dropout: fl
                            scaling, **kwargs)
 
 
+def grouped_decode_flex(module, query, key, value, attention_mask, dropout: float = 0.0,
+                        scaling: float | None = None, **kwargs):
+    """grouped_decode_attention's decode step as flex attention (`_flex_step`)."""
+    return _grouped_decode(_flex_step, module, query, key, value, attention_mask, dropout,
+                           scaling, **kwargs)
+
+
 DECODE_ATTENTION = {"sdpa": (GROUPED_DECODE, grouped_decode_attention),
-                    "matmul": (GROUPED_DECODE_MATMUL, grouped_decode_matmul)}
+                    "matmul": (GROUPED_DECODE_MATMUL, grouped_decode_matmul),
+                    "flex": (GROUPED_DECODE_FLEX, grouped_decode_flex)}
 
 
 def register_grouped_decode() -> None:
