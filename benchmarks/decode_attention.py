@@ -5,7 +5,7 @@ rows over a 768-token cache, about 40% of the bandwidth bound.)
 One decode step of one layer, SmolLM2's heads (9 query heads on 3 KV heads, dim 64), a
 left-padded mask, bf16. Each variant prints one JSON line: microseconds a call (CUDA events
 over --iters calls), the keys' and values' bytes over that time, and its largest difference
-from `grouped_sdpa` (the stage's `grouped_decode_attention`).
+from `grouped_sdpa` (`grouped_decode_attention`, the SDPA decode step).
 
     python benchmarks/decode_attention.py --out decode_attention_h200.jsonl   # one H200 call
     python benchmarks/decode_attention.py --smoke --out /tmp/attention.jsonl   # CPU, small
@@ -58,8 +58,8 @@ def grouped_matmul(layer, query, key, value, mask, scale):
 
 
 def grouped_flex(layer, query, key, value, mask, scale):
-    """torch's flex attention (the generator's `decode_attention="flex"`); compiled, it is
-    flex decoding's split-KV kernel."""
+    """torch's flex attention with a block mask (the generator's `decode_attention="flex"`);
+    compiled, it is flex decoding's split-KV kernel, skipping blocks no row sees."""
     return grouped_decode_flex(layer, query, key, value, mask, scaling=scale)[0]
 
 
@@ -96,19 +96,26 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = "cpu" if args.smoke else "cuda"
     dtype = torch.float32 if args.smoke else torch.bfloat16
-    shapes = [(8, 64)] if args.smoke else [(2048, 768), (2048, 384), (4096, 768)]
+    # (rows, cache length, positions written so far): a full cache with up to half of it
+    # left padding (as before), and mid-decode caches, where the stage-wide cache length
+    # leaves the end of every row unwritten (masked; flex with a block mask skips it).
+    shapes = [(8, 64, 64), (8, 256, 100)] if args.smoke else [
+        (2048, 768, 320), (2048, 768, 512), (2048, 768, 768), (2048, 384, 384),
+        (4096, 768, 768)]
     nkv, groups, dim = 3, 3, 64
     layer = Layer(groups)
     torch.manual_seed(0)
-    for batch, length in shapes:
+    for batch, length, written in shapes:
         heads = nkv * groups
         query = torch.randn(batch, heads, 1, dim, device=device, dtype=dtype)  # [B, nh, 1, d]
         key = torch.randn(batch, nkv, length, dim, device=device, dtype=dtype)  # [B, nkv, S, d]
         value = torch.randn_like(key)  # [B, nkv, S, d]
         # Left padding: row r's first pads[r] positions are masked out.
-        pads = torch.randint(0, length // 2, (batch,), device=device)  # [B]
+        most_pad = length // 2 if written == length else 32
+        pads = torch.randint(0, most_pad, (batch,), device=device)  # [B]
         positions = torch.arange(length, device=device)  # [S]
-        mask = torch.where(positions[None, :] >= pads[:, None], 0.0, float("-inf"))  # [B, S]
+        seen = (positions[None, :] >= pads[:, None]) & (positions[None, :] < written)  # [B, S]
+        mask = torch.where(seen, 0.0, float("-inf"))  # [B, S]
         mask = mask[:, None, None, :].to(dtype)  # [B, 1, 1, S]
         scale = dim ** -0.5
         inputs = (layer, query, key, value, mask, scale)
@@ -122,10 +129,12 @@ def main(argv: list[str] | None = None) -> None:
                     us = time_call(call, inputs, 3 if args.smoke else args.iters, device)
                 except Exception as err:  # noqa: BLE001 - recorded, the others still run
                     row = {"variant": name, "compiled": compiled, "batch": batch,
-                           "cache_length": length, "error": f"{type(err).__name__}: {err}"[:300]}
+                           "cache_length": length, "written": written,
+                           "error": f"{type(err).__name__}: {err}"[:300]}
                 else:
                     row = {"variant": name, "compiled": compiled, "batch": batch,
-                           "cache_length": length, "us_per_call": round(us, 1),
+                           "cache_length": length, "written": written,
+                           "us_per_call": round(us, 1),
                            "kv_gb_per_s": round(kv_bytes / us / 1e3, 1),
                            "max_abs_diff": round((out - reference).abs().max().item(), 5),
                            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

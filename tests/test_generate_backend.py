@@ -95,6 +95,17 @@ def test_static_cache_decodes_what_the_dynamic_cache_decodes(random_target_dir,
     assert all(len(c.token_ids) == c.completion_tokens for c in static)
 
 
+def test_the_static_cache_decodes_with_the_matmul_step_by_default(random_target_dir,
+                                                                   random_target_tokenizer):
+    """The measured fastest (benchmarks/results/generation_speed/h200_2026-12-03_lease6_*)."""
+    from draftsmith.target import load_target_model
+
+    generator = TransformersGenerator(load_target_model(random_target_dir),
+                                      random_target_tokenizer, max_new_tokens=1,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static")
+    assert generator.model.config._attn_implementation == DECODE_ATTENTION["matmul"][0]
+
+
 def test_cache_choice_and_length():
     assert resolve_cache("auto", torch.device("cpu")) == "dynamic"
     assert resolve_cache("auto", torch.device("cuda")) == "static"

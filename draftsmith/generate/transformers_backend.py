@@ -12,14 +12,16 @@ Two ways to run `generate` (`generate.cache`):
 Decode attention over a padded cache is most of a decode step's work on a small target.
 transformers' SDPA path repeats every KV head for its query heads whenever a mask is given
 (grouped-query attention: SmolLM2 has 9 query heads on 3 KV heads), so a step reads and writes
-each cached key and value `groups` times over. `grouped_decode_attention` lays the query heads
-of one KV head along the query axis instead, so SDPA reads each KV head once; it is registered
-with transformers' AttentionInterface and used for the static cache.
-
-`decode_attention="matmul"` computes the same decode step as two batched matmuls and a float32
-softmax (`grouped_decode_matmul`). Alone, at the stage's shapes on an H200, the compiled form
-took 377 us a call against SDPA's 578 us (benchmarks/decode_attention.py); in the model it is
-not measured yet, so it is the generation benchmark's variant, not the stage's default.
+each cached key and value `groups` times over. The static cache's decode steps read each KV
+head once instead, in one of three ways (`decode_attention`):
+- `matmul` (the default): two batched matmuls and a float32 softmax, which the compiled
+  decode step fuses. On SmolLM2 on an H200: 55.7K tokens/s against SDPA's 45.3K in the same
+  call, float32 answers identical to the dynamic cache's (512/512; benchmarks/results/
+  generation_speed/h200_2026-12-03_lease6_matmul.jsonl).
+- `sdpa`: SDPA with each KV head's query heads on the query axis.
+- `flex`: flex attention with the mask as a block mask, skipping cache blocks no row sees.
+  Alone it beats the matmuls only when most of the cache is unwritten (264 against 370 us at
+  320 of 768 positions); not measured in the model.
 """
 
 from __future__ import annotations
@@ -81,19 +83,22 @@ def _matmul_step(grouped, key, value, mask, dropout: float, scale: float) -> tor
 
 
 def _flex_step(grouped, key, value, mask, dropout: float, scale: float) -> torch.Tensor:
-    """torch's flex attention, with the padding mask as a score modification. Compiled (as
-    generate compiles the static cache's decode step) it becomes flex decoding's split-KV
-    Triton kernel; in eager mode torch computes it unfused, which only tests do."""
-    from torch.nn.attention.flex_attention import flex_attention
+    """torch's flex attention with the padding mask as a block mask, so blocks of the cache
+    that no row sees (left padding, positions not yet written) are not read at all. Compiled
+    (as generate compiles the static cache's decode step) it is flex decoding's split-KV
+    Triton kernel; in eager mode torch computes it unfused, which only tests do. Additive
+    masks count as masks only: a position is seen when its bias is above the dtype's min."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     rows = mask[:, 0, -1, :]  # [B, S]: the decode step's own row of the mask
-    if rows.dtype == torch.bool:
-        def padding(score, b, h, q_idx, kv_idx):
-            return torch.where(rows[b, kv_idx], score, float("-inf"))
-    else:
-        def padding(score, b, h, q_idx, kv_idx):
-            return score + rows[b, kv_idx]
-    return flex_attention(grouped, key, value, score_mod=padding, scale=scale)  # [B, nkv, g, d]
+    seen = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min  # [B, S]
+
+    def visible(b, h, q_idx, kv_idx):
+        return seen[b, kv_idx]
+
+    blocks = create_block_mask(visible, B=grouped.shape[0], H=None, Q_LEN=grouped.shape[2],
+                               KV_LEN=key.shape[2], device=grouped.device)
+    return flex_attention(grouped, key, value, block_mask=blocks, scale=scale)  # [B, nkv, g, d]
 
 
 def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -149,7 +154,7 @@ def cache_length(longest_prompt: int, max_new_tokens: int) -> int:
 class TransformersGenerator:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int, cache: str = "dynamic", batch_size: int | None = None,
-                 longest_prompt: int = 0, decode_attention: str = "sdpa"):
+                 longest_prompt: int = 0, decode_attention: str = "matmul"):
         """cache: dynamic or static (resolve `auto` with resolve_cache first). With the
         static cache every batch is filled up to batch_size rows, and the cache holds
         longest_prompt (the longest of all the prompts to come) + max_new_tokens: one shape.
