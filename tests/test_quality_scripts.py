@@ -113,6 +113,52 @@ def test_eagle31_with_five_ttt_steps_trains_five_and_exports_the_measured_three(
     assert sweep.jobs["eval:eagle3.1-ttt5-48000-e6"].priority == 0
 
 
+def test_eagle31_on_float32_states_captures_with_the_float32_target(tmp_path: Path) -> None:
+    """HumanEval is decoded with the float32 target; this kind trains on its hidden states."""
+    sweep_module = load("sweep")
+    size = {**sweep_module.GPU, "sizes": [], "kinds_size": 48000}
+    sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", size, budget_s=1e9, smoke=False)
+    args = type("Args", (), {"no_genbench": True, "kinds": ["eagle3.1-fp32states"],
+                             "speculators": False})
+    sweep_module.plan(sweep, args)
+    argv = sweep.jobs["train:eagle3.1-fp32states-48000-e6"].argv
+    extract = json.loads(argv[argv.index("--extract") + 1])
+    assert extract == {"target_dtype": "float32"}
+    sources = [{"name": "a", "path": "a.jsonl"}]
+    cfg = sweep_module.pipeline_config(tmp_path, size, sources, extract=extract)
+    plain = sweep_module.pipeline_config(tmp_path, size, sources)
+    assert (cfg.extract.target_dtype, plain.extract.target_dtype) == ("float32", "bfloat16")
+    assert cfg.extract.dtype == plain.extract.dtype  # only the target's precision changes
+
+
+def test_each_prompt_is_decoded_plainly_then_speculatively_before_the_next(
+        monkeypatch) -> None:
+    """Both decodings of a prompt meet the same GPU load; the warm-up runs once."""
+    from draftsmith import bench
+    from draftsmith.config import BenchmarkConfig
+
+    sweep_module = load("sweep")
+    calls: list[tuple[str, int, int]] = []  # (which, prompt, warm-up prompts)
+
+    def plain(runner, prompts, cfg, eos):
+        calls.append(("plain", prompts[0][0], cfg.warmup_prompts))
+        return ["greedy"]
+
+    def speculative(engine, prompts, cfg, eos, label, greedy):
+        calls.append(("speculative", prompts[0][0], cfg.warmup_prompts))
+        assert greedy == ["greedy"]
+        return {}, [{"prompt": prompts[0][0]}]
+
+    monkeypatch.setattr(bench.benchmark, "plain_decoding", plain)
+    monkeypatch.setattr(bench.benchmark, "measure_embedded", speculative)
+    engine = type("Engine", (), {"runner": None})()
+    rows = sweep_module.paired_decoding(engine, [[7], [8], [9]],
+                                        BenchmarkConfig(warmup_prompts=1), eos=0)
+    assert rows == [{"prompt": 7}, {"prompt": 8}, {"prompt": 9}]
+    assert calls == [("plain", 7, 1), ("speculative", 7, 1), ("plain", 8, 0),
+                     ("speculative", 8, 0), ("plain", 9, 0), ("speculative", 9, 0)]
+
+
 def _validation(steps: int) -> dict:
     return {"epoch": 5, "tau": 3.0, "acceptance_replayed": 3.2,
             **{f"full_acc_{j}": 0.5 for j in range(steps)}}
