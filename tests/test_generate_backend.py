@@ -106,6 +106,28 @@ def test_the_static_cache_decodes_with_the_matmul_step_by_default(random_target_
     assert generator.model.config._attn_implementation == DECODE_ATTENTION["matmul"][0]
 
 
+def test_batches_share_one_static_cache_and_nothing_leaks_between_them(
+        random_target_dir, random_target_tokenizer):
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    first = [[{"role": "user", "content": "def f(x):" + " return x" * 3}]] * 2
+    second = [[{"role": "user", "content": f"def g{i}(y): return y"}] for i in range(3)]
+
+    def generator():
+        return TransformersGenerator(model, random_target_tokenizer, max_new_tokens=10,
+                                     temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                     batch_size=4, longest_prompt=40)
+
+    shared = generator()
+    shared.complete(first)
+    cache = shared._static_cache
+    after_first = shared.complete(second)
+    assert shared._static_cache is cache  # reused: same shape, emptied
+    alone = generator().complete(second)
+    assert [c.token_ids for c in after_first] == [c.token_ids for c in alone]
+
+
 def test_cache_choice_and_length():
     assert resolve_cache("auto", torch.device("cpu")) == "dynamic"
     assert resolve_cache("auto", torch.device("cuda")) == "static"

@@ -171,9 +171,25 @@ class TransformersGenerator:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.compiled = cache == "static"  # generate compiles the decode step on CUDA
+        self._static_cache, self._static_rows = None, 0  # one cache for batches of one shape
         if cache == "static":
             register_grouped_decode()
             model.set_attn_implementation(DECODE_ATTENTION[decode_attention][0])
+
+    def static_cache(self, rows: int, length: int):
+        """The StaticCache for a batch: the previous batch's, emptied, when the shape is the
+        same. The compiled decode step's CUDA graphs read the cache at fixed addresses, so a
+        new cache a batch would make them be recorded again (as generate's own static cache,
+        which it also keeps across calls)."""
+        from transformers import StaticCache
+
+        cache = self._static_cache
+        if cache is not None and cache.max_cache_len == length and self._static_rows == rows:
+            cache.reset()
+            return cache
+        self._static_cache = StaticCache(config=self.model.config, max_cache_len=length)
+        self._static_rows = rows
+        return self._static_cache
 
     def prompt_tokens(self, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
         return [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
@@ -199,12 +215,8 @@ class TransformersGenerator:
             torch.manual_seed(self.generator_seed)
         extra = {}
         if self.cache == "static":
-            from transformers import StaticCache
-
-            extra["past_key_values"] = StaticCache(
-                config=self.model.config,
-                max_cache_len=cache_length(max(width, self.longest_prompt),
-                                           self.max_new_tokens))
+            extra["past_key_values"] = self.static_cache(
+                len(prompts), cache_length(max(width, self.longest_prompt), self.max_new_tokens))
         def generate(**compile_args):
             return self.model.generate(
                 input_ids=input_ids.to(device),
