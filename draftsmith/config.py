@@ -473,6 +473,10 @@ class DrafterConfig(StrictModel):
         "out."))
     dflash: DFlashOptions = keyed(default_factory=DFlashOptions, description=(
         "DFlash's options (drafter.kind: dflash)."))
+    intermediate_size: int | None = keyed(None, added=True, ge=1, description=(
+        "Width of the drafter's MLP; null: the target's. A wider MLP gives a small target's "
+        "drafter more capacity at little cost per draft; the exported config carries it, and "
+        "vLLM and SGLang build the drafter from that config."))
 
     @model_validator(mode="after")
     def _norms_are_eagle3s(self) -> DrafterConfig:

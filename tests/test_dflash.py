@@ -359,3 +359,28 @@ def test_the_engine_refuses_what_a_block_cannot_draft(dflash_engine):
         EmbeddedSpeculativeEngine(engine.runner.model, drafter, num_steps=BLOCK)
     with pytest.raises(ValueError, match="no tree"):
         EmbeddedSpeculativeEngine(engine.runner.model, drafter, num_steps=2, topk=2)
+
+
+def test_a_wider_mlp_is_built_exported_and_read_back(random_target_dir, tmp_path):
+    """drafter.intermediate_size reaches both kinds' shapes through the registry, and the
+    speculators export carries it to vLLM's config (read back as the same shape)."""
+    from draftsmith.config import DrafterConfig
+    from draftsmith.model.kinds import build_drafter, kind_named
+
+    tcfg = json.loads((random_target_dir / "config.json").read_text())
+    wide = 3 * tcfg["intermediate_size"]
+    eagle = kind_named("eagle3").build_config(tcfg, AUX_IDS, DRAFT_VOCAB,
+                                              DrafterConfig(intermediate_size=wide))
+    assert eagle.intermediate_size == wide
+    assert kind_named("eagle3").build_config(
+        tcfg, AUX_IDS, DRAFT_VOCAB, DrafterConfig()).intermediate_size == tcfg["intermediate_size"]
+    settings = DrafterConfig(kind="dflash", intermediate_size=wide,
+                             dflash={"mask_token_id": MASK, "block_size": BLOCK})
+    cfg = kind_named("dflash").build_config(tcfg, AUX_IDS, DRAFT_VOCAB, settings)
+    drafter = build_drafter(cfg)
+    assert drafter.layers[0].mlp.gate_proj.weight.shape == (wide, tcfg["hidden_size"])
+    d2t, t2d = vocab_map(tcfg["vocab_size"], DRAFT_VOCAB)
+    drafter.load_target_parts(torch.randn(tcfg["vocab_size"], tcfg["hidden_size"]), d2t, t2d)
+    config = export_drafter(drafter.state_dict(), cfg, "speculators", "llama", tmp_path / "v")
+    assert config["transformer_layer_config"]["intermediate_size"] == wide
+    assert read_drafter(tmp_path / "v").config.intermediate_size == wide

@@ -48,6 +48,11 @@ def test_eagle31_runs_through_the_pipeline(eagle31_run, tiny_run):
     assert config["speculators_model_type"] == "eagle3"
     assert (config["norm_before_residual"], config["norm_before_fc"], config["norm_output"]) \
         == (True, True, True)
+    # drafter.intermediate_size (tests/tiny_run.py): the MLP is twice the target's, and the
+    # exported layer config says so (vLLM builds the drafter from it: test_vllm_kinds.py).
+    assert trained.config.intermediate_size == 768
+    assert trained.tensors["midlayer.mlp.gate_proj.weight"].shape[0] == 768
+    assert config["transformer_layer_config"]["intermediate_size"] == 768
     bench = descriptor(eagle31_run, "benchmark")["figures"]
     assert bench["acceptance_length"] > 1.5  # trained: drafts are accepted
     print(f"EAGLE-3.1 embedded acceptance {bench['acceptance_length']} (EAGLE-3: "

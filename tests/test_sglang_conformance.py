@@ -307,6 +307,17 @@ def test_deepseek_family_packs_aux_states_into_one_tensor_and_llama_passes_a_lis
         r"feature_size \* self\._num_captures", "the packed buffer is [N, K*H], K-major")
 
 
+def test_sglangs_eagle3_layer_takes_its_mlp_width_from_the_drafters_config(sglang_env):
+    """drafter.intermediate_size (a wider MLP than the target's) reaches SGLang through the
+    exported config.json alone: its EAGLE-3 layer sizes the MLP from the drafter's config."""
+    where, text = sglang_source(sglang_env, "srt/models/llama_eagle3.py")
+    layer = function_source(where, text, "LlamaDecoderLayer.__init__")
+    pin(where, layer, r"inter_size = config\.intermediate_size\b",
+        "the EAGLE-3 layer's MLP width is the drafter config's intermediate_size")
+    pin(where, layer, r"LlamaMLP\(\s*config\.hidden_size, inter_size",
+        "the EAGLE-3 layer's MLP is built with that width")
+
+
 def test_kimi_k25_wraps_deepseek_v3_and_calls_it_with_input_ids_none(sglang_env):
     where, text = sglang_source(sglang_env, "srt/models/kimi_k25.py")
     cls = function_source(where, text, "KimiK25ForConditionalGeneration")

@@ -52,8 +52,10 @@ def run_pipeline(raw: dict, stages: list[str] | None = None) -> dict[str, dict]:
 # tests/test_vllm_kinds.py): the session run's config with one `drafter` setting changed and
 # the export for vLLM. generate, merge and extract are the session run's, from the cache.
 KIND_SETTINGS = {
-    # EAGLE-3.1 as speculators 0.9.0 trains it by default.
-    "eagle3.1": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True},
+    # EAGLE-3.1 as speculators 0.9.0 trains it by default, with an MLP twice the tiny
+    # target's (384): vLLM must build its drafter from the exported config, not the target's.
+    "eagle3.1": {"norm_before_residual": True, "norm_before_fc": True, "norm_output": True,
+                 "intermediate_size": 768},
     # DFlash with a block of 4 (three drafts a round, as the session run's chain of 3) and one
     # layer: vLLM 0.32's CPU runner norms every layer's context keys with layer 0's k_norm
     # (tests/test_vllm_kinds.py pins it), so only a one-layer DFlash runs there as trained.

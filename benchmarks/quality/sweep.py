@@ -217,8 +217,14 @@ EAGLE31 = {"kind": "eagle3", "norm_before_fc": True, "norm_before_residual": Tru
 # Each kind the side by side trains beside EAGLE-3: its drafter section, and what it changes
 # in the train and extract sections. eagle3.1-ttt5 trains five steps ahead (it is still
 # measured at DRAFTS); eagle3.1-fp32states trains on the hidden states of the float32
-# target, the one that HumanEval is decoded with, instead of the bf16 one.
+# target, the one that HumanEval is decoded with, instead of the bf16 one. eagle3.1-wide4
+# and -wide8 give the drafter's MLP 4 and 8 times SmolLM2's width (1,536): whether the one
+# layer's capacity holds acceptance back (training and validation full_acc stay level).
 KIND_SETTINGS = {"eagle3.1": {"drafter": EAGLE31, "train": {}},
+                 "eagle3.1-wide4": {"drafter": {**EAGLE31, "intermediate_size": 6144},
+                                    "train": {}},
+                 "eagle3.1-wide8": {"drafter": {**EAGLE31, "intermediate_size": 12288},
+                                    "train": {}},
                  "eagle3.1-ttt5": {"drafter": EAGLE31, "train": {"ttt_steps": 5}},
                  "eagle3.1-fp32states": {"drafter": EAGLE31, "train": {},
                                          "extract": {"target_dtype": "float32"}},

@@ -53,6 +53,8 @@ class DrafterKind:
                      settings: DrafterConfig, target_dir: str | Path | None = None
                      ) -> DrafterShape:
         """The drafter's shape for this target and data from the `drafter` section."""
+        if settings.intermediate_size is not None:
+            target_config = {**target_config, "intermediate_size": settings.intermediate_size}
         if self.name == "eagle3":
             return Eagle3Config.from_target(target_config, aux_layer_ids, draft_vocab_size,
                                             **settings.model_dump(include=set(NORM_OPTIONS)))
