@@ -157,7 +157,8 @@ def test_eagle31_norms_are_trained_and_kept_in_the_checkpoint(inputs, tmp_path):
                           norm_output=True)
     descriptor = train(inputs, tmp_path, small_cfg(epochs=1), norms)
     ckpt = read_drafter(descriptor.dir)
-    assert ckpt.config.norm_flags == norms.model_dump(exclude={"kind", "dflash"})
+    assert ckpt.config.norm_flags == norms.model_dump(
+        include={"norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"})
     for name in ("input_norm.weight", "fc_norm.0.weight", "fc_norm.2.weight"):
         assert not torch.equal(ckpt.tensors[name], torch.ones_like(ckpt.tensors[name])), name
     val = [h for h in history(descriptor) if h["split"] == "validation"]
