@@ -134,27 +134,29 @@ def test_eagle31_on_float32_states_captures_with_the_float32_target(tmp_path: Pa
 def test_each_prompt_is_decoded_plainly_then_speculatively_before_the_next(
         monkeypatch) -> None:
     """Both decodings of a prompt meet the same GPU load; the warm-up runs once."""
-    from draftsmith import bench
+    from draftsmith.bench import benchmark
     from draftsmith.config import BenchmarkConfig
+    from draftsmith.serve.embedded import Generation
 
     sweep_module = load("sweep")
     calls: list[tuple[str, int, int]] = []  # (which, prompt, warm-up prompts)
 
     def plain(runner, prompts, cfg, eos):
         calls.append(("plain", prompts[0][0], cfg.warmup_prompts))
-        return ["greedy"]
+        return [Generation(tokens=[prompts[0][0] + 100], seconds=1.0)]
 
     def speculative(engine, prompts, cfg, eos, label, greedy):
         calls.append(("speculative", prompts[0][0], cfg.warmup_prompts))
-        assert greedy == ["greedy"]
+        assert greedy[0].tokens == [prompts[0][0] + 100]
         return {}, [{"prompt": prompts[0][0]}]
 
-    monkeypatch.setattr(bench.benchmark, "plain_decoding", plain)
-    monkeypatch.setattr(bench.benchmark, "measure_embedded", speculative)
+    monkeypatch.setattr(benchmark, "plain_decoding", plain)
+    monkeypatch.setattr(benchmark, "measure_embedded", speculative)
     engine = type("Engine", (), {"runner": None})()
     rows = sweep_module.paired_decoding(engine, [[7], [8], [9]],
                                         BenchmarkConfig(warmup_prompts=1), eos=0)
-    assert rows == [{"prompt": 7}, {"prompt": 8}, {"prompt": 9}]
+    # The greedy output goes with its row, for the replay over the bf16 target's states.
+    assert rows == [{"prompt": p, "greedy_tokens": [p + 100]} for p in (7, 8, 9)]
     assert calls == [("plain", 7, 1), ("speculative", 7, 1), ("plain", 8, 0),
                      ("speculative", 8, 0), ("plain", 9, 0), ("speculative", 9, 0)]
 
@@ -172,4 +174,8 @@ def test_the_replay_gap_compares_only_replays_of_the_measured_drafts(steps: int,
                    "plain_tokens": 20, "identical": True}]
     row = sweep_module.summarize("d-48000-e6", {"validation": [_validation(steps)]}, per_prompt)
     assert row["measured_embedded"] == 2.0 and row["replayed"] == 3.2
+    assert row["replayed_bf16_states"] is None  # an evaluation without the bf16 replay
+    with_bf16 = [{**per_prompt[0], "bf16_states_rounds": 8, "bf16_states_tokens": 20}]
+    assert sweep_module.summarize("d-48000-e6", {"validation": [_validation(steps)]},
+                                  with_bf16)["replayed_bf16_states"] == 2.5
     assert row["replay_gap"] == gap  # a DFlash block of 16 replays 15 drafts, measured with 3

@@ -499,6 +499,10 @@ def summarize(name: str, done: dict, per_prompt: list[dict]) -> dict:
         "replayed": round(best["acceptance_replayed"], 4)
         if best.get("acceptance_replayed") is not None else None,
         "measured_embedded": round(measured, 4),
+        "replayed_bf16_states": round(
+            sum(p["bf16_states_tokens"] for p in per_prompt)
+            / max(sum(p["bf16_states_rounds"] for p in per_prompt), 1), 4)
+        if all("bf16_states_rounds" in p for p in per_prompt) else None,
         "accepted_per_position": [round(x / max(rounds, 1), 4) for x in positions],
         "measured_vllm": None,
         "speedup_embedded": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
@@ -531,8 +535,23 @@ def paired_decoding(engine, prompts: list[list[int]], bench, eos: int | None) ->
     for i, prompt in enumerate(prompts):
         settings = bench if i == 0 else cold
         plain = plain_decoding(engine.runner, [prompt], settings, eos)
-        per_prompt += measure_embedded(engine, [prompt], settings, eos, "sweep", plain)[1]
+        row = measure_embedded(engine, [prompt], settings, eos, "sweep", plain)[1][0]
+        per_prompt.append({**row, "greedy_tokens": plain[0].tokens})
     return per_prompt
+
+
+def replay_with_bf16_states(model_bf16, drafter_dir: str, prompts: list[list[int]],
+                            per_prompt: list[dict]) -> None:
+    """The float32 greedy outputs replayed over the bf16 target's states, the ones every
+    drafter here trains on: how much of the gap between the validation replay and HumanEval
+    is the float32 target (decoded for exact identity) rather than the prompts."""
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+
+    engine = EmbeddedSpeculativeEngine.load(model_bf16, drafter_dir, num_steps=DRAFTS)
+    for prompt, row in zip(prompts, per_prompt, strict=True):
+        replay = engine.replay(prompt, row.pop("greedy_tokens"))
+        row["bf16_states_rounds"] = replay.verify_rounds
+        row["bf16_states_tokens"] = sum(replay.round_tokens)
 
 
 def job_eval_worker(a: dict, drafter_dir: str, worker: int, workers: int, part: Path) -> None:
@@ -553,7 +572,11 @@ def job_eval_worker(a: dict, drafter_dir: str, worker: int, workers: int, part: 
     model = load_target_model(target.path, size["device"], "float32")
     eos = load_tokenizer(target).eos_token_id
     engine = EmbeddedSpeculativeEngine.load(model, drafter_dir, num_steps=DRAFTS)
-    touch(part, {"prompts": paired_decoding(engine, prompts, cfg.benchmark, eos)})
+    per_prompt = paired_decoding(engine, prompts, cfg.benchmark, eos)
+    engine.runner.close()
+    replay_with_bf16_states(load_target_model(target.path, size["device"], "bfloat16"),
+                            drafter_dir, prompts, per_prompt)
+    touch(part, {"prompts": per_prompt})
 
 
 # --------------------------------------------------------------------------- speculators
