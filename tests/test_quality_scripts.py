@@ -175,7 +175,7 @@ def test_the_replay_gap_compares_only_replays_of_the_measured_drafts(steps: int,
     row = sweep_module.summarize("d-48000-e6", {"validation": [_validation(steps)]}, per_prompt)
     assert row["measured_embedded"] == 2.0 and row["replayed"] == 3.2
     assert row["replayed_bf16_states"] is None  # an evaluation without the bf16 replay
-    with_bf16 = [{**per_prompt[0], "bf16_states_rounds": 8, "bf16_states_tokens": 20}]
     assert sweep_module.summarize("d-48000-e6", {"validation": [_validation(steps)]},
-                                  with_bf16)["replayed_bf16_states"] == 2.5
+                                  per_prompt, {"rounds": 8, "tokens": 20}
+                                  )["replayed_bf16_states"] == 2.5
     assert row["replay_gap"] == gap  # a DFlash block of 16 replays 15 drafts, measured with 3

@@ -470,12 +470,14 @@ def job_evaluate(a: dict, name: str) -> None:
     codes = [p.wait() for p in procs]
     if any(codes):
         raise RuntimeError(f"evaluation workers of {name} exited with {codes}")
-    per_prompt = [p for w in range(workers)
-                  for p in json.loads((parts / f"{w}.json").read_text())["prompts"]]
-    touch(out / "done" / f"eval-{name}", summarize(name, done, per_prompt))
+    results = [json.loads((parts / f"{w}.json").read_text()) for w in range(workers)]
+    per_prompt = [p for r in results for p in r["prompts"]]
+    bf16_states = {k: sum(r["bf16_states"][k] for r in results) for k in ("rounds", "tokens")}
+    touch(out / "done" / f"eval-{name}", summarize(name, done, per_prompt, bf16_states))
 
 
-def summarize(name: str, done: dict, per_prompt: list[dict]) -> dict:
+def summarize(name: str, done: dict, per_prompt: list[dict],
+              bf16_states: dict | None = None) -> dict:
     rounds = sum(p["verify_rounds"] for p in per_prompt)
     tokens = sum(p["round_tokens"] for p in per_prompt)
     positions = [sum(col) for col in zip(*(p["accepted_by_position"] for p in per_prompt),
@@ -499,10 +501,8 @@ def summarize(name: str, done: dict, per_prompt: list[dict]) -> dict:
         "replayed": round(best["acceptance_replayed"], 4)
         if best.get("acceptance_replayed") is not None else None,
         "measured_embedded": round(measured, 4),
-        "replayed_bf16_states": round(
-            sum(p["bf16_states_tokens"] for p in per_prompt)
-            / max(sum(p["bf16_states_rounds"] for p in per_prompt), 1), 4)
-        if all("bf16_states_rounds" in p for p in per_prompt) else None,
+        "replayed_bf16_states": round(bf16_states["tokens"] / bf16_states["rounds"], 4)
+        if bf16_states else None,
         "accepted_per_position": [round(x / max(rounds, 1), 4) for x in positions],
         "measured_vllm": None,
         "speedup_embedded": round((spec_tokens / spec_s) / (plain_tokens / plain_s), 3),
@@ -540,26 +540,13 @@ def paired_decoding(engine, prompts: list[list[int]], bench, eos: int | None) ->
     return per_prompt
 
 
-def replay_with_bf16_states(model_bf16, drafter_dir: str, prompts: list[list[int]],
-                            per_prompt: list[dict]) -> None:
-    """The float32 greedy outputs replayed over the bf16 target's states, the ones every
-    drafter here trains on: how much of the gap between the validation replay and HumanEval
-    is the float32 target (decoded for exact identity) rather than the prompts."""
-    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
-
-    engine = EmbeddedSpeculativeEngine.load(model_bf16, drafter_dir, num_steps=DRAFTS)
-    for prompt, row in zip(prompts, per_prompt, strict=True):
-        replay = engine.replay(prompt, row.pop("greedy_tokens"))
-        row["bf16_states_rounds"] = replay.verify_rounds
-        row["bf16_states_tokens"] = sum(replay.round_tokens)
-
-
 def job_eval_worker(a: dict, drafter_dir: str, worker: int, workers: int, part: Path) -> None:
     """This worker's share of the HumanEval prompts, each decoded plainly and speculatively
     in a pair (`paired_decoding`), with a float32 target (token identity with greedy decoding
     is exact only in float32)."""
     import torch
 
+    from draftsmith.bench.guard import replayed_acceptance
     from draftsmith.config import TargetConfig
     from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
     from draftsmith.target import load_target_model, load_tokenizer, resolve_target
@@ -574,9 +561,14 @@ def job_eval_worker(a: dict, drafter_dir: str, worker: int, workers: int, part: 
     engine = EmbeddedSpeculativeEngine.load(model, drafter_dir, num_steps=DRAFTS)
     per_prompt = paired_decoding(engine, prompts, cfg.benchmark, eos)
     engine.runner.close()
-    replay_with_bf16_states(load_target_model(target.path, size["device"], "bfloat16"),
-                            drafter_dir, prompts, per_prompt)
-    touch(part, {"prompts": per_prompt})
+    # The same greedy outputs replayed over the bf16 target's states, the ones every drafter
+    # here trains on: how much of the gap between the validation replay and HumanEval is the
+    # float32 target (decoded for exact identity) rather than the prompts.
+    outputs = [row.pop("greedy_tokens") for row in per_prompt]
+    bf16 = TargetConfig(model=size["target"], device=size["device"], dtype="bfloat16")
+    bf16_states = replayed_acceptance(drafter_dir, target.path, bf16, "llama", DRAFTS,
+                                      prompts, outputs)
+    touch(part, {"prompts": per_prompt, "bf16_states": bf16_states})
 
 
 # --------------------------------------------------------------------------- speculators
