@@ -108,6 +108,38 @@ def test_fallback_refuses_a_template_that_rewrites_earlier_turns(plain_tokenizer
         tokenize_record(tokenizer, record)
 
 
+def test_a_pool_of_workers_gives_the_rows_of_one_process(plain_tokenizer):
+    """The merge stage tokenises large sets over worker processes: same rows, same order, and
+    a template error raised in a worker still names the record."""
+    from draftsmith.data.tokenize import TemplateError, tokenize_records
+
+    records = [make_record(turns, i) for i, turns in enumerate(CONVERSATIONS * 3)]
+    in_process = tokenize_records(plain_tokenizer, records, workers=0)
+    assert in_process == [tokenize_record(plain_tokenizer, r) for r in records]
+    assert tokenize_records(plain_tokenizer, records, workers=2) == in_process
+
+    tokenizer = copy.deepcopy(plain_tokenizer)
+    tokenizer.chat_template = (
+        "{%- for m in messages -%}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{%- if loop.last %}LAST {% endif -%}{{ m['content'] + '<|im_end|>\\n' }}{%- endfor -%}"
+        "{%- if add_generation_prompt -%}{{ '<|im_start|>assistant\\n' }}{%- endif -%}"
+    )
+    bad = [make_record([("user", "no answer")], 98),
+           make_record([("user", "q"), ("assistant", "a"), ("user", "q2")], 99)]
+    with pytest.raises(TemplateError, match=r"record t/99: .*turn 1"):
+        tokenize_records(tokenizer, bad, workers=2)
+
+
+def test_only_large_sets_on_several_cores_use_a_pool(monkeypatch):
+    from draftsmith.data import tokenize
+
+    monkeypatch.setattr(tokenize.os, "sched_getaffinity", lambda pid: set(range(16)))
+    assert tokenize.pool_workers(tokenize.POOL_MIN_RECORDS - 1) == 0
+    assert tokenize.pool_workers(50_000) == 16
+    monkeypatch.setattr(tokenize.os, "sched_getaffinity", lambda pid: {0, 1})
+    assert tokenize.pool_workers(50_000) == 0  # CI's two cores: no pool
+
+
 # --- reasoning and tool calls -----------------------------------------------------------------
 
 NATIVE_TEMPLATE = (

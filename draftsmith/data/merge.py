@@ -18,7 +18,7 @@ from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json,
 from draftsmith.config import MergeConfig
 from draftsmith.data.formats import DataFormatError, Record
 from draftsmith.data.overlap import Prompt, check_overlap
-from draftsmith.data.tokenize import check_special_tokens, tokenize_record
+from draftsmith.data.tokenize import check_special_tokens, pool_workers, tokenize_records
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.figures import MERGE_COVERAGE_FILE, TargetFigures
 from draftsmith.generate.stage import read_records
@@ -127,8 +127,11 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
     for name, count in read_per_source.items():
         per_source[name]["read"] = count
         per_source[name].update(removed.get(name, {}))
-    for record in records:
-        ids, mask = tokenize_record(tokenizer, record)
+    workers = pool_workers(len(records))
+    if workers:
+        log.info("merge: tokenising %d records over %d processes", len(records), workers)
+    for record, (ids, mask) in zip(records, tokenize_records(tokenizer, records, workers),
+                                   strict=True):
         source = per_source[record.source]
         if len(ids) > cfg.max_length:
             ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]

@@ -10,6 +10,9 @@ target made stays part of what the drafter learns.
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +77,8 @@ def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
         if message["role"] != "assistant":
             continue
         before = list(_render(tokenizer, messages[:turn], add_generation_prompt=True)["input_ids"])
-        through = list(_render(tokenizer, messages[: turn + 1])["input_ids"])
+        through = ids if turn == len(messages) - 1 else \
+            list(_render(tokenizer, messages[: turn + 1])["input_ids"])
         if ids[: len(through)] != through or through[: len(before)] != before:
             raise TemplateError(
                 f"record {record.id}: the chat template does not render turn {turn} as a prefix "
@@ -89,6 +93,44 @@ def tokenize_record(tokenizer, record: Record) -> tuple[list[int], list[int]]:
         for pos in range(len(before), end):
             mask[pos] = 1
     return ids, mask
+
+
+# Below this many records the pool's start (a spawned interpreter per worker, importing
+# transformers) costs more than it saves.
+POOL_MIN_RECORDS = 4096
+_worker_tokenizer = None
+
+
+def _start_worker(tokenizer) -> None:
+    global _worker_tokenizer
+    _worker_tokenizer = tokenizer
+
+
+def _tokenize_in_worker(record: Record) -> tuple[list[int], list[int]]:
+    return tokenize_record(_worker_tokenizer, record)
+
+
+def pool_workers(records: int) -> int:
+    """Worker processes for tokenising this many records: one per usable core (at most 16)
+    for large sets, none (in process) for small ones."""
+    if records < POOL_MIN_RECORDS:
+        return 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return min(16, cores or 1) if (cores or 1) > 2 else 0
+
+
+def tokenize_records(tokenizer, records: list[Record], workers: int | None = None
+                     ) -> list[tuple[list[int], list[int]]]:
+    """tokenize_record over many records, in order. Records are independent, so large sets
+    are split over worker processes (`pool_workers`); the rows are the same either way."""
+    workers = pool_workers(len(records)) if workers is None else workers
+    if workers <= 1:
+        return [tokenize_record(tokenizer, record) for record in records]
+    chunk = max(1, min(512, len(records) // (workers * 4)))
+    context = multiprocessing.get_context("spawn")  # no fork of a process holding torch
+    with ProcessPoolExecutor(workers, mp_context=context, initializer=_start_worker,
+                             initargs=(tokenizer,)) as pool:
+        return list(pool.map(_tokenize_in_worker, records, chunksize=chunk))
 
 
 def generation_stop_ids(tokenizer, model_dir: str | Path | None = None) -> list[int]:
