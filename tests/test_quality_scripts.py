@@ -77,6 +77,31 @@ def test_the_kinds_side_by_side_at_a_larger_size_makes_generate_answer_it(tmp_pa
     assert evaluations[0].priority < evaluations[1].priority
 
 
+def test_a_previous_leases_answers_replace_generation(tmp_path: Path) -> None:
+    """--answers: the generate job copies the answers (xz or plain) in their order and records
+    their sha256; too few for the sweep's largest size is an error naming the flag."""
+    import hashlib
+    import lzma
+
+    sweep_module = load("sweep")
+    lines = "".join(json.dumps({"id": f"r{i}", "messages": [
+        {"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": f"a{i}"}]}) + "\n"
+        for i in range(5))
+    answers = tmp_path / "answers.jsonl.xz"
+    answers.write_bytes(lzma.compress(lines.encode()))
+    out = tmp_path / "q"
+    (out / "done").mkdir(parents=True)
+    a = {"out": str(out), "size": dict(sweep_module.SMOKE), "answers": str(answers)}
+    sweep_module.job_generate(a, 5)
+    assert (out / "answers.jsonl").read_text() == lines
+    done = json.loads((out / "done" / "generate").read_text())
+    assert done["records"] == 5
+    assert done["answers_sha256"] == hashlib.sha256(lines.encode()).hexdigest()
+    with pytest.raises(SystemExit, match=r"--answers .*answers.jsonl.xz: 5 answers, but the "
+                                         r"sweep needs 6"):
+        sweep_module.job_generate(a, 6)
+
+
 def test_a_failed_generation_benchmark_does_not_stop_the_sweep(tmp_path: Path) -> None:
     sweep_module = load("sweep")
     sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", dict(sweep_module.SMOKE),

