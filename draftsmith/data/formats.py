@@ -336,7 +336,7 @@ def load_source(
     name: str, path: str | Path | None = None, fmt: str = "auto", limit: int | None = None,
     max_drop_rate: float = 1.0, *, hub: str | None = None, hub_config: str | None = None,
     split: str = "train", revision: str | None = None, builtin: str | None = None,
-    rows: Iterator[tuple[int, dict[str, Any]]] | None = None,
+    instruction: str | None = None, rows: Iterator[tuple[int, dict[str, Any]]] | None = None,
 ) -> tuple[list[Record], SourceStats]:
     """Read one source (a local file `path`, a Hugging Face dataset `hub`, or a prompt set a
     package ships, `builtin`). Fails when it keeps nothing or drops more than `max_drop_rate`
@@ -354,7 +354,7 @@ def load_source(
         if builtin is not None:
             from draftsmith.data.packaged import builtin_rows
 
-            rows = builtin_rows(builtin, limit)
+            rows = builtin_rows(builtin, limit, instruction)
         elif path is not None:
             rows = read_rows(path)
         else:

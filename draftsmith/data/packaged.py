@@ -50,8 +50,8 @@ class PackagedSourceError(InputError, RuntimeError):
     """A packaged prompt set is not installed; the message names the package to install."""
 
 
-def completion_prompt(code: str) -> str:
-    return f"{INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"
+def completion_prompt(code: str, instruction: str | None = None) -> str:
+    return f"{instruction or INSTRUCTION}\n\n```python\n{code.rstrip()}\n```"
 
 
 # --------------------------------------------------------------------------- HumanEval
@@ -207,19 +207,21 @@ def _scanned(jobs: list[tuple[str, Path, str]]) -> Iterator[list[tuple[str, str,
 
 
 @functools.lru_cache(maxsize=8)
-def packaged_code_prompts(kind: str, limit: int | None) -> tuple[tuple[str, str], ...]:
+def packaged_code_prompts(kind: str, limit: int | None, instruction: str | None = None
+                          ) -> tuple[tuple[str, str], ...]:
     """(id, prompt) for up to `limit` distinct prompts of the installed sources (the
     standard library's and site-packages'). python-functions: documented module-level
     functions of every file first, methods when those run out (about 10K functions and 10K
     methods in a venv with torch, transformers, vLLM and Prefect); python-function-starts:
-    the undocumented functions and methods."""
+    the undocumented functions and methods. `instruction` replaces INSTRUCTION above the
+    code; the ids stay those of the functions."""
     passes = ("functions", "methods") if kind == PYTHON_FUNCTIONS else (kind,)
     jobs = [(name, path, p) for p in passes for name, path in _source_files()]
     seen: set[str] = set()
     out: list[tuple[str, str]] = []
     for heads in _scanned(jobs):
         for name, function, head in heads:
-            prompt = completion_prompt(head)
+            prompt = completion_prompt(head, instruction)
             if prompt in seen:
                 continue
             seen.add(prompt)
@@ -234,20 +236,23 @@ def python_function_prompts(limit: int | None) -> tuple[tuple[str, str], ...]:
     return packaged_code_prompts(PYTHON_FUNCTIONS, limit)
 
 
-def code_rows(kind: str, limit: int | None) -> Iterator[tuple[int, dict[str, Any]]]:
-    for index, (record_id, prompt) in enumerate(packaged_code_prompts(kind, limit), start=1):
+def code_rows(kind: str, limit: int | None, instruction: str | None = None
+              ) -> Iterator[tuple[int, dict[str, Any]]]:
+    prompts = packaged_code_prompts(kind, limit, instruction)
+    for index, (record_id, prompt) in enumerate(prompts, start=1):
         yield index, {"id": record_id, "prompt": prompt}
 
 
 # --------------------------------------------------------------------------- the sources
 
 
-def builtin_rows(name: str, limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+def builtin_rows(name: str, limit: int | None = None, instruction: str | None = None
+                 ) -> Iterator[tuple[int, dict[str, Any]]]:
     """(index, row) of a packaged prompt set, as load_source reads a file's rows."""
     if name == HUMANEVAL:
         return humaneval_rows()
     if name in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
-        return code_rows(name, limit)
+        return code_rows(name, limit, instruction)
     raise _unknown(name)
 
 
@@ -259,7 +264,8 @@ def check_installed(name: str) -> None:
         raise _unknown(name)
 
 
-def builtin_fingerprint(name: str, limit: int | None = None) -> str:
+def builtin_fingerprint(name: str, limit: int | None = None, instruction: str | None = None
+                        ) -> str:
     """A content hash of the prompt set: HumanEval's by its file, the Python functions' by the
     prompts themselves (other installed packages, other prompts, another key)."""
     if name == HUMANEVAL:
@@ -267,7 +273,7 @@ def builtin_fingerprint(name: str, limit: int | None = None) -> str:
         return f"{HUMANEVAL_PACKAGE}-{importlib.metadata.version(HUMANEVAL_PACKAGE)}-{digest[:16]}"
     if name not in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
         raise _unknown(name)
-    material = json.dumps(list(packaged_code_prompts(name, limit)))
+    material = json.dumps(list(packaged_code_prompts(name, limit, instruction)))
     return hashlib.sha256(material.encode()).hexdigest()[:16]
 
 

@@ -111,7 +111,8 @@ class SourceJournals:
 def load_data_source(source: DataSource, max_drop_rate: float) -> tuple[list[Record], SourceStats]:
     return load_source(source.name, source.path, source.format, source.limit, max_drop_rate,
                        hub=source.hub, hub_config=source.hub_config, split=source.split,
-                       revision=source.revision, builtin=source.builtin)
+                       revision=source.revision, builtin=source.builtin,
+                       instruction=source.instruction)
 
 
 def _run_async(coro):
