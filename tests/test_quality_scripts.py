@@ -204,3 +204,42 @@ def test_the_replay_gap_compares_only_replays_of_the_measured_drafts(steps: int,
                                   per_prompt, {"rounds": 8, "tokens": 20}
                                   )["replayed_bf16_states"] == 2.5
     assert row["replay_gap"] == gap  # a DFlash block of 16 replays 15 drafts, measured with 3
+
+
+def test_answer_shape_counts_code_and_the_prose_around_it(random_target_tokenizer) -> None:
+    shape_module = load("answer_shape")
+    prompt = ("Complete this.\n\n```python\nfrom typing import List\n\n"
+              "def f(x: List[int]) -> int:\n    \"\"\"Doc.\"\"\"\n```")
+    answer = "Here it is:\n```python\ndef f(x):\n    return sum(x)\n```\nThis sums the list."
+    counts = shape_module.shape(random_target_tokenizer, prompt, answer, max_tokens=10_000)
+    ids = random_target_tokenizer(answer, add_special_tokens=False)["input_ids"]
+    assert counts["tokens"] == len(ids)
+    assert counts["prose_before"] > 0 and counts["prose_after"] > 0
+    assert counts["prose_between"] == 0
+    assert counts["code"] + counts["prose_before"] + counts["prose_after"] == len(ids)
+    assert not counts["starts_with_fence"]
+    assert not counts["echoes_prompt_code"]  # the prompt's def line has annotations
+    assert shape_module.signature_line(prompt) == "def f(x: List[int]) -> int:"
+    code_only = shape_module.shape(random_target_tokenizer, prompt, "```python\n"
+                                   "def f(x: List[int]) -> int:\n    return 1\n```", 10_000)
+    assert code_only["starts_with_fence"] and code_only["echoes_prompt_code"]
+    assert code_only["code"] == code_only["tokens"]
+    row = shape_module.summarize("s", [counts, code_only])
+    assert row["answers_with_prose"] == 0.5 and row["starts_with_fence"] == 0.5
+
+
+def test_the_starts_instruction_reaches_the_python_function_starts_source(monkeypatch) -> None:
+    import draftsmith.data.packaged as packaged
+    from draftsmith.config import DataSource
+
+    sweep_module = load("sweep")
+    monkeypatch.setattr(packaged, "packaged_code_prompts",
+                        lambda kind, limit, instruction=None: (("a", "p"),) * 3)
+    plain = sweep_module.sources_for(5)
+    explained = sweep_module.sources_for(5, "Then explain it.")
+    assert [s["limit"] for s in explained] == [3, 2]
+    assert "instruction" not in explained[0] and "instruction" not in plain[1]
+    assert DataSource(**explained[1]).instruction == "Then explain it."
+    with pytest.raises(SystemExit):  # the kept answers answer the default instruction
+        sweep_module.main(["run", "--out", "/nonexistent", "--answers", "a.jsonl",
+                           "--starts-instruction", "Then explain it."])

@@ -243,7 +243,8 @@ def plan(sweep: Sweep, args) -> None:
     answers = getattr(args, "answers", None)
     answers = str(Path(answers).resolve()) if answers else None
     atomic_write_json(args_file, {"size": size, "out": str(out), "report": str(sweep.report),
-                                  "answers": answers})
+                                  "answers": answers,
+                                  "starts_instruction": getattr(args, "starts_instruction", None)})
     common = ["--args", str(args_file)]
     kinds = [k for k in KIND_SETTINGS if k in args.kinds]
     largest = max(size["sizes"] + ([size["kinds_size"]] if kinds else []))
@@ -321,9 +322,10 @@ def job_target(a: dict) -> None:
     touch(Path(a["out"]) / "done" / "target", {"path": target.path, **target.figures})
 
 
-def sources_for(prompts: int) -> list[dict]:
+def sources_for(prompts: int, starts_instruction: str | None = None) -> list[dict]:
     """python-functions first; python-function-starts for the rest (the first set holds
-    about 25K prompts in a venv with torch, transformers and vLLM)."""
+    about 25K prompts in a venv with torch, transformers and vLLM), under starts_instruction
+    when given."""
     from draftsmith.data.packaged import (
         PYTHON_FUNCTION_STARTS,
         PYTHON_FUNCTIONS,
@@ -334,7 +336,8 @@ def sources_for(prompts: int) -> list[dict]:
     out = [{"name": PYTHON_FUNCTIONS, "builtin": PYTHON_FUNCTIONS, "limit": functions}]
     if functions < prompts:
         out.append({"name": PYTHON_FUNCTION_STARTS, "builtin": PYTHON_FUNCTION_STARTS,
-                    "limit": prompts - functions})
+                    "limit": prompts - functions,
+                    **({"instruction": starts_instruction} if starts_instruction else {})})
     return out
 
 
@@ -372,7 +375,7 @@ def job_generate(a: dict, prompts: int) -> None:
 
     out, size = Path(a["out"]), a["size"]
     # Headroom for merge's dedup: a few percent of answers are duplicates.
-    sources = sources_for(int(prompts * 1.04))
+    sources = sources_for(int(prompts * 1.04), a.get("starts_instruction"))
     cfg = pipeline_config(out, size, sources)
     target = resolve_target(TargetConfig(model=size["target"]))
     started = time.monotonic()
@@ -683,6 +686,10 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--speculators", action="store_true")
     run.add_argument("--answers", help="a previous lease's answers.jsonl (or .jsonl.xz) "
                      "instead of the generate job: it saves generation's 3-4 minutes")
+    run.add_argument("--starts-instruction", help="ask the python-function-starts prompts "
+                     "with this instruction instead of HumanEval's (e.g. for the function "
+                     "and then an explanation, as SmolLM2 answers HumanEval; see "
+                     "answer_shape.py); the answers are generated anew")
     run.add_argument("--no-genbench", action="store_true")
     run.add_argument("--genbench", nargs="*", help="generation_speed.py's variants to run "
                      "(default: all, as the deadline allows)")
@@ -722,6 +729,9 @@ def main(argv: list[str] | None = None) -> None:
             size["target"] = args.target
         if args.kinds_size:
             size["kinds_size"] = args.kinds_size
+        if args.answers and args.starts_instruction:
+            parser.error("--answers holds answers to the default instruction: drop it when "
+                         "giving --starts-instruction (the answers are generated anew)")
         args.out.mkdir(parents=True, exist_ok=True)
         os.environ.setdefault("DRAFTSMITH_CACHE", str(args.out / "cache"))
         sweep = Sweep(args.out, args.report or args.out / "report", size, args.budget_s,
