@@ -28,7 +28,11 @@ from pathlib import Path
 import torch
 
 from draftsmith.config import TargetConfig
-from draftsmith.data.packaged import humaneval_rows
+from draftsmith.data.packaged import (
+    PYTHON_FUNCTION_STARTS,
+    humaneval_rows,
+    packaged_code_prompts,
+)
 from draftsmith.target import load_tokenizer, resolve_target
 
 FENCE = "```"
@@ -106,23 +110,24 @@ def summarize(name: str, shapes: list[dict]) -> dict:
     }
 
 
-def humaneval_answers(target_path: str, tokenizer, prompts: int, max_new_tokens: int
-                      ) -> list[tuple[str, str]]:
-    """(prompt, greedy answer) for the first HumanEval prompts: float32, batch 1."""
+def greedy_answers(target_path: str, tokenizer, prompts: list[str], max_new_tokens: int,
+                   label: str) -> list[tuple[str, str]]:
+    """(prompt, greedy answer) of each prompt: float32, batch 1, as the sweep decodes."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
     out = []
     started = time.monotonic()
-    for index, (_, row) in enumerate(itertools.islice(humaneval_rows(), prompts)):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}],
+    for index, prompt in enumerate(prompts):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
                                             add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]  # [1, T]
         with torch.inference_mode():
-            generated = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)
-        answer = tokenizer.decode(generated[0, ids.shape[1]:], skip_special_tokens=True)
-        out.append((row["prompt"], answer))
-        print(f"humaneval {index + 1}/{prompts}, {time.monotonic() - started:.0f} s",
+            generated = model.generate(ids, max_new_tokens=max_new_tokens,
+                                       do_sample=False)  # [1, T + new]
+        out.append((prompt, tokenizer.decode(generated[0, ids.shape[1]:],
+                                             skip_special_tokens=True)))
+        print(f"{label} {index + 1}/{len(prompts)}, {time.monotonic() - started:.0f} s",
               flush=True)
     return out
 
@@ -134,6 +139,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=48)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--target", default="builtin:smollm2-135m-instruct")
+    parser.add_argument("--instruction", help="also answer python-function-starts prompts "
+                        "asked with this instruction (data.sources[].instruction)")
+    parser.add_argument("--instruction-prompts", type=int, default=24)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
@@ -149,9 +157,20 @@ def main() -> None:
         key = f"training: {record['id'].split('/', 1)[0]}"
         sets[key].append(shape(tokenizer, text_of(record, "user"), text_of(record, "assistant"),
                                args.max_new_tokens))
-    humaneval = humaneval_answers(target.path, tokenizer, args.prompts, args.max_new_tokens)
+    humaneval = greedy_answers(
+        target.path, tokenizer,
+        [row["prompt"] for _, row in itertools.islice(humaneval_rows(), args.prompts)],
+        args.max_new_tokens, "humaneval")
     sets["humaneval (greedy, float32)"] = [shape(tokenizer, p, a, args.max_new_tokens)
                                            for p, a in humaneval]
+    instructed = []
+    if args.instruction:
+        starts = packaged_code_prompts(PYTHON_FUNCTION_STARTS, args.instruction_prompts,
+                                       args.instruction)
+        instructed = greedy_answers(target.path, tokenizer, [p for _, p in starts],
+                                    args.max_new_tokens, "instructed")
+        sets["python-function-starts, --instruction"] = [
+            shape(tokenizer, p, a, args.max_new_tokens) for p, a in instructed]
     rows = [summarize(name, shapes) for name, shapes in sets.items() if shapes]
     for row in rows:
         print(json.dumps(row))
@@ -159,9 +178,13 @@ def main() -> None:
         args.out.write_text(json.dumps({
             "command": "python benchmarks/quality/answer_shape.py --answers "
                        f"{args.answers} --training-answers {args.training_answers} "
-                       f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}",
+                       f"--prompts {args.prompts} --max-new-tokens {args.max_new_tokens}"
+                       + (f" --instruction {json.dumps(args.instruction)} --instruction-"
+                          f"prompts {args.instruction_prompts}" if args.instruction else ""),
             "rows": rows,
-            "humaneval_answers": [{"prompt": p, "answer": a} for p, a in humaneval]},
+            "instruction": args.instruction,
+            "humaneval_answers": [{"prompt": p, "answer": a} for p, a in humaneval],
+            "instructed_answers": [{"prompt": p, "answer": a} for p, a in instructed]},
             indent=1) + "\n")
 
 
