@@ -115,8 +115,11 @@ def pool_workers(records: int) -> int:
     for large sets, none (in process) for small ones."""
     if records < POOL_MIN_RECORDS:
         return 0
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return min(16, cores or 1) if (cores or 1) > 2 else 0
+    if hasattr(os, "sched_getaffinity"):
+        cores = len(os.sched_getaffinity(0))
+    else:
+        cores = os.cpu_count() or 1
+    return min(16, cores) if cores > 2 else 0
 
 
 def tokenize_records(tokenizer, records: list[Record], workers: int | None = None
