@@ -110,12 +110,9 @@ def summarize(name: str, shapes: list[dict]) -> dict:
     }
 
 
-def greedy_answers(target_path: str, tokenizer, prompts: list[str], max_new_tokens: int,
+def greedy_answers(model, tokenizer, prompts: list[str], max_new_tokens: int,
                    label: str) -> list[tuple[str, str]]:
-    """(prompt, greedy answer) of each prompt: float32, batch 1, as the sweep decodes."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(target_path, dtype=torch.float32).eval()
+    """(prompt, greedy answer) of each prompt: batch 1, as the sweep decodes."""
     out = []
     started = time.monotonic()
     for index, prompt in enumerate(prompts):
@@ -144,7 +141,6 @@ def main() -> None:
     parser.add_argument("--instruction-prompts", type=int, default=24)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
-    torch.set_num_threads(max(1, torch.get_num_threads()))
     target = resolve_target(TargetConfig(model=args.target))
     tokenizer = load_tokenizer(target)
 
@@ -157,8 +153,11 @@ def main() -> None:
         key = f"training: {record['id'].split('/', 1)[0]}"
         sets[key].append(shape(tokenizer, text_of(record, "user"), text_of(record, "assistant"),
                                args.max_new_tokens))
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(target.path, dtype=torch.float32).eval()
     humaneval = greedy_answers(
-        target.path, tokenizer,
+        model, tokenizer,
         [row["prompt"] for _, row in itertools.islice(humaneval_rows(), args.prompts)],
         args.max_new_tokens, "humaneval")
     sets["humaneval (greedy, float32)"] = [shape(tokenizer, p, a, args.max_new_tokens)
@@ -167,7 +166,7 @@ def main() -> None:
     if args.instruction:
         starts = packaged_code_prompts(PYTHON_FUNCTION_STARTS, args.instruction_prompts,
                                        args.instruction)
-        instructed = greedy_answers(target.path, tokenizer, [p for _, p in starts],
+        instructed = greedy_answers(model, tokenizer, [p for _, p in starts],
                                     args.max_new_tokens, "instructed")
         sets["python-function-starts, --instruction"] = [
             shape(tokenizer, p, a, args.max_new_tokens) for p, a in instructed]

@@ -54,6 +54,17 @@ wait_for() {  # until the driver exits or WAIT_S pass
   while [ "$(date +%s)" -lt "$until" ] && pgrep -f "sweep.py run" >/dev/null; do sleep 5; done
 }
 
+send_drafters() {  # each drafter named: its exported directory as a tar, its sha256, and
+  # the tar split into <= 15 MiB parts
+  for name in "$@"; do
+    [ -f "$Q/done/train-$name" ] || { echo "no drafter $name"; continue; }
+    dir=$(python3 -c "import json; print(json.load(open('$Q/done/train-$name'))['drafter_dir'])")
+    tar cf /tmp/"$name".tar -C "$dir" .
+    sha256sum /tmp/"$name".tar | tee "$OUT"/"$name".sha256
+    split -b 15M /tmp/"$name".tar "$OUT"/"$name".tar.part_
+  done
+}
+
 case "$cmd" in
   part1)
     mkdir -p /tmp/smollm && cp .gpu/a/part_aa /tmp/smollm/ && ls -la /tmp/smollm
@@ -101,13 +112,7 @@ import json, glob
 for path in sorted(glob.glob('$Q/done/eval-*')):
     d = json.load(open(path)); print(path.rsplit('/', 1)[1], {k: d.get(k) for k in
           ('measured_embedded', 'replayed', 'replayed_bf16_states', 'identical', 'tau')})"
-    for name in "$@"; do
-      [ -f "$Q/done/train-$name" ] || { echo "no drafter $name"; continue; }
-      dir=$(python3 -c "import json; print(json.load(open('$Q/done/train-$name'))['drafter_dir'])")
-      tar cf /tmp/"$name".tar -C "$dir" .
-      sha256sum /tmp/"$name".tar | tee "$OUT"/"$name".sha256
-      split -b 15M /tmp/"$name".tar "$OUT"/"$name".tar.part_
-    done
+    send_drafters "$@"
     if [ -f "$Q"/answers.jsonl ] && ! grep -q answers_from "$Q"/done/generate; then
       xz -T0 -6 -c "$Q"/answers.jsonl > /tmp/answers.jsonl.xz
       size=$(stat -c %s /tmp/answers.jsonl.xz)
@@ -116,16 +121,10 @@ for path in sorted(glob.glob('$Q/done/eval-*')):
     fi
     ls -la "$OUT"
     ;;
-  collect)  # each drafter named: its exported directory, split into <= 15 MiB parts. At most
-    # 8 files of 16 MiB, 64 MiB in all, come back from a call: two EAGLE drafters (29 MB
+  collect)  # At most 8 files of 16 MiB, 64 MiB in all, come back from a call: two EAGLE drafters (29 MB
     # each in bf16) and the logs fit one call; a DFlash drafter (56 MB) goes alone.
     tar czf "$OUT"/logs.tgz -C "$Q" logs done report driver.log 2>/dev/null
-    for name in "$@"; do
-      dir=$(python3 -c "import json; print(json.load(open('$Q/done/train-$name'))['drafter_dir'])")
-      tar cf /tmp/"$name".tar -C "$dir" .
-      sha256sum /tmp/"$name".tar | tee "$OUT"/"$name".sha256
-      split -b 15M /tmp/"$name".tar "$OUT"/"$name".tar.part_
-    done
+    send_drafters "$@"
     ls -la "$OUT"
     ;;
 esac
