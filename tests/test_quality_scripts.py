@@ -228,6 +228,31 @@ def test_answer_shape_counts_code_and_the_prose_around_it(random_target_tokenize
     assert row["answers_with_prose"] == 0.5 and row["starts_with_fence"] == 0.5
 
 
+def test_acceptance_by_segment_counts_each_round_under_its_first_drafted_token(
+        random_target_tokenizer) -> None:
+    segment_module = load("acceptance_by_segment")
+    answer = "```python\ndef f(x):\n    return x\n```\nThis returns x unchanged."
+    output = random_target_tokenizer(answer, add_special_tokens=False)["input_ids"]
+    segments = segment_module.token_segments(random_target_tokenizer, output)
+    assert len(segments) == len(output)
+    code = segments.count("code")
+    assert segments == ["code"] * code + ["prose"] * (len(output) - code) and 0 < code < len(output)
+    # The prefill makes output[0]; rounds then cover output[1:] exactly: each round is counted
+    # under the segment of the first token it drafts.
+    rest = len(output) - 1
+    rounds = [2] * ((rest - 1) // 2) + [rest - 2 * ((rest - 1) // 2)]
+    counts = segment_module.count_rounds(rounds, segments)
+    starts = [1 + sum(rounds[:i]) for i in range(len(rounds))]
+    expected_code = sum(segments[s] == "code" for s in starts)
+    assert counts["code"]["rounds"] == expected_code
+    assert counts["code"]["rounds"] + counts["prose"]["rounds"] == len(rounds)
+    assert counts["code"]["tokens"] + counts["prose"]["tokens"] == rest
+    row = segment_module.summarize("s", [counts, counts])
+    assert row["rounds"] == 2 * len(rounds)
+    assert row["acceptance"] == round(rest / len(rounds), 4)
+    assert row["code_rounds_share"] == round(expected_code / len(rounds), 4)
+
+
 def test_the_starts_instruction_reaches_the_python_function_starts_source(monkeypatch) -> None:
     import draftsmith.data.packaged as packaged
     from draftsmith.config import DataSource
