@@ -51,6 +51,10 @@ GPU_VARIANTS = [
     ("static-bf16-b2048-12k-flex", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
     ("static-bf16-b4096-12k-flex", "static", "bfloat16", 4096, 12288, "dynamic-bf16-b512"),
     ("static-fp32-b256-flex", "static", "float32", 256, 512, "dynamic-fp32-b256"),
+    # The matmul step with the prefill compiled apart (compile_prefill): the prefill was about
+    # a third of a batch's GPU time, eager (h200_2026-12-03_profile.log).
+    ("static-bf16-b2048-12k-prefill", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
+    ("static-fp32-b256-prefill", "static", "float32", 256, 512, "dynamic-fp32-b256"),
     # bf16 answers depend on the batch even on the old path: its own share, for comparison.
     ("dynamic-bf16-b256", "dynamic", "bfloat16", 256, 1024, "dynamic-bf16-b512"),
 ]
@@ -59,8 +63,10 @@ SMOKE_VARIANTS = [
     ("static-fp32-b8", "static", "float32", 8, 24, "dynamic-fp32-b8"),
     ("static-fp32-b8-matmul", "static", "float32", 8, 24, "dynamic-fp32-b8"),
     ("static-fp32-b8-flex", "static", "float32", 8, 24, "dynamic-fp32-b8"),
+    ("static-fp32-b8-prefill", "static", "float32", 8, 24, "dynamic-fp32-b8"),
 ]
 ATTENTIONS = ("matmul", "flex")  # a variant named ...-matmul or ...-flex decodes with it
+PREFILL = "-prefill"  # ...-prefill: the matmul step, and the prefill compiled apart
 
 
 class EagerFallback(RuntimeError):
@@ -79,14 +85,15 @@ def sorted_prompts(tokenizer, count: int) -> list[list[int]]:
 
 
 def run_variant(model, tokenizer, prompts: list[list[int]], cache: str, batch: int,
-                max_new_tokens: int, decode_attention: str = "sdpa"
-                ) -> tuple[list[list[int]], dict]:
+                max_new_tokens: int, decode_attention: str = "sdpa",
+                compile_prefill: bool = False) -> tuple[list[list[int]], dict]:
     """Answers (completion token ids) and timings; batches in the stage's order."""
     generator = TransformersGenerator(model, tokenizer, max_new_tokens=max_new_tokens,
                                       temperature=0.0, top_p=1.0, seed=0, cache=cache,
                                       batch_size=batch,
                                       longest_prompt=max(len(p) for p in prompts),
-                                      decode_attention=decode_attention)
+                                      decode_attention=decode_attention,
+                                      compile_prefill=compile_prefill)
     answers: list[list[int]] = []
     batch_seconds = []
     for start in range(0, len(prompts), batch):
@@ -149,14 +156,16 @@ def main(argv: list[str] | None = None) -> None:
             break
         # Every count-prompt sample spreads over the whole length range.
         sample = prompts[::max(1, len(prompts) // count)][:count]
-        attention = name.rsplit("-", 1)[-1] if name.endswith(ATTENTIONS) else "sdpa"
-        # A model per dtype, cache and attention (the static ones are compiled).
-        key = f"{dtype}-{cache}-{attention}"
+        prefill = name.endswith(PREFILL)
+        attention = ("matmul" if prefill else name.rsplit("-", 1)[-1]
+                     if name.endswith(ATTENTIONS) else "sdpa")
+        # A model per dtype, cache, attention and prefill (the static ones are compiled).
+        key = f"{dtype}-{cache}-{attention}" + PREFILL * prefill
         if key not in models:
             models[key] = load_target_model(target.path, device, dtype)
         try:
             answers[name], figures = run_variant(models[key], tokenizer, sample, cache, batch,
-                                                 args.max_new_tokens, attention)
+                                                 args.max_new_tokens, attention, prefill)
         except (torch.OutOfMemoryError, EagerFallback) as err:  # recorded; the others run
             message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
             log.warning("%s: %s", name, message)
@@ -180,7 +189,7 @@ def main(argv: list[str] | None = None) -> None:
                     for i, p in enumerate(sample[:shared]) if tuple(p) in index]
             identical = {"identical": sum(same), "compared": len(same)}
         row = {"variant": name, "cache": cache, "decode_attention": attention,
-               "dtype": dtype, "batch": batch,
+               "compile_prefill": prefill, "dtype": dtype, "batch": batch,
                "prompts": len(sample), "max_new_tokens": args.max_new_tokens,
                **figures, "reference": reference,
                "identical_greedy": None if identical is None else

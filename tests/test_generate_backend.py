@@ -95,6 +95,84 @@ def test_static_cache_decodes_what_the_dynamic_cache_decodes(random_target_dir,
     assert all(len(c.token_ids) == c.completion_tokens for c in static)
 
 
+def test_a_separate_prefill_decodes_what_generates_own_prefill_decodes(
+        random_target_dir, random_target_tokenizer):
+    """compile_prefill fills the static cache with every prompt token but the last before
+    generate runs (compiled on CUDA, eager here): the same answers in float32, for prompts
+    of several lengths (left padding) over two batches that share the cache."""
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    batches = [[[{"role": "user", "content": "def f(x):" + " return x" * (1 + i % 4)}]
+                for i in range(5)],
+               [[{"role": "user", "content": f"def g{i}(y): return y" * (1 + i)}]
+                for i in range(3)]]
+
+    def answers(compile_prefill: bool) -> list[list[int]]:
+        generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=12,
+                                          temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                          batch_size=6, longest_prompt=80,
+                                          compile_prefill=compile_prefill)
+        return [c.token_ids for batch in batches for c in generator.complete(batch)]
+
+    real_generate, prefilled = model.generate, []
+
+    def generate(**kwargs):  # what generate finds in the cache when it starts (a copy: the
+        # static cache counts its tokens in a tensor that decoding then advances in place)
+        prefilled.append(int(kwargs["past_key_values"].get_seq_length()))
+        return real_generate(**kwargs)
+
+    model.generate = generate
+    separate = answers(compile_prefill=True)
+    widths = [max(len(random_target_tokenizer.apply_chat_template(
+        c, add_generation_prompt=True, tokenize=True, return_dict=False)) for c in batch)
+        for batch in batches]
+    assert prefilled == [widths[0] - 1, widths[1] - 1]  # all but the last prompt token
+    assert separate == answers(compile_prefill=False)
+    assert prefilled[2:] == [0, 0]  # without it generate prefills
+    with pytest.raises(ValueError, match="compile_prefill with cache='dynamic'"):
+        TransformersGenerator(model, random_target_tokenizer, max_new_tokens=1, temperature=0,
+                              top_p=1, seed=0, cache="dynamic", compile_prefill=True)
+
+
+def test_the_separate_prefill_fills_the_cache_as_one_forward_over_the_prompts_would(
+        random_target_dir, random_target_tokenizer):
+    """The next-token logits after the separate prefill and the last prompt token equal a
+    forward over the whole left-padded batch, row by row (float32): positions, padding and
+    cache slots are those generate would use."""
+    from transformers import StaticCache
+
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=4,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      compile_prefill=True)
+    prompts = [random_target_tokenizer(text)["input_ids"]
+               for text in ("def f(x): return x", "x = 1", "def long_name(a, b, c): return a")]
+    width = max(len(p) for p in prompts)
+    input_ids = torch.zeros(len(prompts), width, dtype=torch.long)  # [B, P]
+    attention_mask = torch.zeros_like(input_ids)  # [B, P]
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    positions = (attention_mask.cumsum(-1) - 1).masked_fill(attention_mask == 0, 1)  # [B, P]
+    with torch.inference_mode():
+        whole = model(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=positions).logits[:, -1]  # [B, V]
+        cache = StaticCache(config=model.config, max_cache_len=width + 8)
+        # As on CUDA before the compiled prefill: the cache allocated first, in eager mode.
+        assert generator.allocate_cache(cache, len(prompts))
+        assert cache.layers[0].keys.shape[:3] == (len(prompts), model.config.num_key_value_heads,
+                                                  width + 8)
+        generator.prefill(cache, input_ids, attention_mask, compiled=False)
+        assert int(cache.get_seq_length()) == width - 1
+        last = model(input_ids=input_ids[:, -1:], attention_mask=attention_mask,
+                     position_ids=positions[:, -1:], past_key_values=cache,
+                     cache_position=torch.tensor([width - 1])).logits[:, -1]  # [B, V]
+    torch.testing.assert_close(last, whole, rtol=1e-4, atol=1e-4)
+
+
 def test_the_static_cache_decodes_with_the_matmul_step_by_default(random_target_dir,
                                                                    random_target_tokenizer):
     """The measured fastest (benchmarks/results/generation_speed/h200_2026-12-03_lease6_*)."""

