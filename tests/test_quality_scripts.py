@@ -253,6 +253,21 @@ def test_acceptance_by_segment_counts_each_round_under_its_first_drafted_token(
     assert row["code_rounds_share"] == round(expected_code / len(rounds), 4)
 
 
+def test_exercise_probe_keeps_the_signature_and_docstring_of_a_written_exercise() -> None:
+    probe = load("exercise_probe")
+    answer = ("Here is one:\n```python\ndef count_vowels(s: str) -> int:\n"
+              "    \"\"\"Count the vowels in s.\n\n    >>> count_vowels('abe')\n    2\n"
+              "    \"\"\"\n    return sum(c in 'aeiou' for c in s)\n```\nIt counts.")
+    assert probe.exercise_head(answer) == (
+        "def count_vowels(s: str) -> int:\n    \"\"\"Count the vowels in s.\n\n"
+        "    >>> count_vowels('abe')\n    2\n    \"\"\"")
+    # A sampled block cut mid-statement still gives the function above the cut.
+    cut = "```python\ndef f(x):\n    \"\"\"Twice x.\"\"\"\n    return (x +\n"
+    assert probe.exercise_head(cut) == "def f(x):\n    \"\"\"Twice x.\"\"\""
+    assert probe.exercise_head("```python\ndef f(x):\n    return x\n```") is None
+    assert probe.exercise_head("No code here, only words.") is None
+
+
 def test_the_starts_instruction_reaches_the_python_function_starts_source(monkeypatch) -> None:
     import draftsmith.data.packaged as packaged
     from draftsmith.config import DataSource
