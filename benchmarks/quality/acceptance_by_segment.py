@@ -73,6 +73,19 @@ def summarize(name: str, counts: list[dict[str, dict[str, int]]]) -> dict:
     return row
 
 
+def cpu_engine(target_name: str, drafter: Path):
+    """(tokenizer, engine): the float32 target on the CPU, with the drafter drafting DRAFTS
+    tokens a round, as the sweep's evaluation decodes."""
+    from draftsmith.config import TargetConfig
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
+    from draftsmith.target import load_target_model, load_tokenizer, resolve_target
+
+    target = resolve_target(TargetConfig(model=target_name))
+    model = load_target_model(target.path, "cpu", "float32")
+    return load_tokenizer(target), EmbeddedSpeculativeEngine.load(model, drafter,
+                                                                  num_steps=DRAFTS)
+
+
 def held_out_training(path: Path, start: int, limit: int, tokenizer,
                       max_tokens: int) -> list[tuple[str, list[int], list[int]]]:
     """(source, prompt ids, answer ids cut at max_tokens) of records start.. of the answers
@@ -107,15 +120,10 @@ def main() -> None:
     args = parser.parse_args()
 
     from draftsmith.bench.benchmark import held_out_prompts, plain_decoding
-    from draftsmith.config import BenchmarkConfig, TargetConfig
-    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine
-    from draftsmith.target import load_target_model, load_tokenizer, resolve_target
+    from draftsmith.config import BenchmarkConfig
 
     started = time.monotonic()
-    target = resolve_target(TargetConfig(model=args.target))
-    tokenizer = load_tokenizer(target)
-    model = load_target_model(target.path, "cpu", "float32")
-    engine = EmbeddedSpeculativeEngine.load(model, args.drafter, num_steps=DRAFTS)
+    tokenizer, engine = cpu_engine(args.target, args.drafter)
     bench = BenchmarkConfig(prompts_builtin="humaneval", num_prompts=args.prompts,
                             max_new_tokens=args.max_new_tokens, warmup_prompts=0)
     prompts = held_out_prompts(bench, None, tokenizer)

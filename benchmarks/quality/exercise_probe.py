@@ -31,7 +31,12 @@ HERE = Path(__file__).resolve()
 sys.path.insert(0, str(HERE.parents[2]))
 sys.path.insert(0, str(HERE.parent))
 
-from acceptance_by_segment import DRAFTS, count_rounds, summarize, token_segments  # noqa: E402
+from acceptance_by_segment import (  # noqa: E402
+    count_rounds,
+    cpu_engine,
+    summarize,
+    token_segments,
+)
 
 TOPICS = (
     "lists of integers", "strings and vowels", "prime numbers", "word counts in a sentence",
@@ -78,17 +83,12 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from draftsmith.config import TargetConfig
     from draftsmith.data.packaged import completion_prompt
     from draftsmith.serve.deploy import prompt_ids
-    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Sampling, plain_generate
-    from draftsmith.target import load_target_model, load_tokenizer, resolve_target
+    from draftsmith.serve.embedded import Sampling, plain_generate
 
     started = time.monotonic()
-    target = resolve_target(TargetConfig(model=args.target))
-    tokenizer = load_tokenizer(target)
-    model = load_target_model(target.path, "cpu", "float32")
-    engine = EmbeddedSpeculativeEngine.load(model, args.drafter, num_steps=DRAFTS)
+    tokenizer, engine = cpu_engine(args.target, args.drafter)
     eos = tokenizer.eos_token_id
 
     def ids(text: str) -> list[int]:
