@@ -58,6 +58,8 @@ class SetupOptions:
     # Flow runs send a heartbeat every PREFECT_FLOWS_HEARTBEAT_FREQUENCY seconds (180 by
     # default); a run silent this long is marked Crashed. None: no automation.
     zombie_after_s: int | None = 600
+    # The trigger that re-runs the pipeline on `draftsmith.dataset.updated` (an automation).
+    rerun_on_new_data: bool = True
 
 
 def _ensure_pool(client, name: str, description: str) -> None:
@@ -94,6 +96,29 @@ def _ensure_limit(client, name: str, slots: int) -> None:
         client.create_global_concurrency_limit(
             GlobalConcurrencyLimitCreate(name=name, limit=slots, active=True))
     log.info("global concurrency limit %s: %d slot(s)", name, slots)
+
+
+# Prefect servers before 3.8.6 on SQLite can hang for good while an automation is created: the
+# commit blocks the event loop on a lock that a coroutine of that same loop holds
+# (PrefectHQ/prefect#23055). setup creates one or two.
+AUTOMATION_DEADLOCK_FIXED = "3.8.6"
+
+
+def automation_deadlock_warning(server_version: str, automations: int) -> str | None:
+    """The warning for a server version that can hang on creating automations, or None."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        old = Version(server_version) < Version(AUTOMATION_DEADLOCK_FIXED)
+    except InvalidVersion:
+        return None
+    if not old or not automations:
+        return None
+    return (f"the Prefect server runs {server_version}: on SQLite, servers before "
+            f"{AUTOMATION_DEADLOCK_FIXED} can hang while setup creates its {automations} "
+            "automation(s) (PrefectHQ/prefect#23055). Run the server from an environment with "
+            f"prefect>={AUTOMATION_DEADLOCK_FIXED} or on PostgreSQL; or pass "
+            "--no-rerun-on-new-data and --zombie-after-s 0 to create none")
 
 
 def ensure_zombie_detection(after_s: int) -> None:
@@ -196,6 +221,10 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
         config.orchestration.endpoint_block = options.endpoint_block
 
     with get_client(sync_client=True) as client:
+        warning = automation_deadlock_warning(
+            client.api_version(), bool(options.zombie_after_s) + options.rerun_on_new_data)
+        if warning:
+            log.warning(warning)
         _ensure_pool(client, options.cpu_pool, "draftsmith: the pipeline flow and CPU stages")
         _ensure_pool(client, options.gpu_pool, "draftsmith: GPU stages, on the GPU host")
         save_blocks(options, config.run_root)
@@ -210,13 +239,13 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
     if options.cron:
         schedules.append(Cron(options.cron, timezone=options.timezone,
                               active=options.cron_active))
-    trigger = DeploymentEventTrigger(
+    triggers = [DeploymentEventTrigger(
         name="draftsmith: new data re-runs the pipeline",
         expect={DATASET_EVENT},
         match={"prefect.resource.id": "draftsmith.dataset.*"},
         parameters={"dataset": {"source": "{{ event.payload.source }}",
                                 "path": "{{ event.payload.path }}"}},
-    )
+    )] if options.rerun_on_new_data else []
     if config_path is not None:
         parameters = pipeline_parameters(config_path, list(overrides or []), options)
     else:
@@ -227,7 +256,7 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
         # events close together, a schedule and a UI run), so no two runs share a stage.
         concurrency_limit=1,
         job_variables={"env": dict(LOG_ENV)},
-        schedules=schedules, triggers=[trigger], entrypoint_type=EntrypointType.MODULE_PATH,
+        schedules=schedules, triggers=triggers, entrypoint_type=EntrypointType.MODULE_PATH,
         description="draftsmith: generate -> merge -> extract -> train -> export -> deploy "
                     "-> benchmark; GPU stages run on the gpu pool",
         tags=["draftsmith"])

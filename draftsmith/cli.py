@@ -445,6 +445,12 @@ def prefect_setup(
     api_key_env: Annotated[str | None, typer.Option(
         help="Environment variable holding the endpoint's API key (saved as a Secret block)."
     )] = None,
+    rerun_on_new_data: Annotated[bool, typer.Option(
+        help="A trigger that re-runs the pipeline on draftsmith.dataset.updated events.")
+    ] = True,
+    zombie_after_s: Annotated[int, typer.Option(
+        help="Mark a flow run Crashed after this many seconds without a heartbeat (an "
+             "automation); 0: no automation.")] = 600,
     set_: SetOption = None,
 ) -> None:
     """Create the cpu and gpu work pools, blocks, the GPU concurrency limit and the
@@ -461,7 +467,8 @@ def prefect_setup(
                            nccl_env=_pairs(nccl, "--nccl"), scratch_path=scratch,
                            shared_path=shared, cron=cron, cron_active=cron_active,
                            endpoint_url=endpoint_url, endpoint_model=endpoint_model,
-                           api_key_env=api_key_env)
+                           api_key_env=api_key_env, rerun_on_new_data=rerun_on_new_data,
+                           zombie_after_s=zombie_after_s or None)
     try:
         ids = setup(pipeline_config, options, config_path=config, overrides=list(set_ or []))
     except ValueError as err:

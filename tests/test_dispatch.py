@@ -66,6 +66,18 @@ def test_orchestration_and_retention_keys_are_checked():
                       "orchestration": {"mode": "cluster"}})
 
 
+def test_setup_warns_of_servers_that_can_hang_creating_automations():
+    from deployments.setup import automation_deadlock_warning
+
+    warning = automation_deadlock_warning("3.7.7", 2)
+    assert "3.7.7" in warning and "PrefectHQ/prefect#23055" in warning
+    assert "--no-rerun-on-new-data" in warning
+    assert automation_deadlock_warning("3.8.6", 2) is None
+    assert automation_deadlock_warning("3.7.7", 0) is None  # it creates none
+    assert automation_deadlock_warning("3.9.0.dev2", 1) is None
+    assert automation_deadlock_warning("unknown", 1) is None
+
+
 def test_the_new_data_event_names_the_file_its_source_and_content(tmp_path):
     data = tmp_path / "traces.jsonl"
     data.write_text('{"prompt": "hi"}\n')

@@ -113,7 +113,9 @@ def cluster(prefect_api, tmp_path_factory, random_target_dir):
     raw = config(random_target_dir, root / "runs" / "multi-host", free_port())
     ids = setup(parse_config(raw), SetupOptions(
         hosts=HOSTS, addresses={host: "127.0.0.1" for host in HOSTS}, gpu_count=1,
-        shared_path=str(root), zombie_after_s=None))
+        # No automations on the session's shared server: Prefect < 3.8.6 on SQLite can hang
+        # creating one (PrefectHQ/prefect#23055); test_prefect_server tests them on its own.
+        shared_path=str(root), zombie_after_s=None, rerun_on_new_data=False))
     workers = Workers(root, PREFECT_API_URL.value())
     workers.start(HOSTS[0])
     # A mount namespace of its own (unshare: a user namespace too, so no root is needed): the
@@ -205,6 +207,9 @@ def test_setup_gives_each_host_a_block_a_queue_a_gpu_limit_and_deployments(clust
                 assert deployment.parameters == {"host": host}
     pipeline = cluster["deployments"]
     assert "draftsmith-pipeline/cpu" in pipeline
+    # rerun_on_new_data=False: no trigger automation (nor any other) on this server
+    with get_client(sync_client=True) as client:
+        assert client.read_automations() == []
 
 
 def test_each_part_ran_on_its_own_host(cluster, spread_run):
