@@ -102,6 +102,87 @@ def test_a_previous_leases_answers_replace_generation(tmp_path: Path) -> None:
         sweep_module.job_generate(a, 6)
 
 
+def test_extra_answers_are_shuffled_in_among_the_kept_ones(tmp_path: Path, capsys) -> None:
+    """--extra-answers: every line of both files, in a seeded order that mixes them (a size
+    takes its share of each), with both files' sha256 recorded."""
+    import hashlib
+
+    sweep_module = load("sweep")
+
+    def lines(prefix: str, n: int) -> str:
+        return "".join(json.dumps({"id": f"{prefix}{i}", "messages": [
+            {"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}) + "\n"
+            for i in range(n))
+
+    kept, extra = tmp_path / "answers.jsonl", tmp_path / "exercise_answers.jsonl"
+    kept.write_text(lines("k", 40))
+    extra.write_text(lines("e", 20))
+    out = tmp_path / "q"
+    (out / "done").mkdir(parents=True)
+    a = {"out": str(out), "size": dict(sweep_module.SMOKE), "answers": str(kept),
+         "extra_answers": str(extra)}
+    sweep_module.job_generate(a, 60)
+    joined = (out / "answers.jsonl").read_text().splitlines(keepends=True)
+    assert sorted(joined) == sorted(kept.read_text().splitlines(keepends=True)
+                                    + extra.read_text().splitlines(keepends=True))
+    assert 2 <= sum('"e' in line for line in joined[:20]) <= 18  # mixed, not appended
+    done = json.loads((out / "done" / "generate").read_text())
+    assert done["records"] == 60 and done["extra_records"] == 20
+    assert done["extra_answers_sha256"] == hashlib.sha256(extra.read_bytes()).hexdigest()
+    with pytest.raises(SystemExit):
+        sweep_module.main(["run", "--out", str(tmp_path / "x"), "--extra-answers", str(extra)])
+    assert "--extra-answers joins --answers" in capsys.readouterr().err
+
+
+def test_exercises_keep_one_prompt_per_new_documented_function() -> None:
+    """Unusable, repeated, too many of one name, and HumanEval-like exercises are dropped and
+    counted; the rest become prompts in the python-functions form."""
+    exercises = load("exercises")
+    from draftsmith.data.packaged import completion_prompt, humaneval_problems
+
+    def written(name: str, doc: str) -> str:
+        return f"Sure:\n```python\ndef {name}(xs: list) -> int:\n    \"\"\"{doc}\"\"\"\n```"
+
+    first = humaneval_problems()[0]  # has_close_elements, as HumanEval asks it
+    renamed = first["prompt"].replace(first["entry_point"], "close_pair")
+    texts = [("sums", written("total", "Add up xs.")),
+             ("sums", written("total", "Add up xs.")),  # the same head again
+             ("sums", written("total", "Sum of xs.")),
+             ("sums", written("total", "The sum.")),
+             ("sums", written("total", "All of xs added.")),  # a fourth `total`
+             ("words", "I cannot write code today."),
+             ("lists", f"```python\n{first['prompt']}\n```"),
+             ("lists", f"```python\n{renamed}\n```")]
+    kept, counts = exercises.select_exercises(texts, max_per_name=3)
+    assert [k["head"].split("\n")[1].strip() for k in kept] == [
+        '"""Add up xs."""', '"""Sum of xs."""', '"""The sum."""']
+    assert counts == {"written": 8, "kept": 3, "duplicate": 1, "same_name": 1,
+                      "no_documented_function": 1, "humaneval_name": 1, "humaneval_like": 1,
+                      "topics": 1, "max_per_name": 3, "max_humaneval_similarity": 0.3}
+    assert kept[0]["messages"] == [{"role": "user", "content": completion_prompt(
+        'def total(xs: list) -> int:\n    """Add up xs."""')}]
+    assert len({k["id"] for k in kept}) == 3
+
+
+def test_each_batch_of_exercises_is_sampled_with_its_own_seed() -> None:
+    """The same seed for every batch would repeat one batch's samples in the next."""
+    exercises = load("exercises")
+    requests = exercises.exercise_requests(per_topic=3, topics=2)
+    assert len(requests) == 6 and {t for t, _ in requests} == set(exercises.TOPICS[:2])
+
+    class Recorder:
+        generator_seed, seeds = None, []
+
+        def complete(self, conversations):
+            self.seeds.append(self.generator_seed)
+            return [type("C", (), {"text": c[0]["content"][-9:]}) for c in conversations]
+
+    recorder = Recorder()
+    written = exercises.written_exercises(recorder, requests, batch_size=4, seed=7)
+    assert recorder.seeds == [7, 8]
+    assert [t for t, _ in written] == [t for t, _ in requests]
+
+
 def test_a_failed_generation_benchmark_does_not_stop_the_sweep(tmp_path: Path) -> None:
     sweep_module = load("sweep")
     sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", dict(sweep_module.SMOKE),
@@ -254,7 +335,7 @@ def test_acceptance_by_segment_counts_each_round_under_its_first_drafted_token(
 
 
 def test_exercise_probe_keeps_the_signature_and_docstring_of_a_written_exercise() -> None:
-    probe = load("exercise_probe")
+    probe = load("exercises")
     answer = ("Here is one:\n```python\ndef count_vowels(s: str) -> int:\n"
               "    \"\"\"Count the vowels in s.\n\n    >>> count_vowels('abe')\n    2\n"
               "    \"\"\"\n    return sum(c in 'aeiou' for c in s)\n```\nIt counts.")

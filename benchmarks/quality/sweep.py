@@ -47,11 +47,13 @@ SMOLLM2 = "builtin:smollm2-135m-instruct"
 GPU = dict(target=SMOLLM2, device="cuda", sizes=[6000, 12000, 48000], epochs=6,
            gen_batch=2048, max_new_tokens=160, batch_tokens=32768, draft_vocab=16384,
            lr=1e-3, validation=0.05, bench_prompts=48, bench_tokens=128, eval_workers=8,
-           extract_batch=256, kinds_size=6000, speculators_size=6000, gpu_jobs=3)
+           extract_batch=256, kinds_size=6000, speculators_size=6000, gpu_jobs=3,
+           exercise_topics=None)
 SMOKE = dict(target="builtin:tiny", device="cpu", sizes=[40, 80], epochs=2, gen_batch=16,
              max_new_tokens=24, batch_tokens=1024, draft_vocab=256, lr=3e-3,
              validation=0.25, bench_prompts=4, bench_tokens=16, eval_workers=2,
-             extract_batch=16, kinds_size=40, speculators_size=40, gpu_jobs=1)
+             extract_batch=16, kinds_size=40, speculators_size=40, gpu_jobs=1,
+             exercise_topics=4)
 
 
 # --------------------------------------------------------------------------- configs
@@ -242,17 +244,23 @@ def plan(sweep: Sweep, args) -> None:
     args_file = out / "args.json"
     answers = getattr(args, "answers", None)
     answers = str(Path(answers).resolve()) if answers else None
+    extra = getattr(args, "extra_answers", None)
     atomic_write_json(args_file, {"size": size, "out": str(out), "report": str(sweep.report),
                                   "answers": answers,
+                                  "extra_answers": str(Path(extra).resolve()) if extra else None,
                                   "starts_instruction": getattr(args, "starts_instruction", None)})
     common = ["--args", str(args_file)]
     kinds = [k for k in KIND_SETTINGS if k in args.kinds]
     largest = max(size["sizes"] + ([size["kinds_size"]] if kinds else []))
     sweep.add(Job("target", out / "done" / "target", 60, argv=me("target", *common),
                   priority=0))
+    per_topic = getattr(args, "exercises", 0)
+    if per_topic:
+        sweep.add(Job("exercises", out / "done" / "exercises", 300, after=["target"],
+                      argv=me("exercises", *common, "--per-topic", str(per_topic)), priority=1))
     if not args.no_genbench:
         sweep.add(Job("genbench", out / "done" / "genbench", args.genbench_deadline_s + 70,
-                      after=["target"],
+                      after=["target"], after_ended=["exercises"],
                       argv=[sys.executable, str(ROOT / "benchmarks/generation_speed.py"),
                             "--out", str(sweep.report / "generation_speed.jsonl"),
                             "--done", str(out / "done" / "genbench"),
@@ -341,32 +349,43 @@ def sources_for(prompts: int, starts_instruction: str | None = None) -> list[dic
     return out
 
 
-def answers_from_file(out: Path, path: Path, prompts: int) -> None:
-    """A previous lease's answers (its answers.jsonl, plain or .xz) instead of generating:
-    the same prompts answered by the same target, in the same seeded order."""
+def _answer_lines(path: Path) -> tuple[list[bytes], str]:
+    """The lines of an answers file (plain or .xz) and their sha256."""
     opener = lzma.open if path.suffix == ".xz" else open
-    digest, records = hashlib.sha256(), 0
-    tmp = out / "answers.jsonl.tmp"
-    with opener(path, "rb") as f, open(tmp, "wb") as dst:
-        for line in f:
-            digest.update(line)
-            dst.write(line)
-            records += 1
-    if records < prompts:
-        tmp.unlink()
-        raise SystemExit(f"--answers {path}: {records} answers, but the sweep needs {prompts} "
+    with opener(path, "rb") as f:
+        lines = f.read().splitlines(keepends=True)
+    return lines, hashlib.sha256(b"".join(lines)).hexdigest()
+
+
+def answers_from_file(out: Path, path: Path, prompts: int, extra: Path | None = None) -> None:
+    """A previous lease's answers (its answers.jsonl, plain or .xz) instead of generating:
+    the same prompts answered by the same target, in the same seeded order. extra: more
+    answers (the exercises job's), shuffled in among them (seeded), so that every size takes
+    its share."""
+    lines, digest = _answer_lines(path)
+    done = {"answers_from": str(path), "answers_sha256": digest}
+    if extra is not None:
+        more, done["extra_answers_sha256"] = _answer_lines(extra)
+        done["extra_answers_from"], done["extra_records"] = str(extra), len(more)
+        lines += more
+        random.Random(1).shuffle(lines)
+    if len(lines) < prompts:
+        raise SystemExit(f"--answers {path}: {len(lines)} answers, but the sweep needs {prompts} "
                          "(its largest size); drop --answers to generate them, or lower "
                          "--sizes / --kinds-size")
+    tmp = out / "answers.jsonl.tmp"
+    tmp.write_bytes(b"".join(lines))
     os.replace(tmp, out / "answers.jsonl")
-    touch(out / "done" / "generate", {"answers_from": str(path), "records": records,
-                                      "answers_sha256": digest.hexdigest()})
+    touch(out / "done" / "generate", {**done, "records": len(lines)})
 
 
 def job_generate(a: dict, prompts: int) -> None:
     """The target answers every prompt once; the answers are written in one seeded order, so
     size N is the first N lines (every smaller size a subset of a larger one)."""
     if a.get("answers"):
-        answers_from_file(Path(a["out"]), Path(a["answers"]), prompts)
+        extra = a.get("extra_answers")
+        answers_from_file(Path(a["out"]), Path(a["answers"]), prompts,
+                          Path(extra) if extra else None)
         return
     from draftsmith.config import TargetConfig
     from draftsmith.generate.stage import read_records
@@ -381,15 +400,80 @@ def job_generate(a: dict, prompts: int) -> None:
     started = time.monotonic()
     generated = run_in_process(cfg, target, ["generate"]).outputs["generate"]
     records = read_records(generated)
-    random.Random(0).shuffle(records)
-    with open(out / "answers.jsonl.tmp", "w") as f:
-        for r in records:
-            f.write(json.dumps({"id": r.id, "messages": [
-                m.model_dump(include={"role", "content"}) for m in r.messages]}) + "\n")
-    os.replace(out / "answers.jsonl.tmp", out / "answers.jsonl")
+    write_answers(records, out / "answers.jsonl")
     touch(out / "done" / "generate", {"sources": sources, "records": len(records),
                                       "seconds": round(time.monotonic() - started, 1),
                                       **generated.counts, **generated.figures})
+
+
+def write_answers(records, path: Path) -> None:
+    """Answered records as answers.jsonl lines (id and messages), in one seeded order."""
+    records = list(records)
+    random.Random(0).shuffle(records)
+    with open(path.with_suffix(".tmp"), "w") as f:
+        for r in records:
+            f.write(json.dumps({"id": r.id, "messages": [
+                m.model_dump(include={"role", "content"}) for m in r.messages]}) + "\n")
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+# Long enough for a signature and a docstring with two examples (the probe's 128 cut some).
+EXERCISE_TOKENS = 192
+
+
+def job_exercises(a: dict, per_topic: int) -> None:
+    """The target writes per_topic exercises a topic (exercises.py), sampled; the usable ones
+    become prompts, which it answers greedily as generate answers every prompt:
+    exercise_answers.jsonl, for `--extra-answers` of a later lease."""
+    import torch
+    from exercises import exercise_requests, select_exercises, written_exercises
+
+    from draftsmith.config import TargetConfig
+    from draftsmith.generate.stage import read_records
+    from draftsmith.generate.transformers_backend import TransformersGenerator, resolve_cache
+    from draftsmith.plan import run_in_process
+    from draftsmith.target import load_target_model, load_tokenizer, resolve_target
+
+    out, size = Path(a["out"]), a["size"]
+    work = out / "exercises"
+    work.mkdir(parents=True, exist_ok=True)
+    target = resolve_target(TargetConfig(model=size["target"]))
+    cuda = size["device"].startswith("cuda")
+    started = time.monotonic()
+    model = load_target_model(target.path, size["device"], "bfloat16" if cuda else "float32")
+    tokenizer = load_tokenizer(target)
+    requests = exercise_requests(per_topic, size.get("exercise_topics"))
+    generator = TransformersGenerator(
+        model, tokenizer, max_new_tokens=EXERCISE_TOKENS, temperature=0.8, top_p=1.0, seed=0,
+        cache=resolve_cache("auto", model.device), batch_size=size["gen_batch"],
+        longest_prompt=max(len(p) for p in generator_prompts(tokenizer, requests)))
+    written = written_exercises(generator, requests, size["gen_batch"], progress=lambda done,
+                                total: log.info("exercises: %d of %d written", done, total))
+    write_s = time.monotonic() - started
+    del generator, model
+    if cuda:
+        torch.cuda.empty_cache()
+    kept, counts = select_exercises(written)
+    log.info("exercises: %s", counts)
+    if not kept:
+        raise SystemExit(f"exercises: none of the {len(written)} written is usable ({counts}): "
+                         f"the target {size['target']} does not write documented functions")
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"id": k["id"], "topic": k["topic"],
+                                           "messages": k["messages"]}) + "\n" for k in kept))
+    cfg = pipeline_config(work, size, [{"name": "exercises", "path": str(prompts)}])
+    generated = run_in_process(cfg, target, ["generate"]).outputs["generate"]
+    write_answers(read_records(generated), out / "exercise_answers.jsonl")
+    touch(out / "done" / "exercises", {
+        "per_topic": per_topic, **counts, "write_seconds": round(write_s, 1),
+        "seconds": round(time.monotonic() - started, 1), "answers": generated.counts,
+        "examples": [{"topic": k["topic"], "head": k["head"]} for k in kept[:20]]})
+
+
+def generator_prompts(tokenizer, requests: list[tuple[str, str]]) -> list[list[int]]:
+    return [tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                          add_generation_prompt=True, tokenize=True,
+                                          return_dict=False) for _, text in requests]
 
 
 def answers_source(out: Path, n: int) -> list[dict]:
@@ -663,7 +747,7 @@ def decode_in_process(a: dict, drafters: dict[str, str], prompts: int) -> dict:
 def write_report(out: Path, report: Path) -> None:
     rows = [json.loads(p.read_text()) for p in sorted((out / "done").glob("eval-*"))]
     atomic_write_json(report / "summary.json", rows)
-    for name in ("generate", "target"):
+    for name in ("generate", "target", "exercises"):
         if (out / "done" / name).exists():
             atomic_write_json(report / f"{name}.json", json.loads((out / "done" / name)
                                                                    .read_text()))
@@ -690,6 +774,11 @@ def main(argv: list[str] | None = None) -> None:
                      "with this instruction instead of HumanEval's (e.g. for the function "
                      "and then an explanation, as SmolLM2 answers HumanEval; see "
                      "answer_shape.py); the answers are generated anew")
+    run.add_argument("--extra-answers", help="more answers, shuffled in among --answers' "
+                     "(an exercises job's exercise_answers.jsonl[.xz])")
+    run.add_argument("--exercises", type=int, default=0, metavar="PER_TOPIC",
+                     help="the exercises job: the target writes PER_TOPIC exercises a topic "
+                     "and answers the usable ones (exercises.py)")
     run.add_argument("--no-genbench", action="store_true")
     run.add_argument("--genbench", nargs="*", help="generation_speed.py's variants to run "
                      "(default: all, as the deadline allows)")
@@ -698,8 +787,8 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--only", nargs="*", help="run only the jobs whose names contain one of "
                      "these (a second driver beside a running one)")
     run.add_argument("--gpu-jobs", type=int)
-    for name in ("target", "generate", "train", "store", "evaluate", "eval-worker",
-                 "speculators"):
+    for name in ("target", "generate", "exercises", "train", "store", "evaluate",
+                 "eval-worker", "speculators"):
         p = sub.add_parser(name)
         p.add_argument("--args", required=True)
         p.add_argument("--name")
@@ -714,6 +803,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--worker", type=int)
         p.add_argument("--workers", type=int)
         p.add_argument("--part", type=Path)
+        p.add_argument("--per-topic", type=int)
     args = parser.parse_args(argv)
     from draftsmith.logs import configure_logging
 
@@ -729,6 +819,8 @@ def main(argv: list[str] | None = None) -> None:
             size["target"] = args.target
         if args.kinds_size:
             size["kinds_size"] = args.kinds_size
+        if args.extra_answers and not args.answers:
+            parser.error("--extra-answers joins --answers: give both")
         if args.answers and args.starts_instruction:
             parser.error("--answers holds answers to the default instruction: drop it when "
                          "giving --starts-instruction (the answers are generated anew)")
@@ -751,6 +843,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE.parent))
     {"target": lambda: job_target(a),
      "generate": lambda: job_generate(a, args.prompts),
+     "exercises": lambda: job_exercises(a, args.per_topic),
      "train": lambda: job_train(a, args.name, args.size, args.epochs, json.loads(args.drafter),
                                 json.loads(args.train), json.loads(args.extract)),
      "store": lambda: job_store(a, args.size),

@@ -63,11 +63,10 @@ def _common(sets: list[set], share: float) -> set:
     return {g for g, c in counts.items() if c > limit}
 
 
-def check_overlap(records: list[Record], benchmark: list[Prompt], benchmark_name: str,
-                  max_similarity: float, top: int = 5) -> dict[str, Any]:
-    """The report (exact and near pairs, the closest pairs, the largest similarity); raises
-    OverlapError when a pair is exact or at least `max_similarity`."""
-    train = [Prompt(r.id, r.source, prompt_text(r)) for r in records]
+def _similarities(train: list[Prompt], benchmark: list[Prompt]
+                  ) -> tuple[list[dict[str, Any]], list[tuple[float, int, int]]]:
+    """(the exact copies, every near pair as (similarity, train index, benchmark index), the
+    most similar first)."""
     bench_exact = defaultdict(list)
     for b in benchmark:
         bench_exact[_folded(b.text)].append(b.id)
@@ -82,7 +81,7 @@ def check_overlap(records: list[Record], benchmark: list[Prompt], benchmark_name
     for j, grams in enumerate(bench_grams):
         for g in grams:
             index[g].append(j)
-    best: list[tuple[float, int, int]] = []  # (similarity, train index, benchmark index)
+    best: list[tuple[float, int, int]] = []
     for i, grams in enumerate(train_grams):
         grams = grams - common
         shared: Counter[int] = Counter(j for g in grams for j in index.get(g, ()))
@@ -90,6 +89,28 @@ def check_overlap(records: list[Record], benchmark: list[Prompt], benchmark_name
             smaller = min(len(grams), len(bench_grams[j])) or 1
             best.append((count / smaller, i, j))
     best.sort(reverse=True)
+    return exact, best
+
+
+def similar_records(records: list[Record], benchmark: list[Prompt], max_similarity: float
+                    ) -> dict[str, str]:
+    """record id -> the benchmark prompt it copies or resembles (similarity at least
+    `max_similarity`), for a source that drops such records rather than failing the merge."""
+    train = [Prompt(r.id, r.source, prompt_text(r)) for r in records]
+    exact, best = _similarities(train, benchmark)
+    found = {e["record"]: e["benchmark"] for e in exact}
+    for score, i, j in best:
+        if score >= max_similarity:
+            found.setdefault(train[i].id, benchmark[j].id)
+    return found
+
+
+def check_overlap(records: list[Record], benchmark: list[Prompt], benchmark_name: str,
+                  max_similarity: float, top: int = 5) -> dict[str, Any]:
+    """The report (exact and near pairs, the closest pairs, the largest similarity); raises
+    OverlapError when a pair is exact or at least `max_similarity`."""
+    train = [Prompt(r.id, r.source, prompt_text(r)) for r in records]
+    exact, best = _similarities(train, benchmark)
 
     def pair(score: float, i: int, j: int) -> dict[str, Any]:
         return {"record": train[i].id, "source": train[i].source,
