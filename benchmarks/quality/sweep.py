@@ -417,7 +417,7 @@ def write_answers(records, path: Path) -> None:
     os.replace(path.with_suffix(".tmp"), path)
 
 
-# Long enough for a signature and a docstring with two examples (the probe's 128 cut some).
+# Long enough for a signature and a docstring with two examples.
 EXERCISE_TOKENS = 192
 
 
