@@ -183,6 +183,45 @@ def test_each_batch_of_exercises_is_sampled_with_its_own_seed() -> None:
     assert [t for t, _ in written] == [t for t, _ in requests]
 
 
+def test_the_target_continues_doctest_examples_from_a_started_answer(
+        random_target_tokenizer) -> None:
+    """with_examples: the answer is started up to `>>> name(` and the target's continuation
+    kept when it gives a call and a result line; otherwise the head stays as it was."""
+    exercises = load("exercises")
+    heads = ['def total(xs: list) -> int:\n    """Add up xs."""',
+             'def twice(x):\n    """Double x."""',
+             'def odd(x):\n    """Is x odd?"""',
+             "def bare(x):\n    return x"]  # no docstring to extend
+    assert exercises.example_prefix(heads[0]) == (
+        '```python\ndef total(xs: list) -> int:\n    """Add up xs.\n\n    >>> total(')
+    assert exercises.example_prefix(heads[3]) is None
+    continuations = iter(['[1, 2])\n    3\n    >>> total([])\n    0\n    """\n```',
+                          '2)\n    """\n```',  # a call without a result
+                          '3)\n    True\n    """\n```'])
+
+    class Continuer:
+        tokenizer, prompts = random_target_tokenizer, []
+
+        def complete_tokens(self, prompts):
+            self.prompts += prompts
+            return [type("C", (), {"text": next(continuations)}) for _ in prompts]
+
+    continuer = Continuer()
+    out = exercises.with_examples(continuer, heads, batch_size=2)
+    assert out[0] == ('def total(xs: list) -> int:\n    """Add up xs.\n\n    >>> total([1, 2])'
+                      '\n    3\n    >>> total([])\n    0\n    """')
+    assert out[1] == heads[1] and out[3] == heads[3]
+    assert out[2].endswith('>>> odd(3)\n    True\n    """')
+    assert len(continuer.prompts) == 3  # the head without a docstring is not asked
+    text = random_target_tokenizer.decode(continuer.prompts[0])
+    assert exercises.EXAMPLES_ASK in text and text.endswith(">>> total(")
+    kept, counts = exercises.select_exercises(
+        [("sums", f"```python\n{h}\n```") for h in heads[:3]],
+        add_examples=lambda hs: [h + "!" if h.startswith("def total") else h for h in hs],
+        benchmark=[])
+    assert kept[0]["head"].endswith("!") and "with_doctest" in counts
+
+
 def test_a_failed_generation_benchmark_does_not_stop_the_sweep(tmp_path: Path) -> None:
     sweep_module = load("sweep")
     sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", dict(sweep_module.SMOKE),

