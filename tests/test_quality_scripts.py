@@ -202,6 +202,11 @@ def test_the_target_continues_doctest_examples_from_a_started_answer(
     class Continuer:
         tokenizer, prompts = random_target_tokenizer, []
 
+        def prompt_tokens(self, conversations):  # as TransformersGenerator's
+            return [self.tokenizer.apply_chat_template(
+                c, add_generation_prompt=True, tokenize=True, return_dict=False)
+                for c in conversations]
+
         def complete_tokens(self, prompts):
             self.prompts += prompts
             return [type("C", (), {"text": next(continuations)}) for _ in prompts]

@@ -30,6 +30,7 @@ from exercises import (  # noqa: E402
     EXERCISE,
     TOPICS,
     exercise_head,
+    function_name,
     with_examples,
     written_exercises,
 )
@@ -59,7 +60,7 @@ SECOND_TURN = ("Add two examples to the docstring of this function, as doctests 
 
 
 def counted(heads: list[str], written: int, started: float) -> dict:
-    names = [h.split("(", 1)[0].removeprefix("def ").strip() for h in heads]
+    names = [function_name(h) for h in heads]
     return {"written": written, "usable": len(heads),
             "with_doctest": sum(bool(DOCTEST.search(h)) for h in heads),
             "distinct_names": len(set(names)),

@@ -142,8 +142,7 @@ def example_prefix(head: str) -> str | None:
     body = head.rstrip()
     if not body.endswith(('"""', "'''")):
         return None
-    indent = "    "
-    return f"```python\n{body[:-3].rstrip()}\n\n{indent}>>> {_name(head)}("
+    return f"```python\n{body[:-3].rstrip()}\n\n    >>> {function_name(head)}("
 
 
 def with_examples(generator, heads: list[str], batch_size: int) -> list[str]:
@@ -151,9 +150,7 @@ def with_examples(generator, heads: list[str], batch_size: int) -> list[str]:
     TransformersGenerator that decodes greedily); the head unchanged where the continuation
     gives no call with a result line below it."""
     tokenizer = generator.tokenizer
-    question = tokenizer.apply_chat_template([{"role": "user", "content": EXAMPLES_ASK}],
-                                             add_generation_prompt=True, tokenize=True,
-                                             return_dict=False)
+    question = generator.prompt_tokens([[{"role": "user", "content": EXAMPLES_ASK}]])[0]
     started = [(i, prefix) for i, h in enumerate(heads) if (prefix := example_prefix(h))]
     out = list(heads)
     for start in range(0, len(started), batch_size):
@@ -163,12 +160,14 @@ def with_examples(generator, heads: list[str], batch_size: int) -> list[str]:
         for (i, prefix), completion in zip(batch, generator.complete_tokens(prompts),
                                            strict=True):
             head = exercise_head(prefix + completion.text)
-            if head is not None and _name(head) == _name(heads[i]) and DOCTEST.search(head):
+            same = head is not None and function_name(head) == function_name(heads[i])
+            if same and DOCTEST.search(head):
                 out[i] = head
     return out
 
 
-def _name(head: str) -> str:
+def function_name(head: str) -> str:
+    """The name of the function a head defines."""
     return head.split("(", 1)[0].removeprefix("def ").strip()
 
 
@@ -203,7 +202,7 @@ def select_exercises(written: list[tuple[str, str]], max_per_name: int = 3,
             dropped["duplicate"] += 1
             continue
         seen.add(folded)
-        name = _name(head)
+        name = function_name(head)
         if name in reserved:
             dropped["humaneval_name"] += 1
             continue

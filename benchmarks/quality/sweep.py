@@ -455,8 +455,10 @@ def job_exercises(a: dict, per_topic: int, examples: bool = False) -> None:
     requests = exercise_requests(per_topic, size.get("exercise_topics"))
     generator = TransformersGenerator(
         model, tokenizer, max_new_tokens=EXERCISE_TOKENS, temperature=0.8, top_p=1.0, seed=0,
-        cache=resolve_cache("auto", model.device), batch_size=size["gen_batch"],
-        longest_prompt=max(len(p) for p in generator_prompts(tokenizer, requests)))
+        cache=resolve_cache("auto", model.device), batch_size=size["gen_batch"])
+    # The static cache holds the longest prompt: one shape for every batch.
+    generator.longest_prompt = max(map(len, generator.prompt_tokens(
+        [[{"role": "user", "content": text}] for _, text in requests])))
     written = written_exercises(generator, requests, size["gen_batch"], progress=lambda done,
                                 total: log.info("exercises: %d of %d written", done, total))
     write_s = time.monotonic() - started
@@ -487,12 +489,6 @@ def job_exercises(a: dict, per_topic: int, examples: bool = False) -> None:
         "write_seconds": round(write_s, 1),
         "seconds": round(time.monotonic() - started, 1), "answers": generated.counts,
         "examples": [{"topic": k["topic"], "head": k["head"]} for k in kept[:20]]})
-
-
-def generator_prompts(tokenizer, requests: list[tuple[str, str]]) -> list[list[int]]:
-    return [tokenizer.apply_chat_template([{"role": "user", "content": text}],
-                                          add_generation_prompt=True, tokenize=True,
-                                          return_dict=False) for _, text in requests]
 
 
 def answers_source(out: Path, n: int) -> list[dict]:
