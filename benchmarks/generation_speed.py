@@ -4,7 +4,8 @@ real prompts, in one process.
 
 Each variant answers the same prompts (python-functions, chat-templated, sorted by length as
 the generate stage sorts them) greedily and prints one JSON line: tokens/s (completion tokens
-over the wall time of every batch after the first, which holds the compile; and with it),
+over wall time: for a static-cache variant, of a second pass over the same prompts once every
+shape has compiled; for a dynamic one, of every batch after the first; and with the compiles),
 the share of answers identical to the reference variant's (same prompts, same dtype), and
 what ran. A float32 pair checks that the static path decodes exactly what the dynamic one
 does; bfloat16 pairs report the share (batch-dependent kernels can break near-ties).
@@ -55,6 +56,12 @@ GPU_VARIANTS = [
     # a third of a batch's GPU time, eager (h200_2026-12-03_profile.log).
     ("static-bf16-b2048-12k-prefill", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
     ("static-fp32-b256-prefill", "static", "float32", 256, 512, "dynamic-fp32-b256"),
+    # A cache length per batch (cache_lengths="batch"): batches of short prompts attend over a
+    # short cache. A compile per length: timed on the second pass.
+    ("static-bf16-b2048-12k-buckets", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
+    ("static-bf16-b2048-12k-buckets-prefill", "static", "bfloat16", 2048, 12288,
+     "dynamic-bf16-b512"),
+    ("static-fp32-b256-buckets-prefill", "static", "float32", 256, 512, "dynamic-fp32-b256"),
     # bf16 answers depend on the batch even on the old path: its own share, for comparison.
     ("dynamic-bf16-b256", "dynamic", "bfloat16", 256, 1024, "dynamic-bf16-b512"),
 ]
@@ -64,9 +71,21 @@ SMOKE_VARIANTS = [
     ("static-fp32-b8-matmul", "static", "float32", 8, 24, "dynamic-fp32-b8"),
     ("static-fp32-b8-flex", "static", "float32", 8, 24, "dynamic-fp32-b8"),
     ("static-fp32-b8-prefill", "static", "float32", 8, 24, "dynamic-fp32-b8"),
+    ("static-fp32-b8-buckets-prefill", "static", "float32", 8, 24, "dynamic-fp32-b8"),
 ]
 ATTENTIONS = ("matmul", "flex")  # a variant named ...-matmul or ...-flex decodes with it
-PREFILL = "-prefill"  # ...-prefill: the matmul step, and the prefill compiled apart
+# ...-prefill: the prefill compiled apart; ...-buckets: a cache length per batch. Both decode
+# with the matmul step unless the name says otherwise.
+
+
+def variant_settings(name: str) -> dict:
+    """The generator's settings that a variant's name spells."""
+    parts = name.split("-")
+    prefill, buckets = "prefill" in parts, "buckets" in parts
+    attention = next((p for p in parts if p in ATTENTIONS),
+                     "matmul" if prefill or buckets else "sdpa")
+    return {"decode_attention": attention, "compile_prefill": prefill,
+            "cache_lengths": "batch" if buckets else "stage"}
 
 
 class EagerFallback(RuntimeError):
@@ -84,39 +103,60 @@ def sorted_prompts(tokenizer, count: int) -> list[list[int]]:
                   key=len)
 
 
+def answer_all(generator: TransformersGenerator, prompts: list[list[int]],
+               batch: int) -> tuple[list[list[int]], list[float]]:
+    """Answers (completion token ids) and each batch's wall time, in the stage's order."""
+    answers: list[list[int]] = []
+    batch_seconds = []
+    for start in range(0, len(prompts), batch):
+        began = time.perf_counter()
+        completions = generator.complete_tokens(prompts[start:start + batch])
+        if generator.model.device.type == "cuda":
+            torch.cuda.synchronize()
+        batch_seconds.append(time.perf_counter() - began)
+        if generator.cache == "static" and generator.model.device.type == "cuda" \
+                and not generator.compiled:
+            raise EagerFallback("the compiled decode step failed (see the warning above)")
+        answers += [c.token_ids for c in completions]
+        log.info("%s: batch %d, %.1f s", generator.cache, len(batch_seconds), batch_seconds[-1])
+    return answers, batch_seconds
+
+
 def run_variant(model, tokenizer, prompts: list[list[int]], cache: str, batch: int,
                 max_new_tokens: int, decode_attention: str = "sdpa",
-                compile_prefill: bool = False) -> tuple[list[list[int]], dict]:
-    """Answers (completion token ids) and timings; batches in the stage's order."""
+                compile_prefill: bool = False,
+                cache_lengths: str = "stage") -> tuple[list[list[int]], dict]:
+    """Answers (completion token ids) and timings. A static cache compiles once per shape,
+    and a length per batch means a shape per length, so its figure is a second pass over the
+    same prompts; a dynamic cache compiles nothing, and its first batch is left out."""
     generator = TransformersGenerator(model, tokenizer, max_new_tokens=max_new_tokens,
                                       temperature=0.0, top_p=1.0, seed=0, cache=cache,
                                       batch_size=batch,
                                       longest_prompt=max(len(p) for p in prompts),
                                       decode_attention=decode_attention,
-                                      compile_prefill=compile_prefill)
-    answers: list[list[int]] = []
-    batch_seconds = []
-    for start in range(0, len(prompts), batch):
-        chunk = prompts[start:start + batch]
-        began = time.perf_counter()
-        completions = generator.complete_tokens(chunk)
-        if model.device.type == "cuda":
-            torch.cuda.synchronize()
-        batch_seconds.append(time.perf_counter() - began)
-        if cache == "static" and model.device.type == "cuda" and not generator.compiled:
-            raise EagerFallback("the compiled decode step failed (see the warning above)")
-        answers += [c.token_ids for c in completions]
-        log.info("%s: batch %d, %.1f s", cache, len(batch_seconds), batch_seconds[-1])
+                                      compile_prefill=compile_prefill,
+                                      cache_lengths=cache_lengths)
+    answers, first_pass_s = answer_all(generator, prompts, batch)
     tokens = [len(a) for a in answers]
     per_batch = [sum(tokens[i:i + batch]) for i in range(0, len(tokens), batch)]
-    steady = per_batch[1:] or per_batch
-    steady_s = batch_seconds[1:] or batch_seconds
+    if cache == "static":
+        again, timed_s = answer_all(generator, prompts, batch)
+        if again != answers:  # greedy and the same shapes: a difference is a bug
+            raise RuntimeError("the second pass answered differently from the first")
+        timed_tokens, timing = sum(tokens), "second pass"
+    else:
+        timed_tokens, timed_s = sum(per_batch[1:] or per_batch), first_pass_s[1:] or first_pass_s
+        timing = "batches after the first"
     return answers, {
-        "tokens_per_s": round(sum(steady) / sum(steady_s), 1),
-        "tokens_per_s_with_first_batch": round(sum(per_batch) / sum(batch_seconds), 1),
-        "first_batch_s": round(batch_seconds[0], 1), "seconds": round(sum(batch_seconds), 1),
-        "completion_tokens": sum(tokens), "batches": len(batch_seconds),
-        "ended_turn": sum(bool(a) and a[-1] == tokenizer.eos_token_id for a in answers)}
+        "tokens_per_s": round(timed_tokens / sum(timed_s), 1), "timed": timing,
+        "tokens_per_s_with_first_batch": round(sum(per_batch) / sum(first_pass_s), 1),
+        "first_batch_s": round(first_pass_s[0], 1), "seconds": round(sum(first_pass_s), 1),
+        "batch_seconds": [round(s, 2) for s in timed_s],
+        "cache_lengths": sorted(set(generator.cache_lengths_made)) or None,
+        "completion_tokens": sum(tokens), "batches": len(first_pass_s),
+        "ended_turn": sum(bool(a) and a[-1] == tokenizer.eos_token_id for a in answers),
+        "max_memory_gib": round(torch.cuda.max_memory_allocated() / 2**30, 1)
+        if model.device.type == "cuda" else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,16 +196,19 @@ def main(argv: list[str] | None = None) -> None:
             break
         # Every count-prompt sample spreads over the whole length range.
         sample = prompts[::max(1, len(prompts) // count)][:count]
-        prefill = name.endswith(PREFILL)
-        attention = ("matmul" if prefill else name.rsplit("-", 1)[-1]
-                     if name.endswith(ATTENTIONS) else "sdpa")
-        # A model per dtype, cache, attention and prefill (the static ones are compiled).
-        key = f"{dtype}-{cache}-{attention}" + PREFILL * prefill
+        settings = variant_settings(name)
+        attention = settings["decode_attention"]
+        # A model per dtype, cache and attention. generate keeps the model's compiled decode
+        # step, so a variant after another on the same model compiles only shapes that are
+        # new to it (its first-pass figures are then not comparable; the timed pass is).
+        key = f"{dtype}-{cache}-{attention}"
         if key not in models:
             models[key] = load_target_model(target.path, device, dtype)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         try:
             answers[name], figures = run_variant(models[key], tokenizer, sample, cache, batch,
-                                                 args.max_new_tokens, attention, prefill)
+                                                 args.max_new_tokens, **settings)
         except (torch.OutOfMemoryError, EagerFallback) as err:  # recorded; the others run
             message = str(err).splitlines()[0][:300] if str(err) else type(err).__name__
             log.warning("%s: %s", name, message)
@@ -188,8 +231,7 @@ def main(argv: list[str] | None = None) -> None:
             same = [answers[name][i] == theirs[index[tuple(p)]]
                     for i, p in enumerate(sample[:shared]) if tuple(p) in index]
             identical = {"identical": sum(same), "compared": len(same)}
-        row = {"variant": name, "cache": cache, "decode_attention": attention,
-               "compile_prefill": prefill, "dtype": dtype, "batch": batch,
+        row = {"variant": name, "cache": cache, **settings, "dtype": dtype, "batch": batch,
                "prompts": len(sample), "max_new_tokens": args.max_new_tokens,
                **figures, "reference": reference,
                "identical_greedy": None if identical is None else

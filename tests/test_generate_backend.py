@@ -10,6 +10,7 @@ from draftsmith.generate.transformers_backend import (
     CACHE_LENGTH_STEP,
     DECODE_ATTENTION,
     TransformersGenerator,
+    cache_bucket,
     cache_length,
     grouped_decode_attention,
     grouped_decode_flex,
@@ -268,3 +269,51 @@ def test_every_static_batch_has_one_shape(random_target_dir, random_target_token
     generator.complete(short)
     generator.complete(long)
     assert shapes == [((3,), cache_length(300, 4))] * 2
+
+
+def test_cache_buckets_are_few_lengths_about_one_and_a_half_apart():
+    assert [cache_bucket(n) for n in (1, 128, 129, 256, 260, 385, 513, 799, 1025)] == [
+        128, 128, 256, 256, 384, 512, 768, 1024, 1536]
+    lengths = {cache_bucket(n) for n in range(1, 8193)}
+    assert len(lengths) == 12  # compiles for every need up to 8,192 positions
+    tokenizer = type("T", (), {"eos_token_id": 0, "pad_token_id": 0})()
+    with pytest.raises(ValueError, match="cache_lengths='prompt': stage or batch"):
+        TransformersGenerator(None, tokenizer, max_new_tokens=1, temperature=0, top_p=1, seed=0,
+                              cache_lengths="prompt")
+
+
+def test_a_cache_length_per_batch_answers_as_one_length_for_the_stage(
+        random_target_dir, random_target_tokenizer):
+    """cache_lengths="batch": each batch attends over its own bucket, so a batch of short
+    prompts does not read the long prompts' cache; the answers are the same (float32)."""
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    real, lengths = model.generate, []
+
+    def generate(**kwargs):
+        lengths.append(kwargs["past_key_values"].layers[0].max_cache_len)
+        return real(**kwargs)
+
+    model.generate = generate
+    short = [[{"role": "user", "content": f"def f{i}(x):"}] for i in range(3)]
+    long = [[{"role": "user", "content": "def g(x): return x " * (30 + i)}] for i in range(3)]
+
+    def answers(cache_lengths: str) -> list[list[int]]:
+        generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=100,
+                                          temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                          batch_size=3, longest_prompt=300,
+                                          cache_lengths=cache_lengths)
+        return [c.token_ids for c in generator.complete(short) + generator.complete(long)
+                + generator.complete(short)]
+
+    widths = [max(len(p) for p in random_target_tokenizer.apply_chat_template(
+        batch, add_generation_prompt=True, tokenize=True, return_dict=False))
+        for batch in (short, long)]
+    by_stage = answers("stage")
+    assert lengths == [cache_length(300, 100)] * 3
+    lengths.clear()
+    assert answers("batch") == by_stage
+    assert lengths == [cache_bucket(widths[0] + 100), cache_bucket(widths[1] + 100),
+                       cache_bucket(widths[0] + 100)]
+    assert lengths[0] < lengths[1] < cache_length(300, 100)

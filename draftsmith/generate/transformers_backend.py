@@ -8,6 +8,12 @@ Two ways to run `generate` (`generate.cache`):
   `generate.batch_size` rows (with a repeated prompt, dropped afterwards), and the cache
   length is the longest prompt of the whole stage plus max_new_tokens, rounded up to a
   multiple of CACHE_LENGTH_STEP. (A length per batch recompiled at almost every batch.)
+  With `cache_lengths="batch"` each batch gets its own length instead, from a few lengths
+  about 1.5x apart (`cache_bucket`: 256, 384, 512, 768, ...). Prompts sorted by length then
+  compile each length once, and a batch of short prompts does not attend over the cache that
+  the longest prompt needs (on python-functions prompts, 5 batches of 6 need at most 384
+  positions where the stage needs 896). One cache is kept: a length met again after another
+  gets a new cache, which the compiled step's CUDA graphs record again.
 
 Decode attention over a padded cache is most of a decode step's work on a small target.
 transformers' SDPA path repeats every KV head for its query heads whenever a mask is given
@@ -158,14 +164,27 @@ def cache_length(longest_prompt: int, max_new_tokens: int) -> int:
     return -(-needed // CACHE_LENGTH_STEP) * CACHE_LENGTH_STEP
 
 
+def cache_bucket(needed: int) -> int:
+    """The shortest of CACHE_LENGTH_STEP x 1, 2, 3, 4, 6, 8, 12, ... that holds `needed`
+    positions: each length about 1.5x the last, so a length per batch compiles few shapes."""
+    power = CACHE_LENGTH_STEP
+    while True:
+        for length in (power, power * 3 // 2):
+            if length >= needed and length % CACHE_LENGTH_STEP == 0:
+                return length
+        power *= 2
+
+
 class TransformersGenerator:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int, cache: str = "dynamic", batch_size: int | None = None,
                  longest_prompt: int = 0, decode_attention: str = "matmul",
-                 compile_prefill: bool = False):
+                 compile_prefill: bool = False, cache_lengths: str = "stage"):
         """cache: dynamic or static (resolve `auto` with resolve_cache first). With the
-        static cache every batch is filled up to batch_size rows, and the cache holds
-        longest_prompt (the longest of all the prompts to come) + max_new_tokens: one shape.
+        static cache every batch is filled up to batch_size rows.
+        cache_lengths: `stage`, the cache holds longest_prompt (the longest of all the
+        prompts to come) + max_new_tokens: one shape; or `batch`, each batch's own
+        cache_bucket (see the module's docstring).
         decode_attention: how the static cache's decode steps attend (DECODE_ATTENTION).
         compile_prefill: the static cache is filled by a forward of its own, compiled on
         CUDA (eager elsewhere), before generate (see the module's docstring)."""
@@ -174,6 +193,8 @@ class TransformersGenerator:
         if compile_prefill and cache != "static":
             raise ValueError(f"compile_prefill with cache={cache!r}: it fills a static cache; "
                              "set cache='static' or drop compile_prefill")
+        if cache_lengths not in ("stage", "batch"):
+            raise ValueError(f"cache_lengths={cache_lengths!r}: stage or batch")
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention={decode_attention!r}: one of "
                              f"{', '.join(DECODE_ATTENTION)}")
@@ -184,7 +205,10 @@ class TransformersGenerator:
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.compiled = cache == "static"  # generate compiles the decode step on CUDA
+        self.cache_lengths = cache_lengths
         self._static_cache, self._static_rows = None, 0  # one cache for batches of one shape
+        self._static_length = 0
+        self.cache_lengths_made: list[int] = []  # each a shape that the decode step compiles
         self.compile_prefill, self._compiled_prefill = compile_prefill, None
         if cache == "static":
             register_grouped_decode()
@@ -198,12 +222,20 @@ class TransformersGenerator:
         from transformers import StaticCache
 
         cache = self._static_cache
-        if cache is not None and cache.max_cache_len == length and self._static_rows == rows:
+        if cache is not None and self._static_length == length and self._static_rows == rows:
             cache.reset()
             return cache
+        self._static_cache = None  # the old cache's memory goes before the new one is made
         self._static_cache = StaticCache(config=self.model.config, max_cache_len=length)
-        self._static_rows = rows
+        self._static_rows, self._static_length = rows, length
+        self.cache_lengths_made.append(length)
         return self._static_cache
+
+    def batch_cache_length(self, width: int) -> int:
+        """The static cache's length for a batch whose longest prompt has `width` tokens."""
+        if self.cache_lengths == "stage":
+            return cache_length(max(width, self.longest_prompt), self.max_new_tokens)
+        return cache_bucket(width + self.max_new_tokens)
 
     def allocate_cache(self, cache, rows: int) -> bool:
         """Allocate the static cache's tensors now, outside any compiled region: the decode
@@ -266,8 +298,8 @@ class TransformersGenerator:
             torch.manual_seed(self.generator_seed)
         extra = {}
         if self.cache == "static":
-            extra["past_key_values"] = self.static_cache(
-                len(prompts), cache_length(max(width, self.longest_prompt), self.max_new_tokens))
+            extra["past_key_values"] = self.static_cache(len(prompts),
+                                                         self.batch_cache_length(width))
         def generate(**compile_args):
             if self.compile_prefill:
                 self.prefill(extra["past_key_values"], input_ids, attention_mask,
