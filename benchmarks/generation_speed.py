@@ -61,6 +61,7 @@ GPU_VARIANTS = [
     ("static-bf16-b2048-12k-buckets", "static", "bfloat16", 2048, 12288, "dynamic-bf16-b512"),
     ("static-bf16-b2048-12k-buckets-prefill", "static", "bfloat16", 2048, 12288,
      "dynamic-bf16-b512"),
+    ("static-fp32-b256-buckets", "static", "float32", 256, 512, "dynamic-fp32-b256"),
     ("static-fp32-b256-buckets-prefill", "static", "float32", 256, 512, "dynamic-fp32-b256"),
     # bf16 answers depend on the batch even on the old path: its own share, for comparison.
     ("dynamic-bf16-b256", "dynamic", "bfloat16", 256, 1024, "dynamic-bf16-b512"),
