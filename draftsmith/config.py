@@ -276,6 +276,15 @@ class GenerateConfig(StrictModel):
         "backend: transformers. static: a StaticCache and a compiled decode step (CUDA "
         "graphs), for GPUs (benchmarks/generation_speed.py measures both); dynamic: "
         "transformers' default cache, eager; auto: static on CUDA, dynamic elsewhere."))
+    cache_lengths: Literal["stage", "batch"] = keyed("stage", added=True, description=(
+        "With the static cache. stage: one cache length for every batch, the longest "
+        "prompt's, so the decode step compiles once. batch: each batch's own length, out of a "
+        "few about 1.5x apart, so batches of short prompts decode faster, for a compile per "
+        "length (see docs/results/quality.md)."))
+    compile_prefill: bool = keyed(False, added=True, description=(
+        "With the static cache: the prompts go into the cache through a forward of their "
+        "own, compiled once for every prompt length (a slow first compile, then faster "
+        "batches)."))
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = keyed(
         "auto", added=True, description=(
             "The target's dtype for answering (backend: transformers); auto: target.dtype. "

@@ -89,6 +89,46 @@ def test_generate_answers_every_prompt_only_record(chain):
     assert [m["role"] for m in records[0]["messages"]][:2] == ["system", "user"]
 
 
+def test_generate_with_a_cache_length_per_batch_and_a_compiled_prefill_answers_the_same(
+        chain, random_target, random_target_dir, tmp_path, monkeypatch):
+    """The fast path's settings reach the generator, and in float32 change no answer."""
+    from draftsmith.generate import transformers_backend
+    from draftsmith.generate.stage import run_generate
+
+    made = []
+
+    class Recorded(transformers_backend.TransformersGenerator):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(transformers_backend, "TransformersGenerator", Recorded)
+
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    data = DataConfig(sources=[
+        {"name": "sg", "path": str(REPO / "examples/data/sharegpt.jsonl"), "limit": 12},
+        {"name": "oa", "path": str(REPO / "examples/data/openai.jsonl"), "limit": 12},
+    ])
+    fast = GenerateConfig(max_new_tokens=12, batch_size=8, cache="static",
+                          cache_lengths="batch", compile_prefill=True)
+    done = run_generate(fast, data, target_cfg, random_target,
+                        plan_stage(tmp_path, "generate", {"fast": True}, [random_target]))
+
+    def answers(descriptor) -> list[str]:
+        lines = (descriptor.dir / "records.jsonl").read_text().splitlines()
+        return [json.loads(line)["messages"][-1]["content"] for line in lines]
+
+    assert answers(done) == answers(chain["generate"])
+    (generator,) = made
+    assert (generator.cache, generator.cache_lengths, generator.compile_prefill) == (
+        "static", "batch", True)
+    with pytest.raises(ValueError, match="generate.compile_prefill: true fills a static cache, "
+                       "but generate.cache: dynamic is dynamic on cpu"):
+        run_generate(GenerateConfig(max_new_tokens=12, cache="dynamic", compile_prefill=True),
+                     data, target_cfg, random_target,
+                     plan_stage(tmp_path, "generate", {"dynamic": True}, [random_target]))
+
+
 def test_merge_writes_splits_and_a_consistent_vocab_map(chain):
     from draftsmith.data.merge import read_split, read_vocab_map
 

@@ -169,12 +169,18 @@ def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, tar
     dtype = target_cfg.dtype if cfg.dtype == "auto" else cfg.dtype
     model = load_target_model(target.path, target_cfg.device, dtype)
     cache = resolve_cache(cfg.cache, model.device)
+    if cfg.compile_prefill and cache != "static":
+        raise ValueError(
+            f"generate.compile_prefill: true fills a static cache, but generate.cache: "
+            f"{cfg.cache} is {cache} on {model.device.type}; set generate.cache: static or "
+            "generate.compile_prefill: false")
     log.info("generate: transformers, %s cache, %s, batches of %d", cache, dtype, cfg.batch_size)
     generator = TransformersGenerator(
         model, load_tokenizer(target),
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
         top_p=cfg.top_p, seed=cfg.seed, cache=cache, batch_size=cfg.batch_size,
         longest_prompt=max((r.prompt_tokens for r in requests), default=0),
+        cache_lengths=cfg.cache_lengths, compile_prefill=cfg.compile_prefill,
     )
     totals = RunTotals()
     started = time.monotonic()
