@@ -14,22 +14,20 @@
 #   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
 #     (waits for the driver, then collects NAME and the answers in the same call)
 #   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
-# Prepared for the next lease: the generation benchmark with a cache length per batch, then
-# EAGLE-3.1 on all 77,401 kept answers (the library's and the exercises', both files in the
-# repository) for 4 epochs, about 700 s; so over three calls after part1:
+# Prepared for the next lease: EAGLE-3.1 on all 77,401 kept answers (the library's and the
+# exercises', both files in the repository) for 4 epochs, about 700 s (merge 151 s, the first
+# epoch 208 s with its compile, then 91 s an epoch, evaluation 90 s), so over two calls after
+# part1. The thirteenth lease lost this run in its third epoch: the call after `start` came
+# late (an API error on this side), and the machine was gone.
 #   1. carry .gpu/a:                 bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors/.whl_ds:
 #        A=benchmarks/results/quality_scale/answers; xz -dc $A/smollm2_exercises80_2026-12-04.jsonl.xz \
 #          $A/smollm2_exercises320_2026-12-04.jsonl.xz > /tmp/ex_all.jsonl; \
-#        bash benchmarks/quality/h200_lease.sh start 1500 540 --only target genbench generate \
-#          eagle3.1 --genbench dynamic-fp32-b256 static-fp32-b256-buckets-prefill \
-#          dynamic-bf16-b512 static-bf16-b2048-12k-buckets static-bf16-b2048-12k-buckets-prefill \
-#          --genbench-deadline-s 430 --kinds eagle3.1 --kinds-size 77401 --epochs 4 \
+#        bash benchmarks/quality/h200_lease.sh start 1000 540 --only target generate eagle3.1 \
+#          --no-genbench --kinds eagle3.1 --kinds-size 77401 --epochs 4 \
 #          --answers $A/smollm2_48k_2026-12-04.jsonl.xz --extra-answers /tmp/ex_all.jsonl \
 #          > /tmp/start.log 2>&1; rm -f $OUT/*; tail -5 /tmp/start.log
-#      (the generation benchmark first, about 550 s, alone on the GPU; then the training)
-#   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh wait 540
-#   4. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh finish 400 eagle3.1-77401-e4
+#   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh finish 400 eagle3.1-77401-e4
 # The exercises themselves (sweep.py --exercises PER_TOPIC, exercises.py): the `exercises` job,
 # e.g. `start 520 500 --only target exercises --no-genbench --exercises 320
 # --exercise-examples` (the target continues doctest examples in each), then `finish 1`.
