@@ -34,7 +34,10 @@ third of a batch's GPU time, most of it unfused element-wise work (benchmarks/re
 generation_speed/h200_2026-12-03_profile.log). With `compile_prefill`, every prompt token but
 the last goes into the static cache through one forward compiled with dynamic shapes (one
 compile for all prompt lengths); generate then runs the last prompt token and decodes.
-Not yet measured on a GPU.
+On SmolLM2 on an H200, with a cache length per batch as well: 85.0K tokens/s in bf16, 12.5x the
+dynamic cache in the same call, and float32 answers identical to it (512/512; benchmarks/
+results/generation_speed/h200_2026-12-04_lease13b_buckets_prefill.jsonl). The compile takes
+about 110 s.
 """
 
 from __future__ import annotations
