@@ -7,8 +7,14 @@ failure). Each line says which, with the load average, the seconds it took and, 
 failure, the ranks' exit lines and the Python stacks faulthandler printed when the rank
 aborted. Failing attempts' logs are copied next to the output.
 
+With --suite, a round is instead the code's own tests/test_train_loop.py under two
+pytest-xdist workers that take tests one at a time (`--dist load`), so the FSDP runs share the
+machine with other torchrun jobs, as in the suite: every torchrun attempt logged under the
+round's pytest directory is counted, except those of the test that aborts a rank on purpose.
+On the old code (999db31) this caught the abort that the jobs alone never did.
+
 Usage (benchmarks/stress_distributed.sh starts the CPU burners around it):
-    python benchmarks/stress_distributed.py --rounds 30 --work /tmp/x --keep DIR
+    python benchmarks/stress_distributed.py --rounds 30 --work /tmp/x --keep DIR [--suite]
 """
 
 from __future__ import annotations
@@ -109,6 +115,45 @@ def backtrace(core: Path) -> str:
     return "\n".join(lines)
 
 
+DELIBERATE_ABORT = "test_a_rank_that_dies"  # its rank 1 aborts on purpose (a test of 29's fix)
+
+
+def suite_round(code: Path, basetemp: Path, keep: Path, round_: int) -> dict[str, int]:
+    """One run of `code`'s tests/test_train_loop.py with two xdist workers; the outcome of
+    every torchrun attempt it logged (a train.log holds one attempt per `$ torchrun` line)."""
+    shutil.rmtree(basetemp, ignore_errors=True)
+    start = time.monotonic()
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-n", "2", "--dist", "load",
+         "-p", "no:cacheprovider", f"--basetemp={basetemp}", "tests/test_train_loop.py"],
+        cwd=code,
+        env={**os.environ, "PYTHONPATH": str(code)}, capture_output=True, text=True,
+        timeout=3600)
+    counts = {"ok": 0, "abort": 0, "crash": 0}
+    aborted = []
+    for log in sorted(basetemp.rglob("train.log")):
+        if any(part.startswith(DELIBERATE_ABORT) for part in log.relative_to(basetemp).parts):
+            continue
+        for attempt in log.read_text(errors="replace").split("\n$ "):
+            result = outcome(None, attempt)
+            counts[result] += 1
+            if result == "abort":
+                aborted.append((log, attempt))
+    load = " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    summary = (run.stdout.strip().splitlines() or ["(no output)"])[-1]
+    print(f"round {round_} suite: {counts['abort']} aborts in {sum(counts.values())} torchrun "
+          f"attempts ({counts['crash']} ended otherwise, most of them killed on purpose); "
+          f"pytest exit {run.returncode}: {summary}; {time.monotonic() - start:.0f} s, "
+          f"load {load}", flush=True)
+    for n, (log, attempt) in enumerate(aborted, 1):
+        keep.mkdir(parents=True, exist_ok=True)
+        kept = keep / f"round{round_}-suite-{n}-{log.parent.parent.name}-{log.parent.name}.log"
+        kept.write_text(attempt)
+        print(json.dumps({"log": str(log.relative_to(basetemp)), "kept": str(kept),
+                          "evidence": evidence(attempt)}, indent=1), flush=True)
+    return counts
+
+
 def run_once(name: str, inputs: dict, out: Path) -> tuple[str, float, dict]:
     from draftsmith.config import TrainConfig
     from draftsmith.train.launch import LOG_FILE, RESULT_FILE, run_torchrun
@@ -150,7 +195,28 @@ def main() -> None:
     parser.add_argument("--cores", action="store_true",
                         help="let ranks dump core (in --work) and print gdb's backtrace of "
                         "every thread of an aborted rank (the core is deleted after)")
+    parser.add_argument("--suite", action="store_true",
+                        help="a round is the code's tests/test_train_loop.py under two "
+                        "pytest-xdist workers, as the suite runs it (see above)")
     args = parser.parse_args()
+    if args.suite:
+        import draftsmith
+
+        code = Path(draftsmith.__file__).resolve().parents[1]
+        commit = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True).stdout.strip()
+        print(f"# code {code} at {commit}; {args.rounds} rounds of its "
+              f"tests/test_train_loop.py (pytest -n 2); {os.cpu_count()} cores", flush=True)
+        total = {"ok": 0, "abort": 0, "crash": 0}
+        rounds_aborted = 0
+        for round_ in range(1, args.rounds + 1):
+            counts = suite_round(code, args.work / "suite", args.keep, round_)
+            rounds_aborted += counts["abort"] > 0
+            total = {k: total[k] + counts[k] for k in total}
+        print(f"# summary: {args.rounds} rounds, {sum(total.values())} torchrun attempts: "
+              f"{total['abort']} aborts (in {rounds_aborted} rounds), {total['ok']} ok, "
+              f"{total['crash']} ended otherwise", flush=True)
+        return
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
     if unknown:

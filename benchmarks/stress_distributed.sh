@@ -17,6 +17,8 @@
 #                (benchmarks/stress_probe_worker.py).
 #   SLOW_EXIT=S  with PROBE=1: rank 1 holds the GIL S seconds in its last exit handler, which
 #                widens the window of the abort at exit (benchmarks/stress_probe_worker.py).
+#   SUITE=1      a round is CODE's own tests/test_train_loop.py under two pytest-xdist workers,
+#                as the suite runs it; every torchrun attempt it logs is counted.
 #   PYTHON       the interpreter (default .venv/bin/python).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -48,10 +50,12 @@ done
        "$burners burners${SETSID:+, each in its own session}${TASKSET:+, pinned to CPU $TASKSET};" \
        "autogroup $(cat /proc/sys/kernel/sched_autogroup_enabled 2> /dev/null || echo n/a); code $code at" \
        "$(git -C "$code" rev-parse --short HEAD);${SLOW_EXIT:+ rank 1 holds the GIL $SLOW_EXIT s at exit;} load average $(cut -d' ' -f1-3 /proc/loadavg)"
-  # faulthandler prints every Python thread's stack when a rank dies by SIGABRT.
-  STRESS_SLOW_EXIT=${SLOW_EXIT:-} PYTHONPATH=$code PYTHONFAULTHANDLER=1 PREFECT_SERVER_ANALYTICS_ENABLED=false \
+  # faulthandler prints every Python thread's stack when a rank dies by SIGABRT; not with
+  # SUITE=1, which runs the tests as the suite does.
+  faulthandler=1; [ -n "${SUITE:-}" ] && faulthandler=
+  STRESS_SLOW_EXIT=${SLOW_EXIT:-} PYTHONPATH=$code PYTHONFAULTHANDLER=$faulthandler PREFECT_SERVER_ANALYTICS_ENABLED=false \
     "${pin[@]}" "$python" "$here/benchmarks/stress_distributed.py" --rounds "$rounds" \
-    ${MODES:+--modes "$MODES"} ${CORES:+--cores} ${PROBE:+--probe} --work "$work" --keep "$results/$name-logs" 2>&1 \
+    ${MODES:+--modes "$MODES"} ${CORES:+--cores} ${PROBE:+--probe} ${SUITE:+--suite} --work "$work" --keep "$results/$name-logs" 2>&1 \
     | grep --line-buffered -v -e "it/s]" -e "^Loading weights" -e "^Writing model shards"
   echo "# load average after: $(cut -d' ' -f1-3 /proc/loadavg)"
 } | tee "$out"
