@@ -115,6 +115,19 @@ def backtrace(core: Path) -> str:
     return "\n".join(lines)
 
 
+def code_under_test() -> tuple[Path, str]:
+    """The checkout whose draftsmith is imported (CODE= in the shell script), and a line that
+    names its commit."""
+    import draftsmith
+
+    code = Path(draftsmith.__file__).resolve().parents[1]
+    commit = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"],
+                            capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "draftsmith"],
+                           capture_output=True, text=True).stdout.strip()
+    return code, f"{code} at {commit}{' (draftsmith/ modified)' if dirty else ''}"
+
+
 DELIBERATE_ABORT = "test_a_rank_that_dies"  # its rank 1 aborts on purpose (a test of 29's fix)
 
 
@@ -200,13 +213,9 @@ def main() -> None:
                         "pytest-xdist workers, as the suite runs it (see above)")
     args = parser.parse_args()
     if args.suite:
-        import draftsmith
-
-        code = Path(draftsmith.__file__).resolve().parents[1]
-        commit = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"],
-                                capture_output=True, text=True).stdout.strip()
-        print(f"# code {code} at {commit}; {args.rounds} rounds of its "
-              f"tests/test_train_loop.py (pytest -n 2); {os.cpu_count()} cores", flush=True)
+        code, described = code_under_test()
+        print(f"# code {described}; {args.rounds} rounds of its tests/test_train_loop.py "
+              f"(pytest -n 2); {os.cpu_count()} cores", flush=True)
         total = {"ok": 0, "abort": 0, "crash": 0}
         rounds_aborted = 0
         for round_ in range(1, args.rounds + 1):
@@ -239,15 +248,9 @@ def main() -> None:
             return argv[:at - 1] + [probe] + argv[at + 1:]
 
         launch.torchrun_argv = probed
-    import draftsmith
-
-    code = Path(draftsmith.__file__).resolve().parents[1]
-    commit = subprocess.run(["git", "-C", str(code), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", str(code), "status", "--porcelain", "draftsmith"],
-                           capture_output=True, text=True).stdout.strip()
-    print(f"# code {code} at {commit}{' (draftsmith/ modified)' if dirty else ''}; "
-          f"{args.rounds} rounds of {modes}; {os.cpu_count()} cores", flush=True)
+    code, described = code_under_test()
+    print(f"# code {described}; {args.rounds} rounds of {modes}; {os.cpu_count()} cores",
+          flush=True)
     counts: dict[str, dict[str, int]] = {m: {"ok": 0, "abort": 0, "crash": 0} for m in modes}
     for round_ in range(1, args.rounds + 1):
         for name in modes:

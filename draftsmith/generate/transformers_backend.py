@@ -210,7 +210,6 @@ class TransformersGenerator:
         self.compiled = cache == "static"  # generate compiles the decode step on CUDA
         self.cache_lengths = cache_lengths
         self._static_cache, self._static_rows = None, 0  # one cache for batches of one shape
-        self._static_length = 0
         self.cache_lengths_made: list[int] = []  # each a shape that the decode step compiles
         self.compile_prefill, self._compiled_prefill = compile_prefill, None
         if cache == "static":
@@ -225,12 +224,13 @@ class TransformersGenerator:
         from transformers import StaticCache
 
         cache = self._static_cache
-        if cache is not None and self._static_length == length and self._static_rows == rows:
+        if cache is not None and self.cache_lengths_made[-1] == length \
+                and self._static_rows == rows:
             cache.reset()
             return cache
         self._static_cache = None  # the old cache's memory goes before the new one is made
         self._static_cache = StaticCache(config=self.model.config, max_cache_len=length)
-        self._static_rows, self._static_length = rows, length
+        self._static_rows = rows
         self.cache_lengths_made.append(length)
         return self._static_cache
 
