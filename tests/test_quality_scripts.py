@@ -77,6 +77,21 @@ def test_the_kinds_side_by_side_at_a_larger_size_makes_generate_answer_it(tmp_pa
     assert evaluations[0].priority < evaluations[1].priority
 
 
+def test_speculators_side_by_side_keeps_its_own_epochs_and_runs_its_own_recipe_first(
+        tmp_path: Path) -> None:
+    sweep_module = load("sweep")
+    size = {**sweep_module.GPU, "sizes": [], "kinds_size": 77401, "epochs": 4,
+            "speculators_epochs": 6}
+    sweep = sweep_module.Sweep(tmp_path, tmp_path / "report", size, budget_s=1e9, smoke=False)
+    args = type("Args", (), {"no_genbench": True, "kinds": ["eagle3.1"], "speculators": True})
+    sweep_module.plan(sweep, args)
+    assert "train:eagle3.1-77401-e4" in sweep.jobs
+    own = sweep.jobs["spec:speculators-speculators-6000-e6"]
+    ours = sweep.jobs["spec:speculators-draftsmith-6000-e6"]
+    assert own.argv[own.argv.index("--epochs") + 1] == "6"
+    assert own.priority < ours.priority
+
+
 def test_a_previous_leases_answers_replace_generation(tmp_path: Path) -> None:
     """--answers: the generate job copies the answers (xz or plain) in their order and records
     their sha256; too few for the sweep's largest size is an error naming the flag."""

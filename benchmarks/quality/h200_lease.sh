@@ -28,6 +28,14 @@
 #          --answers $A/smollm2_48k_2026-12-04.jsonl.xz --extra-answers /tmp/ex_all.jsonl \
 #          > /tmp/start.log 2>&1; rm -f $OUT/*; tail -5 /tmp/start.log
 #   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh finish 400 eagle3.1-77401-e4
+# With speculators' trainer beside it (its own recipe first, 6 epochs on the 6K store, one
+# GPU job at a time so that the 77K training keeps its pace), one more call before `start`:
+#   1b. carry .anchors:              bash benchmarks/quality/h200_lease.sh anchors
+#   2. carry .gpu/b:                 as 2. above, with --only target generate eagle3.1 store
+#        speculators --speculators --speculators-epochs 6 --gpu-jobs 1 and budget 1150
+#   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh wait 480
+#   4. at once:                      bash benchmarks/quality/h200_lease.sh finish 400 \
+#        eagle3.1-77401-e4 speculators-speculators-6000-e6
 # The exercises themselves (sweep.py --exercises PER_TOPIC, exercises.py): the `exercises` job,
 # e.g. `start 520 500 --only target exercises --no-genbench --exercises 320
 # --exercise-examples` (the target continues doctest examples in each), then `finish 1`.
@@ -41,7 +49,7 @@
 # The answers of 2026-12-04 (49,920, sha256 337ec214... uncompressed) are kept in
 # benchmarks/results/quality_scale/answers/: --answers takes them.
 set -u
-cmd=${1:?part1, oneshot, start, wait, finish or collect}; shift
+cmd=${1:?part1, anchors, oneshot, start, wait, finish or collect}; shift
 Q=/tmp/q
 DS=/tmp/ds
 
@@ -65,8 +73,9 @@ wait_for() {  # until the driver exits or WAIT_S pass
 send_drafters() {  # each drafter named: its exported directory as a tar, its sha256, and
   # the tar split into <= 15 MiB parts
   for name in "$@"; do
-    [ -f "$Q/done/train-$name" ] || { echo "no drafter $name"; continue; }
-    dir=$(python3 -c "import json; print(json.load(open('$Q/done/train-$name'))['drafter_dir'])")
+    done_file=$Q/done/train-$name; [ -f "$done_file" ] || done_file=$Q/done/spec-$name
+    [ -f "$done_file" ] || { echo "no drafter $name"; continue; }
+    dir=$(python3 -c "import json; print(json.load(open('$done_file'))['drafter_dir'])")
     tar cf /tmp/"$name".tar -C "$dir" .
     sha256sum /tmp/"$name".tar | tee "$OUT"/"$name".sha256
     split -b 15M /tmp/"$name".tar "$OUT"/"$name".tar.part_
@@ -79,14 +88,19 @@ case "$cmd" in
     nvidia-smi -L; df -h /tmp /dev/shm | cat; free -g | head -2; nproc
     python3 -c "import torch, transformers, triton; print(torch.__version__, transformers.__version__, triton.__version__)"
     ;;
+  anchors)  # carry .anchors: kept in /tmp/anchors for `start`, when .anchors and .gpu/b
+    # together pass a call's 64 MiB (speculators' wheels are 7.4 MB)
+    rm -rf /tmp/anchors && cp -r .anchors /tmp/anchors && du -sh /tmp/anchors/.whl_*
+    ;;
   start)
     budget=${1:?budget seconds}; wait_s=${2:-480}; shift 2  # the rest goes to sweep.py run
     cat /tmp/smollm/part_aa .gpu/b/part_ab > /tmp/smollm/smollm2.gguf
     sha256sum /tmp/smollm/smollm2.gguf  # b179c952... pinned in draftsmith/smollm2_target.py
     rm -rf "$DS" && mkdir -p "$DS" "$Q" && cp -r draftsmith benchmarks pyproject.toml "$DS"/
+    A=.anchors; [ -d "$A" ] || A=/tmp/anchors  # carried here, or by the `anchors` call
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
-      .anchors/.whl_ds/*.whl .gpu/b/whl/*.whl >/dev/null 2>&1 || echo "deps install failed"
-    PYTHONPATH=/tmp/site python3 .anchors/speculators/pick_wheels.py .anchors/.whl_spec \
+      "$A"/.whl_ds/*.whl .gpu/b/whl/*.whl >/dev/null 2>&1 || echo "deps install failed"
+    PYTHONPATH=/tmp/site python3 "$A"/speculators/pick_wheels.py "$A"/.whl_spec \
       > /tmp/picked.txt 2>/dev/null
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       $(cat /tmp/picked.txt) >/dev/null 2>&1 || echo "speculators install failed"

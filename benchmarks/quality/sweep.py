@@ -299,15 +299,18 @@ def plan(sweep: Sweep, args) -> None:
                       # EAGLE-3.1 is the quality candidate: first when two finish together.
                       priority=0 if kind.startswith("eagle3.1") else 1))
     if args.speculators:
-        n = size["speculators_size"]
+        n, epochs = size["speculators_size"], size.get("speculators_epochs") or size["epochs"]
         sweep.add(Job(f"store:{n}", out / "done" / f"store-{n}", 120, after=["generate"],
                       argv=me("store", *common, "--size", str(n)), priority=3))
-        for recipe in ("speculators", "draftsmith"):
-            name = f"speculators-{recipe}-{n}-e{size['epochs']}"
+        # speculators' own recipe first: with one GPU job at a time, it is the one that runs
+        # when the budget has room for only one.
+        for priority, recipe in enumerate(("speculators", "draftsmith"), start=4):
+            name = f"speculators-{recipe}-{n}-e{epochs}"
             sweep.add(Job(f"spec:{name}", out / "done" / f"spec-{name}", 300,
                           after=[f"store:{n}"],
                           argv=me("speculators", *common, "--name", name, "--size", str(n),
-                                  "--recipe", recipe), priority=4))
+                                  "--epochs", str(epochs), "--recipe", recipe),
+                          priority=priority))
             sweep.add(Job(f"eval:{name}", out / "done" / f"eval-{name}", 120,
                           after=[f"spec:{name}"], heavy=False, workers=size["eval_workers"],
                           argv=me("evaluate", *common, "--name", name), priority=1))
@@ -705,7 +708,7 @@ def job_eval_worker(a: dict, drafter_dir: str, worker: int, workers: int, part: 
 # --------------------------------------------------------------------------- speculators
 
 
-def job_speculators(a: dict, name: str, n: int, recipe: str) -> None:
+def job_speculators(a: dict, name: str, n: int, epochs: int, recipe: str) -> None:
     """speculators 0.9.0 trains its default drafter (EAGLE-3.1 norms, flex attention, fused
     kl_div loss) on the store of size n, with its recipe (muon + AdamW, linear schedule) or
     draftsmith's (AdamW, cosine with warm-up, the same lr); then `draftsmith import`."""
@@ -713,18 +716,18 @@ def job_speculators(a: dict, name: str, n: int, recipe: str) -> None:
 
     out, size = Path(a["out"]), a["size"]
     store = json.loads((out / "done" / f"store-{n}").read_text())
-    result = train_speculators(store, size, out / "speculators" / name, recipe, size["epochs"])
+    result = train_speculators(store, size, out / "speculators" / name, recipe, epochs)
     train_cfg = pipeline_config(out, size, answers_source(out, n), mode="offline").train
     validation = validation_of(Path(result["imported"]), store, size, train_cfg)
     # The earlier side by side decoded in the process that had trained speculators' model;
     # the same decoding here, next to the evaluation workers' fresh processes, tells a slow
     # drafter from a slow process.
-    reference = out / "done" / f"train-eagle3-{n}-e{size['epochs']}"
+    reference = out / "done" / f"train-eagle3-{n}-e{epochs}"
     drafters = {"speculators": result["imported"]}
     if reference.exists():
         drafters["draftsmith"] = json.loads(reference.read_text())["drafter_dir"]
     result["in_process_decode"] = decode_in_process(a, drafters, prompts=8)
-    touch(out / "done" / f"spec-{name}", {"name": name, "prompts": n, "epochs": size["epochs"],
+    touch(out / "done" / f"spec-{name}", {"name": name, "prompts": n, "epochs": epochs,
                                          "kind_label": "eagle3.1",
                                          "drafter_dir": result["imported"],
                                          "validation": [validation], "extra": result})
@@ -783,6 +786,9 @@ def main(argv: list[str] | None = None) -> None:
     run.add_argument("--kinds-size", type=int, help="prompts of the kinds' side by side "
                      "(default: 6,000; the tiny target's 40 with --smoke)")
     run.add_argument("--speculators", action="store_true")
+    run.add_argument("--speculators-epochs", type=int,
+                     help="speculators' trainer's epochs (default: --epochs), so that its side "
+                     "by side keeps its own epochs beside a longer or shorter main run")
     run.add_argument("--answers", help="a previous lease's answers.jsonl (or .jsonl.xz) "
                      "instead of the generate job: it saves generation's 3-4 minutes")
     run.add_argument("--starts-instruction", help="ask the python-function-starts prompts "
@@ -838,6 +844,8 @@ def main(argv: list[str] | None = None) -> None:
             size["target"] = args.target
         if args.kinds_size:
             size["kinds_size"] = args.kinds_size
+        if args.speculators_epochs:
+            size["speculators_epochs"] = args.speculators_epochs
         if args.extra_answers and not args.answers:
             parser.error("--extra-answers joins --answers: give both")
         if args.answers and args.starts_instruction:
@@ -869,7 +877,8 @@ def main(argv: list[str] | None = None) -> None:
      "evaluate": lambda: job_evaluate(a, args.name),
      "eval-worker": lambda: job_eval_worker(a, args.drafter_dir, args.worker, args.workers,
                                             args.part),
-     "speculators": lambda: job_speculators(a, args.name, args.size, args.recipe),
+     "speculators": lambda: job_speculators(a, args.name, args.size, args.epochs,
+                                            args.recipe),
      }[args.command]()
 
 
