@@ -149,6 +149,35 @@ def test_extra_answers_are_shuffled_in_among_the_kept_ones(tmp_path: Path, capsy
     assert "--extra-answers joins --answers" in capsys.readouterr().err
 
 
+def test_several_extra_answer_files_give_what_their_join_gives(tmp_path: Path) -> None:
+    """The best drafter's command names both exercise files; they must give the same answers,
+    order and sha256 as the one joined file the 77K run was made from."""
+    import lzma
+
+    sweep_module = load("sweep")
+
+    def lines(prefix: str, n: int) -> bytes:
+        return "".join(json.dumps({"id": f"{prefix}{i}"}) + "\n" for i in range(n)).encode()
+
+    kept = tmp_path / "answers.jsonl"
+    kept.write_bytes(lines("k", 30))
+    first, second = tmp_path / "ex80.jsonl.xz", tmp_path / "ex320.jsonl"
+    first.write_bytes(lzma.compress(lines("a", 7)))
+    second.write_bytes(lines("b", 11))
+    joined = tmp_path / "ex_all.jsonl"
+    joined.write_bytes(lines("a", 7) + lines("b", 11))
+    results = []
+    for extra in ([first, second], [joined]):
+        out = tmp_path / f"q{len(results)}"
+        (out / "done").mkdir(parents=True)
+        sweep_module.answers_from_file(out, kept, 48, extra)
+        done = json.loads((out / "done" / "generate").read_text())
+        results.append(((out / "answers.jsonl").read_bytes(), done["extra_answers_sha256"],
+                        done["extra_records"]))
+    assert results[0] == results[1]
+    assert results[0][2] == 18
+
+
 def test_exercises_keep_one_prompt_per_new_documented_function() -> None:
     """Unusable, repeated, too many of one name, and HumanEval-like exercises are dropped and
     counted; the rest become prompts in the python-functions form."""

@@ -247,7 +247,7 @@ def plan(sweep: Sweep, args) -> None:
     extra = getattr(args, "extra_answers", None)
     atomic_write_json(args_file, {"size": size, "out": str(out), "report": str(sweep.report),
                                   "answers": answers,
-                                  "extra_answers": str(Path(extra).resolve()) if extra else None,
+                                  "extra_answers": [str(Path(e).resolve()) for e in extra or []],
                                   "starts_instruction": getattr(args, "starts_instruction", None)})
     common = ["--args", str(args_file)]
     kinds = [k for k in KIND_SETTINGS if k in args.kinds]
@@ -362,16 +362,20 @@ def _answer_lines(path: Path) -> tuple[list[bytes], str]:
     return lines, hashlib.sha256(b"".join(lines)).hexdigest()
 
 
-def answers_from_file(out: Path, path: Path, prompts: int, extra: Path | None = None) -> None:
+def answers_from_file(out: Path, path: Path, prompts: int,
+                      extra: list[Path] | None = None) -> None:
     """A previous lease's answers (its answers.jsonl, plain or .xz) instead of generating:
     the same prompts answered by the same target, in the same seeded order. extra: more
-    answers (the exercises job's), shuffled in among them (seeded), so that every size takes
-    its share."""
+    answers (the exercises jobs'), joined in the order given and shuffled in among them
+    (seeded), so that every size takes its share. Several files give what one file of
+    them joined gives, sha256 included."""
     lines, digest = _answer_lines(path)
     done = {"answers_from": str(path), "answers_sha256": digest}
-    if extra is not None:
-        more, done["extra_answers_sha256"] = _answer_lines(extra)
-        done["extra_answers_from"], done["extra_records"] = str(extra), len(more)
+    if extra:
+        more = [line for e in extra for line in _answer_lines(e)[0]]
+        done["extra_answers_sha256"] = hashlib.sha256(b"".join(more)).hexdigest()
+        done["extra_answers_from"] = [str(e) for e in extra]
+        done["extra_records"] = len(more)
         lines += more
         random.Random(1).shuffle(lines)
     if len(lines) < prompts:
@@ -388,9 +392,10 @@ def job_generate(a: dict, prompts: int) -> None:
     """The target answers every prompt once; the answers are written in one seeded order, so
     size N is the first N lines (every smaller size a subset of a larger one)."""
     if a.get("answers"):
-        extra = a.get("extra_answers")
+        extra = a.get("extra_answers") or []
+        extra = [extra] if isinstance(extra, str) else extra  # args.json before 2026-12-04
         answers_from_file(Path(a["out"]), Path(a["answers"]), prompts,
-                          Path(extra) if extra else None)
+                          [Path(e) for e in extra])
         return
     from draftsmith.config import TargetConfig
     from draftsmith.generate.stage import read_records
@@ -795,8 +800,9 @@ def main(argv: list[str] | None = None) -> None:
                      "with this instruction instead of HumanEval's (e.g. for the function "
                      "and then an explanation, as SmolLM2 answers HumanEval; see "
                      "answer_shape.py); the answers are generated anew")
-    run.add_argument("--extra-answers", help="more answers, shuffled in among --answers' "
-                     "(an exercises job's exercise_answers.jsonl[.xz])")
+    run.add_argument("--extra-answers", nargs="+", help="more answers, shuffled in among "
+                     "--answers' (exercises jobs' exercise_answers.jsonl[.xz]; several files "
+                     "are joined in the order given)")
     run.add_argument("--exercises", type=int, default=0, metavar="PER_TOPIC",
                      help="the exercises job: the target writes PER_TOPIC exercises a topic "
                      "and answers the usable ones (exercises.py)")
