@@ -14,28 +14,29 @@
 #   last:                      bash benchmarks/quality/h200_lease.sh finish WAIT_S NAME...
 #     (waits for the driver, then collects NAME and the answers in the same call)
 #   or:                        bash benchmarks/quality/h200_lease.sh collect NAME...
-# Prepared for the next lease: EAGLE-3.1 on all 77,401 kept answers (the library's and the
-# exercises', both files in the repository) for 4 epochs, about 700 s (merge 151 s, the first
-# epoch 208 s with its compile, then 91 s an epoch, evaluation 90 s), so over two calls after
-# part1. The thirteenth lease lost this run in its third epoch: the call after `start` came
-# late (an API error on this side), and the machine was gone.
+# The best drafter (docs/results/quality.md, "The best drafter"): EAGLE-3.1 on all 77,401
+# kept answers (the library's and the exercises', all three files in the repository) for 4
+# epochs, about 11 minutes (merge 108 s, training 455 s, evaluation 78 s), so two calls after
+# part1. The fourteenth lease made it so; the thirteenth lost it, and so did the fourteenth's
+# first machine, each time because the call after `start` came late (an API error here).
 #   1. carry .gpu/a:                 bash benchmarks/quality/h200_lease.sh part1
 #   2. carry .gpu/b .anchors/.whl_ds:
-#        A=benchmarks/results/quality_scale/answers; xz -dc $A/smollm2_exercises80_2026-12-04.jsonl.xz \
-#          $A/smollm2_exercises320_2026-12-04.jsonl.xz > /tmp/ex_all.jsonl; \
+#        A=benchmarks/results/quality_scale/answers; \
 #        bash benchmarks/quality/h200_lease.sh start 1000 540 --only target generate eagle3.1 \
 #          --no-genbench --kinds eagle3.1 --kinds-size 77401 --epochs 4 \
-#          --answers $A/smollm2_48k_2026-12-04.jsonl.xz --extra-answers /tmp/ex_all.jsonl \
+#          --answers $A/smollm2_48k_2026-12-04.jsonl.xz --extra-answers \
+#          $A/smollm2_exercises80_2026-12-04.jsonl.xz $A/smollm2_exercises320_2026-12-04.jsonl.xz \
 #          > /tmp/start.log 2>&1; rm -f $OUT/*; tail -5 /tmp/start.log
-#   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh finish 400 eagle3.1-77401-e4
-# With speculators' trainer beside it (its own recipe first, 6 epochs on the 6K store, one
-# GPU job at a time so that the 77K training keeps its pace), one more call before `start`:
-#   1b. carry .anchors:              bash benchmarks/quality/h200_lease.sh anchors
-#   2. carry .gpu/b:                 as 2. above, with --only target generate eagle3.1 store
-#        speculators --speculators --speculators-epochs 6 --gpu-jobs 1 and budget 1150
-#   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh wait 480
-#   4. at once:                      bash benchmarks/quality/h200_lease.sh finish 400 \
-#        eagle3.1-77401-e4 speculators-speculators-6000-e6
+#   3. at once, nothing carried:     bash benchmarks/quality/h200_lease.sh finish 380 eagle3.1-77401-e4
+# speculators 0.9.0's trainer with its own recipe at 6K x 6 (about 5 minutes; its wheels and
+# .gpu/b pass 64 MiB together, so they travel in two calls):
+#   1. carry .gpu/a: part1;  2. carry .anchors: anchors;  3. carry .gpu/b:
+#        bash benchmarks/quality/h200_lease.sh start 420 255 --only target generate store \
+#          spec:speculators-speculators --no-genbench --kinds --speculators \
+#          --speculators-epochs 6 --gpu-jobs 1 --answers $A/smollm2_48k_2026-12-04.jsonl.xz \
+#          > /tmp/start.log 2>&1; tail -12 /tmp/start.log; \
+#        bash benchmarks/quality/h200_lease.sh collect
+#      (`spec:speculators` runs draftsmith's recipe too; with --gpu-jobs 1 the budget decides)
 # The exercises themselves (sweep.py --exercises PER_TOPIC, exercises.py): the `exercises` job,
 # e.g. `start 520 500 --only target exercises --no-genbench --exercises 320
 # --exercise-examples` (the target continues doctest examples in each), then `finish 1`.
