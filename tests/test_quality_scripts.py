@@ -135,7 +135,7 @@ def test_extra_answers_are_shuffled_in_among_the_kept_ones(tmp_path: Path, capsy
     out = tmp_path / "q"
     (out / "done").mkdir(parents=True)
     a = {"out": str(out), "size": dict(sweep_module.SMOKE), "answers": str(kept),
-         "extra_answers": str(extra)}
+         "extra_answers": [str(extra)]}
     sweep_module.job_generate(a, 60)
     joined = (out / "answers.jsonl").read_text().splitlines(keepends=True)
     assert sorted(joined) == sorted(kept.read_text().splitlines(keepends=True)

@@ -392,10 +392,8 @@ def job_generate(a: dict, prompts: int) -> None:
     """The target answers every prompt once; the answers are written in one seeded order, so
     size N is the first N lines (every smaller size a subset of a larger one)."""
     if a.get("answers"):
-        extra = a.get("extra_answers") or []
-        extra = [extra] if isinstance(extra, str) else extra  # args.json before 2026-12-04
         answers_from_file(Path(a["out"]), Path(a["answers"]), prompts,
-                          [Path(e) for e in extra])
+                          [Path(e) for e in a.get("extra_answers") or []])
         return
     from draftsmith.config import TargetConfig
     from draftsmith.generate.stage import read_records
