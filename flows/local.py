@@ -54,6 +54,16 @@ def configured_elsewhere() -> bool:
             or ((cwd / ".env").is_file() and "PREFECT_" in (cwd / ".env").read_text()))
 
 
+def database() -> str:
+    """The Prefect server's database, as its settings name it (SQLite under PREFECT_HOME
+    unless a connection URL is set)."""
+    for name in ("PREFECT_SERVER_DATABASE_CONNECTION_URL", "PREFECT_API_DATABASE_CONNECTION_URL"):
+        if os.environ.get(name):
+            return f"the database of {name}"
+    home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+    return f"the database {home / 'prefect.db'}"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -80,9 +90,12 @@ class TemporaryApi:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise RuntimeError(f"Prefect's temporary API server exited with code "
-                                   f"{self.process.returncode} before it was ready (port "
-                                   f"{self.port}); its error is printed above")
+                raise RuntimeError(
+                    f"Prefect's temporary API server exited with code "
+                    f"{self.process.returncode} before it was ready (port {self.port}); its "
+                    f"error is printed above. If that error names an alembic revision, "
+                    f"{database()} was written by another Prefect version: set PREFECT_HOME "
+                    f"to a new folder, or run with the Prefect that wrote it")
             with contextlib.suppress(OSError), urllib.request.urlopen(
                     f"{self.url}/health", timeout=5) as response:
                 if response.status == 200:

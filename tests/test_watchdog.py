@@ -89,3 +89,25 @@ def test_prefects_temporary_server_dies_with_a_killed_run(tmp_path):
     finally:
         if alive(server):
             os.kill(server, signal.SIGKILL)
+
+
+@pytest.mark.timeout(300)
+def test_a_database_from_another_prefect_version_is_named_with_the_fix(tmp_path):
+    """A PREFECT_HOME whose database a newer Prefect migrated: Prefect's own server fails on
+    the unknown alembic revision, and the error names the database and what to do."""
+    import sqlite3
+
+    home = tmp_path / "prefect"
+    home.mkdir()
+    with sqlite3.connect(home / "prefect.db") as db:
+        db.execute("CREATE TABLE alembic_version (version_num VARCHAR(32) NOT NULL)")
+        db.execute("INSERT INTO alembic_version VALUES ('ffffffffffff')")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env.update(PREFECT_HOME=str(home), PREFECT_SERVER_ANALYTICS_ENABLED="false")
+    run = subprocess.run([sys.executable, "-c", "from flows.local import start_temporary_api\n"
+                          "start_temporary_api().wait_ready()"],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+    assert run.returncode != 0
+    assert "No such revision" in run.stderr  # Prefect's own error, printed above ours
+    assert (f"the database {home / 'prefect.db'} was written by another Prefect version: "
+            "set PREFECT_HOME to a new folder") in run.stderr
