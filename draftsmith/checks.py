@@ -76,6 +76,11 @@ def check_source(checks: Checks, source: DataSource, max_drop_rate: float) -> No
     from draftsmith.data.formats import load_source, peek_rows
 
     name = f"data {source.name}"
+    if source.synthesize is not None:
+        checks.ok(name, f"the target writes {source.synthesize.prompts} prompts (task types "
+                        f"{dict(source.synthesize.task_types)}, free share "
+                        f"{source.synthesize.free_share}) in the generate stage")
+        return
     if source.builtin is not None:
         from draftsmith.data.packaged import check_installed
 

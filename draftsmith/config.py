@@ -113,8 +113,61 @@ class TargetConfig(StrictModel):
         return data
 
 
+class SynthesizeConfig(StrictModel):
+    """Prompts the target writes itself, as a user would ask them (draftsmith/generate/
+    synthesize.py): it continues the chat template from the start of a user turn, either from
+    nothing (as in Magpie) or from an opener of a task type ("Write a short poem about"),
+    sampled. The prompts are filtered and deduplicated, then answered like every other prompt;
+    merge keeps them apart from every evaluation set."""
+
+    prompts: int = keyed(..., ge=1, description=(
+        "Prompts the target writes; fewer are kept (unfinished, too short, repetitive or "
+        "duplicate ones go; generate's report counts each reason)."))
+    task_types: dict[str, float] = keyed(
+        default_factory=lambda: {t: 1.0 for t in SYNTHESIS_TASK_TYPES}, description=(
+            "Weight of each task type among the prompts started from an opener: chat, "
+            "writing, explanation, code, math, reasoning, or a type of your own named in "
+            "`openers`."))
+    free_share: float = keyed(0.25, ge=0.0, le=1.0, description=(
+        "Share of prompts written from the bare user turn, with no opener and no topic (as in "
+        "Magpie): whatever the target thinks a user asks."))
+    openers: dict[str, list[str]] = keyed(default_factory=dict, description=(
+        "More openers per task type, added to the builtin ones (a new name adds a type); "
+        "`{topic}` in an opener is replaced by one of `topics`."))
+    topics: list[str] = keyed(default_factory=list, description=(
+        "Topics for the openers that take one (`{topic}`): the prompts then cover your "
+        "domain. Empty: those openers are not used."))
+    max_prompt_tokens: int = keyed(96, ge=8, le=4096, description=(
+        "Tokens the target may write for one prompt; a prompt that does not end its turn "
+        "within them is dropped."))
+    min_prompt_chars: int = keyed(16, ge=1, description="Shorter prompts are dropped.")
+    temperature: float = keyed(1.0, gt=0.0, description="Sampling temperature of the writing.")
+    top_p: float = keyed(0.95, gt=0.0, le=1.0, description="Nucleus sampling of the writing.")
+    seed: int = keyed(0, description=(
+        "Seeds the choice of type, opener and topic per prompt, and each batch's sampling."))
+
+    @model_validator(mode="after")
+    def _types_known(self) -> SynthesizeConfig:
+        known = set(SYNTHESIS_TASK_TYPES) | set(self.openers)
+        unknown = sorted(set(self.task_types) - known)
+        if unknown:
+            raise ValueError(f"synthesize.task_types: unknown types {unknown}; use "
+                             f"{', '.join(SYNTHESIS_TASK_TYPES)}, or give their openers in "
+                             "synthesize.openers")
+        if any(w < 0 for w in self.task_types.values()) or (
+                self.free_share < 1 and sum(self.task_types.values()) <= 0):
+            raise ValueError(f"synthesize.task_types={self.task_types}: weights must be >= 0 "
+                             "and at least one positive (or set free_share: 1)")
+        return self
+
+
+# The builtin task types of prompt synthesis (their openers: draftsmith/generate/synthesize.py).
+SYNTHESIS_TASK_TYPES = ("chat", "writing", "explanation", "code", "math", "reasoning")
+
+
 class DataSource(StrictModel):
-    """One dataset: a local file, a Hugging Face dataset or a packaged prompt set."""
+    """One dataset: a local file, a Hugging Face dataset, a packaged prompt set, or prompts
+    the target writes itself."""
 
     name: str = keyed(..., min_length=1, description=(
         "Unique; names the source in the stats, the answer journals and new-data events."))
@@ -143,13 +196,18 @@ class DataSource(StrictModel):
     format: Literal["auto", "sharegpt", "openai", "trajectory", "prompt"] = keyed(
         "auto", description="The record adapter; auto: each record's keys decide.")
     limit: int | None = keyed(None, ge=1, description="Read at most this many records.")
+    synthesize: SynthesizeConfig | None = keyed(None, added=True, description=(
+        "Prompts the target writes itself instead of reading them (generate.backend: "
+        "transformers); they are then answered like any prompt-only record."))
 
     @model_validator(mode="after")
     def _one_location(self) -> DataSource:
-        if sum(x is not None for x in (self.path, self.hub, self.builtin)) != 1:
+        locations = (self.path, self.hub, self.builtin, self.synthesize)
+        if sum(x is not None for x in locations) != 1:
             raise ValueError(f"data.sources[{self.name}]: give exactly one of path (a local "
-                             "JSON/JSONL/Parquet file), hub (a dataset name or directory) or "
-                             "builtin (python-functions, python-function-starts, humaneval)")
+                             "JSON/JSONL/Parquet file), hub (a dataset name or directory), "
+                             "builtin (python-functions, python-function-starts, humaneval) "
+                             "or synthesize (prompts the target writes)")
         if self.instruction is not None and self.builtin not in ("python-functions",
                                                                  "python-function-starts"):
             raise ValueError(f"data.sources[{self.name}].instruction: only the builtin "
@@ -326,6 +384,11 @@ class MergeConfig(StrictModel):
         "When the benchmark has prompts of its own (benchmark.prompts_builtin or "
         "prompts_file), merge fails if a record's prompt matches one exactly or shares at "
         "least this share of its token 8-grams with one (draftsmith/data/overlap.py)."))
+    decontaminate: Literal["drop", "fail"] = keyed("drop", added=True, description=(
+        "benchmark.suite: what merge does with a training record that resembles a prompt of "
+        "an evaluation set (the same prompt, a shared 13-gram in its prompt or answer, or a "
+        "function with an evaluation entry point's name): drop it and count it in the "
+        "report, or fail naming it."))
 
 
 class SGLangCaptureConfig(StrictModel):
@@ -797,8 +860,41 @@ class DeployConfig(StrictModel):
         return self
 
 
+class EvalSetConfig(StrictModel):
+    """One named prompt set of the evaluation suite (draftsmith/data/evalsets.py)."""
+
+    name: str = keyed(..., min_length=1, description=(
+        "The set's name in reports: a builtin set (chat, code, math) when no path is given."))
+    path: str | None = operational(None, description=(
+        "A set of your own: a file in any data format. A record's `split` field (dev or test) "
+        "places it; the rest are placed by a hash of their id (dev_fraction)."))
+    dev_fraction: float = keyed(1 / 3, gt=0.0, lt=1.0, description=(
+        "path only: the share of records without a split field that go to the dev part."))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_name(cls, data: Any) -> Any:
+        return {"name": data} if isinstance(data, str) else data
+
+
 class BenchmarkConfig(StrictModel):
     """Measure the deployed drafter against the target alone on held-out prompts."""
+
+    suite: list[EvalSetConfig] = keyed(default_factory=list, added=True, description=(
+        "Named prompt sets measured one by one, each with a fixed dev and test part: builtin "
+        "chat, code (HumanEval 48-81 dev, 82-163 test) and math, or {name, path} for a set "
+        "of your own. Each set gets its own row (acceptance, per-position acceptance, a 95% "
+        "bootstrap interval over prompts, identity with greedy decoding), and merge keeps "
+        "every set's prompts out of training. Empty: prompts_file, prompts_builtin or the "
+        "validation split."))
+    splits: list[Literal["dev", "test"]] = keyed(
+        default_factory=lambda: ["test"], min_length=1, added=True, description=(
+            "Which parts of the suite's sets are measured: decide on dev, report test."))
+    prompts_per_set: int | None = keyed(None, ge=1, added=True, description=(
+        "At most this many prompts of each set's part (its first ones); null: the whole "
+        "part."))
+    bootstrap_samples: int = keyed(2000, ge=100, added=True, description=(
+        "Resamples of the prompts behind each set's 95% interval."))
 
     prompts_file: str | None = operational(None, description=(
         "Held-out prompts from a file in any data format (ShareGPT, OpenAI messages, "
@@ -839,6 +935,15 @@ class BenchmarkConfig(StrictModel):
     def _one_prompt_set(self) -> BenchmarkConfig:
         if self.prompts_file and self.prompts_builtin:
             raise ValueError("benchmark: give prompts_file or prompts_builtin, not both")
+        if self.suite and (self.prompts_file or self.prompts_builtin):
+            raise ValueError("benchmark.suite with benchmark.prompts_file or prompts_builtin: "
+                             "the suite names its own prompt sets; add the file to the suite "
+                             "as {name: ..., path: ...} and remove the other setting")
+        names = [s.name for s in self.suite]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"benchmark.suite names {repeated} more than once; give each set "
+                             "a unique name")
         return self
 
 
@@ -976,6 +1081,17 @@ class PipelineConfig(StrictModel):
                     f"one block drafts at most block_size - 1 = {block - 1} tokens and no tree; "
                     f"set num_steps <= {block - 1} (num_draft_tokens = num_steps + 1) and "
                     "eagle_topk=1, or raise drafter.dflash.block_size")
+        return self
+
+    @model_validator(mode="after")
+    def _synthesis_in_process(self) -> PipelineConfig:
+        written = [s.name for s in self.data.sources if s.synthesize is not None]
+        if written and self.generate.backend != "transformers":
+            raise ValueError(
+                f"data.sources {written} synthesize prompts, and generate.backend is "
+                f"{self.generate.backend!r}: the target writes prompts in the generate stage's "
+                "own process; set generate.backend: transformers, or write the prompts with "
+                "your server into a file and read that as a source")
         return self
 
     @model_validator(mode="after")

@@ -82,6 +82,10 @@ def data_descriptors(config: PipelineConfig) -> list[Descriptor]:
     """Content fingerprints of the source files: new data means new keys downstream."""
     out = []
     for source in config.data.sources:
+        if source.synthesize is not None:  # written by the target: the generate key covers it
+            out.append(external_descriptor("data", f"synthesize:{source.name}", hash_json(
+                source.synthesize.model_dump(mode="json"))[:16]))
+            continue
         if source.builtin is not None:
             from draftsmith.data.packaged import builtin_fingerprint
 

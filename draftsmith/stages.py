@@ -273,8 +273,12 @@ def _ranges(config: PipelineConfig) -> int:
 
 
 def _generate_ranges(config: PipelineConfig) -> int:
-    # Only the in-process backend answers on the GPU hosts.
-    return _ranges(config) if config.generate.backend == "transformers" else 1
+    # Only the in-process backend answers on the GPU hosts; prompts the target writes itself
+    # are written on one host, in one journal.
+    if config.generate.backend != "transformers" or any(
+            s.synthesize is not None for s in config.data.sources):
+        return 1
+    return _ranges(config)
 
 
 def _generate_range(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
@@ -312,16 +316,29 @@ def _run_merge(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
 
     benchmark = benchmark_prompt_set(config.benchmark.prompts_builtin,
                                      config.benchmark.prompts_file)
-    return run_merge(config.merge, inputs["generate"], inputs[TARGET], plan, benchmark)
+    eval_sets = None
+    if config.benchmark.suite:
+        from draftsmith.data.evalsets import suite_sets
+
+        eval_sets = suite_sets(config.benchmark.suite)
+    return run_merge(config.merge, inputs["generate"], inputs[TARGET], plan, benchmark,
+                     eval_sets)
 
 
 def _merge_key(config: PipelineConfig) -> dict[str, Any]:
     # The overlap proof is against the benchmark's own prompts: their content is in the key.
     from draftsmith.data.overlap import benchmark_fingerprint
 
+    material: dict[str, Any] = {}
     held_out = benchmark_fingerprint(config.benchmark.prompts_builtin,
                                      config.benchmark.prompts_file)
-    return {"benchmark_prompts": held_out} if held_out else {}
+    if held_out:
+        material["benchmark_prompts"] = held_out
+    if config.benchmark.suite:  # decontaminated against these sets' content
+        from draftsmith.data.evalsets import suite_fingerprints
+
+        material["eval_sets"] = suite_fingerprints(config.benchmark.suite)
+    return material
 
 
 def _merge_reports(descriptor: Descriptor) -> list[Report]:
@@ -338,6 +355,24 @@ def _merge_reports(descriptor: Descriptor) -> list[Report]:
                               rows=[{"figure": k, "value": str(rounded(v))}
                                     for k, v in overlap.items()],
                               log_lines=[f"merge benchmark overlap {overlap}"]))
+    contamination = descriptor.dir / "decontamination.json"
+    if contamination.is_file():
+        from draftsmith.data.overlap import CHECKS
+
+        reports_by_set = json.loads(contamination.read_text())
+        rows = [{"set": r["set"], "eval prompts": r["eval_prompts"],
+                 "records checked": r["records_checked"],
+                 **{check.replace("_", " "): r[check] for check in CHECKS},
+                 "records flagged": r["records_flagged"], "action": r["action"],
+                 "example": "; ".join(f"{e['record']} ~ {next(iter(e['matches'].values()))} "
+                                      f"({', '.join(e['matches'])})"
+                                      for e in r["examples"][:2]) or "-"}
+                for r in reports_by_set]
+        reports.append(Report("table", "merge: training records that resemble an evaluation "
+                              "set's prompts (same prompt, a shared 13-gram in the prompt or "
+                              "the answer, a function named like an entry point), per set",
+                              key="merge-decontamination", rows=rows,
+                              log_lines=[f"merge decontamination {row}" for row in rows]))
     if (descriptor.dir / MERGE_COVERAGE_FILE).is_file():  # absent from older merge outputs
         coverage = json.loads((descriptor.dir / MERGE_COVERAGE_FILE).read_text())
         reports.append(Report("table", "merge: draft vocab coverage of loss-masked tokens",
@@ -357,6 +392,10 @@ def _describe_merge(descriptor: Descriptor) -> str:
     if overlap:
         text += (f", no overlap with {overlap['benchmark']} (0 exact, 0 near; largest "
                  f"similarity {overlap['max_similarity']:.2f})")
+    suite = descriptor.figures.get("decontamination")
+    if suite:
+        text += ", decontaminated against " + ", ".join(
+            f"{r['set']} ({r['records_flagged']} left out)" for r in suite)
     return text
 
 
@@ -624,6 +663,10 @@ def _benchmark_key(config: PipelineConfig) -> dict[str, Any]:
         from draftsmith.data.packaged import builtin_fingerprint
 
         material["prompts"] = builtin_fingerprint(config.benchmark.prompts_builtin)
+    if config.benchmark.suite:  # the sets' prompts and parts, by content
+        from draftsmith.data.evalsets import suite_fingerprints
+
+        material["eval_sets"] = suite_fingerprints(config.benchmark.suite)
     return material
 
 
@@ -642,6 +685,18 @@ def _benchmark_reports(descriptor: Descriptor) -> list[Report]:
                 f"\n\n{text}")
     reports = [Report("markdown", "benchmark: tokens/s and acceptance per config (chart), and "
                       "the report", key="benchmark", text=text)]
+    sets = report.get("sets") or []
+    if sets:
+        set_rows = [{"set": r["set"], "part": r["split"], "prompts": r["prompts"],
+                     "acceptance": r["acceptance"],
+                     "ci95": f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}",
+                     "per position": ", ".join(f"{a:.3f}" for a in r["per_position"]),
+                     "identical": r["identical"] or "-", "speedup": r.get("speedup", "-")}
+                    for r in sets]
+        reports.append(Report("table", "benchmark: acceptance per prompt set (dev or test "
+                              "part), with a 95% bootstrap interval over prompts and identity "
+                              "with greedy decoding", key="benchmark-sets", rows=set_rows,
+                              log_lines=[f"benchmark set {row}" for row in set_rows]))
     if rows:
         reports.append(Report("table", "benchmark: acceptance, speedup and tokens/s per "
                               "drafting config", key="benchmark-configs", rows=rows,
@@ -660,13 +715,19 @@ def _describe_benchmark(descriptor: Descriptor) -> str:
                      f"draftsmith's engine ({figures.guard['replayed_acceptance']:.2f})")
         return (f"{figures.engine} at {figures.url}: measured acceptance length "
                 f"{figures.acceptance_length:.2f}{guard}, {figures.single_stream_tokens_per_s} "
-                f"tok/s single stream{same}\n{figures.verdict}\nreport: {figures.report}")
+                f"tok/s single stream{same}{_per_set(descriptor)}\n{figures.verdict}\n"
+                f"report: {figures.report}")
     identical = figures.identical_outputs if figures.identical_outputs is not None \
         else figures.lossless
     return (f"measured acceptance length {figures.acceptance_length:.2f}, "
             f"{figures.speculative_tokens_per_s} vs {figures.greedy_tokens_per_s} tok/s, "
-            f"identical to greedy decoding: {identical}\n{figures.verdict}\n"
-            f"report: {figures.report}")
+            f"identical to greedy decoding: {identical}{_per_set(descriptor)}\n"
+            f"{figures.verdict}\nreport: {figures.report}")
+
+
+def _per_set(descriptor: Descriptor) -> str:
+    sets = descriptor.figures.get("sets") or []
+    return "".join(f"; {r['set']} {r['split']} {r['acceptance']:.2f}" for r in sets)
 
 
 def _benchmark_problem(descriptor: Descriptor) -> str | None:

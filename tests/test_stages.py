@@ -356,3 +356,40 @@ def test_benchmark_also_measures_a_sampled_setting(chain, random_target, random_
     assert sampled["config"] == "chain, 2 steps @ T=0.8" and sampled["temperature"] == 0.8
     assert sampled["lossless"] is None and sampled["identical_outputs"].startswith("n/a")
     assert sampled["acceptance_length"] >= 1.0
+
+
+def test_the_suite_gives_each_set_and_part_a_row(chain, random_target, random_target_dir,
+                                                 tmp_path):
+    """benchmark.suite: every set's part is measured, tabulated with its interval and
+    identity, and published as its own artifact; the key follows the sets' content."""
+    from draftsmith.bench.benchmark import run_benchmark
+
+    own = tmp_path / "support.jsonl"
+    own.write_text("".join(json.dumps({"id": f"q{i}", "prompt": f"Question {i}: why?",
+                                       "split": "dev" if i < 2 else "test"}) + "\n"
+                           for i in range(5)))
+    cfg = BenchmarkConfig(suite=["chat", "code", {"name": "support", "path": str(own)}],
+                          splits=["dev", "test"], prompts_per_set=2, max_new_tokens=6)
+    bench = run_benchmark(cfg, TargetConfig(model=str(random_target_dir)), chain["deploy"],
+                          chain["merge"], random_target,
+                          plan_stage(tmp_path, "benchmark", {}, [chain["deploy"]]))
+    report = json.loads((bench.dir / "report.json").read_text())
+    sets = report["sets"]
+    assert [(r["set"], r["split"], r["prompts"]) for r in sets] == [
+        ("chat", "dev", 2), ("chat", "test", 2), ("code", "dev", 2), ("code", "test", 2),
+        ("support", "dev", 2), ("support", "test", 2)]
+    per_prompt = report["per_prompt"]
+    assert [p["id"] for p in per_prompt[4:6]] == ["HumanEval-48", "HumanEval-49"]
+    for row in sets:
+        chosen = [p for p in per_prompt if (p["set"], p["split"]) == (row["set"], row["split"])]
+        rounds = sum(p["verify_rounds"] for p in chosen)
+        assert row["acceptance"] == round(sum(p["round_tokens"] for p in chosen) / rounds, 4)
+        assert row["ci95"][0] <= row["acceptance"] <= row["ci95"][1]
+        assert row["identical"] == "2/2" and len(row["per_position"]) == 2
+    assert bench.figures["sets"] == sets and bench.figures["prompts"] == 12
+    assert "## By prompt set" in (bench.dir / "report.md").read_text()
+    from draftsmith import stages
+
+    table = next(r for r in stages.get("benchmark").reports(bench) if r.key == "benchmark-sets")
+    assert [(r["set"], r["part"]) for r in table.rows][:2] == [("chat", "dev"), ("chat", "test")]
+    assert "chat dev" in stages.get("benchmark").describe(bench)

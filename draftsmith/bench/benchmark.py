@@ -20,8 +20,10 @@ from draftsmith.artifacts import (
     stage_output,
 )
 from draftsmith.bench.charts import markdown_table, plot_benchmark
+from draftsmith.bench.suite import prompt_conversation, sets_markdown, suite_prompts, with_sets
 from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
+from draftsmith.data.evalsets import EvalPrompt
 from draftsmith.data.formats import load_source
 from draftsmith.data.merge import read_split
 from draftsmith.figures import DeployFigures, TargetFigures, TrainFigures
@@ -54,6 +56,16 @@ def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> lis
                          "merge.validation_fraction so there are held-out prompts, or set "
                          "benchmark.prompts_file")
     return [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
+
+
+def benchmark_prompts(cfg: BenchmarkConfig, merged: Descriptor | None, tokenizer
+                      ) -> tuple[list[list[int]], list[EvalPrompt] | None]:
+    """Token ids of the prompts measured, and with benchmark.suite the evaluation prompt each
+    one is (its set and part), in the same order."""
+    if not cfg.suite:
+        return held_out_prompts(cfg, merged, tokenizer), None
+    chosen = suite_prompts(cfg.suite, cfg.splits, cfg.prompts_per_set)
+    return [prompt_ids(tokenizer, prompt_conversation(p)) for p in chosen], chosen
 
 
 def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
@@ -145,20 +157,21 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         from draftsmith.bench.vllm_bench import run_vllm_benchmark
 
         full_acc = (TrainFigures.of(trained).full_acc or None) if trained else None
-        prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
+        prompts, suite = benchmark_prompts(cfg, merged, load_tokenizer(target))
         return run_vllm_benchmark(cfg, deploy_cfg or DeployConfig(engine="vllm"), target_cfg,
                                   deployment, prompts, target, plan, full_acc,
-                                  trained_dir=trained.path if trained else None)
+                                  trained_dir=trained.path if trained else None, suite=suite)
     if engine == "sglang":
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)
     engine, spec = load_embedded_engine(deployment, target_cfg)
     tokenizer = load_tokenizer(target)
-    prompts = held_out_prompts(cfg, merged, tokenizer)
+    prompts, suite = benchmark_prompts(cfg, merged, tokenizer)
     eos = tokenizer.eos_token_id
     deployed = drafting_label(spec["num_steps"], spec["eagle_topk"], spec["num_draft_tokens"])
     plain = plain_decoding(engine.runner, prompts, cfg, eos)
     summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, deployed, plain)
+    sets = with_sets(cfg, suite, per_prompt, engine.num_steps)
 
     def measure_point(point: DraftingPoint, _out: Path) -> dict:
         point_engine = EmbeddedSpeculativeEngine(
@@ -196,8 +209,9 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
                f"at best, {best['config']})")
     with stage_output(plan) as out:
         atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
-                                                "configs": configs, "per_prompt": per_prompt})
-        (out / "report.md").write_text(markdown_report(summary, verdict, configs))
+                                                "sets": sets, "configs": configs,
+                                                "per_prompt": per_prompt})
+        (out / "report.md").write_text(markdown_report(summary, verdict, configs, sets))
         plot_benchmark(["greedy", *(c["config"] for c in configs)],
                        [configs[0]["greedy_tokens_per_s"],
                         *(c["speculative_tokens_per_s"] for c in configs)],
@@ -209,13 +223,18 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
              summary["lossless"], verdict)
     return finish_stage(plan, counts={"prompts": len(per_prompt),
                                       "tokens": summary["completion_tokens"]},
-                        figures={**summary, "verdict": verdict,
+                        figures={**summary, "verdict": verdict, "sets": sets,
                                  "report": str(out / "report.md")})
 
 
-def markdown_report(summary: dict, verdict: str, configs: list[dict] | None = None) -> str:
+def markdown_report(summary: dict, verdict: str, configs: list[dict] | None = None,
+                    sets: list[dict] | None = None) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
     text = f"# draftsmith benchmark\n\n| metric | value |\n|---|---|\n{rows}\n"
+    if sets:
+        text += ("\n## By prompt set\n\nAcceptance length with a 95% bootstrap interval over "
+                 "prompts; per position: the share of rounds that accepted the j-th draft.\n\n"
+                 + sets_markdown(sets))
     if configs and len(configs) > 1:
         text += "\n## Drafting configs\n\n" + markdown_table(configs)
     return text + f"\n**{verdict}**\n"

@@ -26,8 +26,12 @@ from draftsmith.artifacts import (
 )
 from draftsmith.bench.charts import markdown_table, plot_benchmark
 from draftsmith.bench.openai_load import Completion, run_completions, summarize
+from draftsmith.bench.suite import sets_markdown, with_sets
 from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
+from draftsmith.data.evalsets import EvalPrompt
 from draftsmith.serve.vllm_launch import (
+    PER_POSITION,
+    SPEC_COUNTERS,
     acceptance_from_counters,
     build_vllm_launch,
     read_counters,
@@ -60,18 +64,49 @@ def measure_server(url: str, model: str, prompts: list[list[int]], cfg: Benchmar
     return rows, first or []
 
 
+def per_prompt_acceptance(url: str, model: str, prompts: list[list[int]], cfg: BenchmarkConfig,
+                          positions: int) -> list[dict[str, Any]]:
+    """Each prompt alone (concurrency 1), vLLM's counters read before and after it: its own
+    drafts, accepted tokens and acceptance by position, in the shape the suite's rows read
+    (verify_rounds = drafts; round_tokens = drafts + accepted, the tokens those rounds kept)."""
+    rows = []
+    with httpx.Client(base_url=url, timeout=60) as client:
+        for i, prompt in enumerate(prompts):
+            before = read_counters(client)
+            [completion], _ = asyncio.run(run_completions(
+                url, model, [prompt], max_tokens=cfg.max_new_tokens,
+                temperature=cfg.temperature, concurrency=1))
+            after = read_counters(client)
+
+            def delta(name: str, before=before, after=after) -> int:
+                return int(after.get(name, 0.0) - before.get(name, 0.0))
+
+            drafts, accepted = delta(SPEC_COUNTERS[0]), delta(SPEC_COUNTERS[2])
+            rows.append({"prompt": i, "prompt_tokens": len(prompt),
+                         "completion_tokens": len(completion.output_ids),
+                         "verify_rounds": drafts, "round_tokens": drafts + accepted,
+                         "accepted_by_position": [delta(f"{PER_POSITION}[{p}]")
+                                                  for p in range(positions)],
+                         "output_ids": completion.output_ids})
+    return rows
+
+
 def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cfg: TargetConfig,
                        deployment: Descriptor, prompts: list[list[int]], target: Descriptor,
                        plan: StagePlan, trainer_full_acc: list[float] | None = None,
-                       trained_dir: str | None = None) -> Descriptor:
+                       trained_dir: str | None = None,
+                       suite: list[EvalPrompt] | None = None) -> Descriptor:
     """trained_dir: the train stage's checkpoint, the drafter the guard replays (default: the
-    deployed files)."""
+    deployed files). suite: the evaluation prompt each of `prompts` is; its sets get a row
+    each, from a pass at concurrency 1 that reads vLLM's counters around every prompt."""
     from draftsmith.serve import servers
 
     url, model = deployment.figures["url"], deployment.figures["model"]
     positions = deployment.figures["num_steps"]
     greedy = cfg.temperature == 0
     with stage_output(plan) as out:
+        by_prompt = (per_prompt_acceptance(url, model, prompts, cfg, positions)
+                     if suite else None)
         sweep, speculative = measure_server(url, model, prompts, cfg, positions)
         sampled = None
         if cfg.sampled_temperature:
@@ -145,6 +180,14 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
             summary.update(speedup=None, identical_outputs=f"n/a ({skipped})", lossless=None)
             verdict = (f"no baseline measured ({skipped}), so no speedup is claimed; "
                        f"acceptance length {summary['acceptance_length']:.2f}")
+        sets: list[dict[str, Any]] = []
+        if by_prompt is not None:
+            for row in by_prompt:
+                output = row.pop("output_ids")
+                if greedy and plain:
+                    row["identical"] = output == plain[row["prompt"]].output_ids
+            sets = with_sets(cfg, suite, by_prompt, positions)
+            summary["sets"] = sets
         if cfg.guard and greedy:
             from draftsmith.bench.guard import run_guard
 
@@ -163,7 +206,9 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
         rows = [{"server": c["config"], **r} for c in configs for r in c["rows"]]
         rows += [{"server": "baseline", **r} for r in baseline or []]
         atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
-                                                "rows": rows, "per_prompt": per_prompt})
+                                                "sets": sets, "rows": rows,
+                                                "per_prompt": per_prompt,
+                                                "per_prompt_acceptance": by_prompt})
         (out / "report.md").write_text(markdown_report(summary, rows, verdict))
         plot_benchmark([f"{r['server']} c={r['concurrency']}" for r in rows],
                        [r["tokens_per_s"] for r in rows],
@@ -185,8 +230,13 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 def markdown_report(summary: dict[str, Any], rows: list[dict[str, Any]], verdict: str) -> str:
 
-    table = "\n".join(f"| {k} | {v} |" for k, v in summary.items() if k != "guard")
+    table = "\n".join(f"| {k} | {v} |" for k, v in summary.items() if k not in ("guard",
+                                                                                 "sets"))
     text = f"# draftsmith benchmark: vLLM\n\n| metric | value |\n|---|---|\n{table}\n"
+    if summary.get("sets"):
+        text += ("\n## By prompt set\n\nEach prompt alone (concurrency 1), vLLM's counters "
+                 "read around it; a 95% bootstrap interval over prompts; identical: to the "
+                 "baseline server's greedy output.\n\n" + sets_markdown(summary["sets"]))
     text += "\n## By server and concurrency\n\n" + markdown_table(rows)
     guard = summary.get("guard")
     if guard:

@@ -16,8 +16,9 @@ from safetensors.torch import load_file, save_file
 
 from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, hash_json, stage_output
 from draftsmith.config import MergeConfig
+from draftsmith.data.evalsets import EvalPrompt
 from draftsmith.data.formats import DataFormatError, Record
-from draftsmith.data.overlap import Prompt, check_overlap
+from draftsmith.data.overlap import CHECKS, Prompt, check_overlap, decontaminate
 from draftsmith.data.tokenize import check_special_tokens, pool_workers, tokenize_records
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.figures import MERGE_COVERAGE_FILE, TargetFigures
@@ -31,6 +32,7 @@ VOCAB_FILE = "vocab_map.safetensors"
 COVERAGE_FILE = MERGE_COVERAGE_FILE
 CHECKS_FILE = "checks.json"
 OVERLAP_FILE = "benchmark_overlap.json"
+DECONTAMINATION_FILE = "decontamination.json"
 
 
 def is_validation(record_id: str, fraction: float) -> bool:
@@ -95,9 +97,12 @@ def _share(pairs) -> float:
 
 
 def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
-              plan: StagePlan, benchmark: tuple[str, list[Prompt]] | None = None) -> Descriptor:
+              plan: StagePlan, benchmark: tuple[str, list[Prompt]] | None = None,
+              eval_sets: dict[str, list[EvalPrompt]] | None = None) -> Descriptor:
     """benchmark: (name, prompts) of the benchmark's own prompt set; no record may overlap it
-    (draftsmith/data/overlap.py), or the stage fails naming the records."""
+    (draftsmith/data/overlap.py), or the stage fails naming the records. eval_sets: the
+    evaluation suite's sets (every prompt, both parts); records that resemble one are dropped
+    or fail the stage (merge.decontaminate), with a report per set."""
     records = read_records(generated)
     read_per_source: dict[str, int] = defaultdict(int)
     for r in records:
@@ -106,6 +111,18 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
     log.info("merge: %d exact and %d near-exact duplicates removed",
              sum(c.get("exact_duplicates", 0) for c in removed.values()),
              sum(c.get("near_duplicates", 0) for c in removed.values()))
+    contamination = None
+    if eval_sets:
+        before = records
+        records, contamination = decontaminate(records, eval_sets, cfg.decontaminate)
+        kept_ids = {r.id for r in records}
+        for r in before:
+            if r.id not in kept_ids:
+                removed.setdefault(r.source, defaultdict(int))["decontaminated"] += 1
+        for report in contamination:
+            log.info("merge: against the evaluation set %s (%d prompts): %d records flagged "
+                     "(%s)", report["set"], report["eval_prompts"], report["records_flagged"],
+                     ", ".join(f"{c} {report[c]}" for c in CHECKS))
     overlap = None
     if benchmark is not None:
         overlap = check_overlap(records, benchmark[1], benchmark[0], cfg.max_benchmark_overlap)
@@ -185,6 +202,8 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
         (out / CHECKS_FILE).write_text(json.dumps({"special_tokens": special}, indent=2))
         if overlap is not None:
             (out / OVERLAP_FILE).write_text(json.dumps(overlap, indent=2))
+        if contamination is not None:
+            (out / DECONTAMINATION_FILE).write_text(json.dumps(contamination, indent=2))
     for name, c in stats.items():
         log.info("merge: source %s: %s", name, c)
     log.info("merge: draft vocab %d of %d ids covers %.1f%% of train and %.1f%% of validation "
@@ -201,6 +220,7 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
             "truncated": sum(c.get("truncated", 0) for c in stats.values()),
             "exact_duplicates": sum(c.get("exact_duplicates", 0) for c in stats.values()),
             "near_duplicates": sum(c.get("near_duplicates", 0) for c in stats.values()),
+            "decontaminated": sum(c.get("decontaminated", 0) for c in stats.values()),
         },
         figures={"draft_vocab_coverage": round(coverage, 4),
                  "draft_vocab_coverage_validation": round(validation_coverage, 4),
@@ -208,7 +228,10 @@ def run_merge(cfg: MergeConfig, generated: Descriptor, target: Descriptor,
                  "end_of_turn_token": special["end_of_turn_token"],
                  **({"benchmark_overlap": {k: overlap[k] for k in (
                      "benchmark", "benchmark_prompts", "records_checked", "exact_matches",
-                     "near_matches", "max_similarity")}} if overlap is not None else {})},
+                     "near_matches", "max_similarity")}} if overlap is not None else {}),
+                 **({"decontamination": [{k: r[k] for k in (
+                     "set", "eval_prompts", "records_flagged", *CHECKS)}
+                     for r in contamination]} if contamination is not None else {})},
     )
 
 

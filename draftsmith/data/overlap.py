@@ -170,3 +170,136 @@ def benchmark_fingerprint(prompts_builtin: str | None, prompts_file: str | None)
 
         return file_fingerprint("benchmark.prompts_file", prompts_file)
     return None
+
+
+# --------------------------------------------------------------------------- decontamination
+
+
+CONTAMINATION_NGRAM = 13
+_DEFINED = re.compile(r"\bdef\s+([A-Za-z_]\w*)\s*\(")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def normalized_name(name: str) -> str:
+    """A function name with case, underscores and camelCase folded: `has_close_elements`,
+    `hasCloseElements` and `HasCloseElements` are one name."""
+    return re.sub(r"[^a-z0-9]", "", _CAMEL.sub("_", name).lower())
+
+
+def defined_names(text: str) -> set[str]:
+    """The normalized names of the Python functions a text defines."""
+    return {normalized_name(n) for n in _DEFINED.findall(text)}
+
+
+def _gram_hashes(text: str, n: int = CONTAMINATION_NGRAM) -> set[int]:
+    tokens = _TOKEN.findall(text.lower())
+    return {hash(tuple(tokens[i:i + n])) for i in range(len(tokens) - n + 1)}
+
+
+def _token_line(text: str) -> str:
+    """The text's tokens, space-separated and space-framed: a run of them is a substring."""
+    return " " + " ".join(_TOKEN.findall(text.lower())) + " "
+
+
+@dataclass
+class EvalIndex:
+    """What one evaluation set's prompts are recognised by: their folded text, their 13-grams
+    (and their reference answers' ones) and their entry points' normalized names. N-grams in
+    more than COMMON_SHARE of the set's prompts are its template (HumanEval's instruction,
+    which the python-functions prompts share) and say nothing about one prompt."""
+
+    name: str
+    size: int
+    exact: dict[str, str]  # folded prompt text -> prompt id
+    grams: dict[int, str]  # n-gram hash -> a prompt id
+    names: dict[str, str]  # normalized entry-point name -> prompt id
+    short: list[tuple[str, str]]  # (token line, id) of prompts too short for one n-gram
+
+    @classmethod
+    def of(cls, name: str, prompts: list) -> EvalIndex:
+        per_prompt = [_gram_hashes(p.text) | (_gram_hashes(p.reference) if p.reference else
+                                              set()) for p in prompts]
+        common = _common(per_prompt, COMMON_SHARE)
+        grams: dict[int, str] = {}
+        for prompt, hashes in zip(prompts, per_prompt, strict=True):
+            for h in hashes - common:
+                grams.setdefault(h, prompt.id)
+        short = [(_token_line(p.text), p.id) for p in prompts
+                 if len(_TOKEN.findall(p.text)) < CONTAMINATION_NGRAM]
+        return cls(name, len(prompts), {_folded(p.text): p.id for p in prompts}, grams,
+                   {normalized_name(p.entry_point): p.id for p in prompts if p.entry_point},
+                   short)
+
+
+CHECKS = ("prompt_exact", "prompt_ngram", "answer_ngram", "entry_point_name")
+
+
+def _hits(record: Record, index: EvalIndex, prompt_grams: set[int], answer_grams: set[int],
+          names: set[str]) -> dict[str, str]:
+    """check -> the evaluation prompt it matched, for each check the record fails."""
+    hits: dict[str, str] = {}
+    exact = index.exact.get(_folded(prompt_text(record)))
+    if exact:
+        hits["prompt_exact"] = exact
+    shared = next((index.grams[g] for g in prompt_grams if g in index.grams), None)
+    if shared is None and index.short:  # a short prompt is recognised whole, inside another
+        line = _token_line(prompt_text(record))
+        shared = next((pid for short, pid in index.short if short in line), None)
+    if shared:
+        hits["prompt_ngram"] = shared
+    shared = next((index.grams[g] for g in answer_grams if g in index.grams), None)
+    if shared:
+        hits["answer_ngram"] = shared
+    name = next((index.names[n] for n in names if n in index.names), None)
+    if name:
+        hits["entry_point_name"] = name
+    return hits
+
+
+def decontaminate(records: list[Record], eval_sets: dict[str, list], action: str = "drop",
+                  examples: int = 10) -> tuple[list[Record], list[dict[str, Any]]]:
+    """The records that resemble no prompt of any evaluation set, and one report per set.
+
+    A record resembles an evaluation prompt when its prompt is the same text (case and spacing
+    folded), when its prompt or its answers share a 13-gram with the prompt or its reference
+    answer (word and punctuation tokens, lower-cased; the set's template n-grams left out; a
+    prompt shorter than 13 tokens counts when its prompt holds it whole), or when it defines
+    a function whose normalized name is the prompt's entry point. action
+    "drop" removes such records; "fail" raises OverlapError naming them."""
+    indexes = [EvalIndex.of(name, prompts) for name, prompts in eval_sets.items()]
+    counts = {i.name: dict.fromkeys(CHECKS, 0) | {"records_flagged": 0} for i in indexes}
+    shown: dict[str, list[dict[str, Any]]] = {i.name: [] for i in indexes}
+    kept: list[Record] = []
+    for record in records:
+        prompt = prompt_text(record)
+        answers = "\n".join(m.content for m in record.messages if m.role == "assistant")
+        prompt_grams, answer_grams = _gram_hashes(prompt), _gram_hashes(answers)
+        names = defined_names(prompt) | defined_names(answers)
+        flagged = False
+        for index in indexes:
+            hits = _hits(record, index, prompt_grams, answer_grams, names)
+            if not hits:
+                continue
+            flagged = True
+            counts[index.name]["records_flagged"] += 1
+            for check in hits:
+                counts[index.name][check] += 1
+            if len(shown[index.name]) < examples:
+                shown[index.name].append({"record": record.id, "source": record.source,
+                                          "matches": hits})
+        if not flagged:
+            kept.append(record)
+    reports = [{"set": i.name, "eval_prompts": i.size, "records_checked": len(records),
+                "ngram": CONTAMINATION_NGRAM, **counts[i.name], "action": action,
+                "examples": shown[i.name]} for i in indexes]
+    if action == "fail" and len(kept) < len(records):
+        found = "; ".join(f"{r['set']}: {r['records_flagged']} records, e.g. "
+                          + ", ".join(f"{e['record']} ({'/'.join(e['matches'])} "
+                                      f"{next(iter(e['matches'].values()))})"
+                                      for e in r["examples"][:2])
+                          for r in reports if r["records_flagged"])
+        raise OverlapError(
+            f"merge: {len(records) - len(kept)} of {len(records)} training records resemble "
+            f"evaluation prompts ({found}). Remove them from their sources, or set "
+            "merge.decontaminate: drop to leave them out of training")
+    return kept, reports

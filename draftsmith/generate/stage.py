@@ -239,7 +239,13 @@ def plan_requests(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfi
     records: list[Record] = []
     stats: list[SourceStats] = []
     for source in data.sources:
-        source_records, source_stats = load_data_source(source, data.max_drop_rate)
+        if source.synthesize is not None:
+            from draftsmith.generate.synthesize import synthesized_source
+
+            source_records, source_stats = synthesized_source(source, cfg, target_cfg, target,
+                                                              plan)
+        else:
+            source_records, source_stats = load_data_source(source, data.max_drop_rate)
         log.info("source %s: read %d, kept %d, dropped %s%s", source.name, source_stats.read,
                  source_stats.kept, source_stats.dropped or "none",
                  f", notes {source_stats.notes}" if source_stats.notes else "")

