@@ -8,6 +8,8 @@ API (PREFECT_API_URL). Idempotent: running it again updates what exists.
 - the pipeline deployment on `cpu`: its form names the config file (and the overrides that
   select distributed mode), one run at a time (later runs queue), an optional cron schedule,
   and a trigger that re-runs it on `draftsmith.dataset.updated`;
+- the compare deployment on `cpu` (`draftsmith-compare/cpu`): the pipeline's form plus a list
+  of variants, one comparison table (flows/compare.py);
 - one deployment per GPU stage flow on `gpu`, whose job variables pin CUDA_VISIBLE_DEVICES and
   the NCCL environment;
 - an automation that marks a flow run Crashed when its heartbeats stop (zombie detection).
@@ -207,6 +209,7 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
     from prefect.schedules import Cron
 
     from blocks.gpu_host import GpuHost, concurrency_limit_name
+    from flows.compare import compare
     from flows.gpu_stages import STAGE_FLOWS
     from flows.pipeline import pipeline
 
@@ -261,6 +264,15 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
                     "-> benchmark; GPU stages run on the gpu pool",
         tags=["draftsmith"])
     ids[f"{pipeline.name}/{PIPELINE_DEPLOYMENT}"] = str(deployment.apply())
+    # Comparing configs from the UI: the same config file (or whole config) and overrides as
+    # the pipeline's form, and a list of variants to fill in.
+    comparison = compare.to_deployment(
+        PIPELINE_DEPLOYMENT, work_pool_name=options.cpu_pool, parameters=parameters,
+        job_variables={"env": dict(LOG_ENV)}, entrypoint_type=EntrypointType.MODULE_PATH,
+        description="draftsmith: several variants of the pipeline config, run one after the "
+                    "other on one run root, and one comparison table artifact",
+        tags=["draftsmith"])
+    ids[f"{compare.name}/{PIPELINE_DEPLOYMENT}"] = str(comparison.apply())
     for flow_ in STAGE_FLOWS.values():
         if not options.hosts:  # one GPU host: the pool's default queue
             host = host_blocks[options.gpu_host]

@@ -124,6 +124,51 @@ def run(
     _finish(_run_flow(pipeline_config, selected))
 
 
+@app.command()
+def compare(
+    config: Annotated[Path, typer.Argument(help="The base pipeline YAML.")],
+    variant: Annotated[list[str], typer.Option(
+        "--variant", help="A variant: 'NAME: key=value key=value' over the base config "
+        "(repeatable), e.g. --variant 'e2: train.epochs=2'; a NAME alone runs the base.")],
+    set_: SetOption = None,
+) -> None:
+    """Run several variants of one config, one after the other on its run root, and print one
+    table of their figures (also a Prefect table artifact and <run_root>/compare/NAME.json).
+
+    Stages a variant leaves unchanged are Cached from an earlier one. Decide on the evaluation
+    suite's dev parts (--set benchmark.splits=[dev]); report the chosen variant's test parts.
+    """
+    from draftsmith.compare import check_variants, parse_variant
+
+    pipeline_config = _load(config, set_)
+    try:
+        variants = [parse_variant(v) for v in variant]
+        check_variants(variants)
+    except ConfigError as err:
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
+    _prepare_environment()
+    from flows.local import start_prefects_own, start_temporary_api
+
+    api = start_temporary_api()
+    from flows.compare import VariantForm
+    from flows.compare import compare as compare_flow
+
+    if api is not None:
+        api.wait_ready()
+    else:
+        start_prefects_own()
+    rows = compare_flow(full_config=pipeline_config.model_dump(mode="json"), variants=[
+        VariantForm(name=v.name, overrides=list(v.overrides)) for v in variants])
+    table = Table(title=f"draftsmith compare: {pipeline_config.pipeline_name}", show_header=True)
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    for column in columns:
+        table.add_column(column, overflow="fold")
+    for row in rows:
+        table.add_row(*("-" if row.get(c) is None else str(row[c]) for c in columns))
+    Console().print(table)
+
+
 def _select(only: str | None, from_: str | None, to: str | None) -> list[str]:
     try:
         return select_stages(only, from_, to)

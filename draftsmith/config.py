@@ -197,8 +197,9 @@ class DataSource(StrictModel):
         "auto", description="The record adapter; auto: each record's keys decide.")
     limit: int | None = keyed(None, ge=1, description="Read at most this many records.")
     synthesize: SynthesizeConfig | None = keyed(None, added=True, description=(
-        "Prompts the target writes itself instead of reading them (generate.backend: "
-        "transformers); they are then answered like any prompt-only record."))
+        "Prompts the target writes itself instead of reading them, where generate answers "
+        "(in process, or through the vLLM or OpenAI-compatible server); they are then "
+        "answered like any prompt-only record."))
 
     @model_validator(mode="after")
     def _one_location(self) -> DataSource:
@@ -895,6 +896,10 @@ class BenchmarkConfig(StrictModel):
         "part."))
     bootstrap_samples: int = keyed(2000, ge=100, added=True, description=(
         "Resamples of the prompts behind each set's 95% interval."))
+    repeats: int = keyed(1, ge=1, added=True, description=(
+        "vLLM with baseline: pairs of speculative and baseline measurements, each server "
+        "started again in turn and the order alternating; the speedup is the pairs' median, "
+        "with their spread (3 or more for figures you report)."))
 
     prompts_file: str | None = operational(None, description=(
         "Held-out prompts from a file in any data format (ShareGPT, OpenAI messages, "
@@ -1081,17 +1086,6 @@ class PipelineConfig(StrictModel):
                     f"one block drafts at most block_size - 1 = {block - 1} tokens and no tree; "
                     f"set num_steps <= {block - 1} (num_draft_tokens = num_steps + 1) and "
                     "eagle_topk=1, or raise drafter.dflash.block_size")
-        return self
-
-    @model_validator(mode="after")
-    def _synthesis_in_process(self) -> PipelineConfig:
-        written = [s.name for s in self.data.sources if s.synthesize is not None]
-        if written and self.generate.backend != "transformers":
-            raise ValueError(
-                f"data.sources {written} synthesize prompts, and generate.backend is "
-                f"{self.generate.backend!r}: the target writes prompts in the generate stage's "
-                "own process; set generate.backend: transformers, or write the prompts with "
-                "your server into a file and read that as a source")
         return self
 
     @model_validator(mode="after")

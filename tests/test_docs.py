@@ -359,7 +359,7 @@ def test_a_wrong_flag_or_missing_argument_is_caught(monkeypatch, capsys):
         "draftsmith run examples/tiny.yaml --epochs 3",
         "draftsmith export /tmp/d --out /tmp/e",
         "prefect worker start --pol gpu",
-        "python benchmarks/quality/replay_check.py",
+        "python benchmarks/general/summary.py embedded report.json",
         "python benchmarks/train_throughput.py --device cuda",
         "pip install -e '.[nosuchextra]'",
         "mkdocs build --strictly",
@@ -369,7 +369,7 @@ def test_a_wrong_flag_or_missing_argument_is_caught(monkeypatch, capsys):
     assert all(problems), problems
     assert "--epochs" in problems[0] and problems[1].startswith("MissingParameter")
     assert "--pol" in problems[2]
-    assert "--run-root" in problems[3] and GPU_MARK in problems[4]
+    assert "--drafter" in problems[3] and GPU_MARK in problems[4]
 
 
 # --------------------------------------------------------------------------- configs

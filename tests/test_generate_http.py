@@ -511,3 +511,35 @@ def test_generation_is_keyed_per_source_only_a_changed_source_is_asked(
     cfg = cfg.model_copy(update={"max_new_tokens": 9})
     generate("new settings")
     assert len(proxy.answers) == 7 and sum(proxy.answers.values()) == 14
+
+
+def test_the_target_writes_prompts_through_the_server_and_resumes(
+        vllm_server, served_target, served_target_dir, tmp_path):
+    """A `synthesize:` source with backend openai: the real vLLM server continues the chat
+    template's user turn (token ids, /v1/completions), one seed per prompt; a run cut off
+    part-way asks only for the prompts its journal lacks, and keeps the ones written."""
+    from draftsmith.generate.synthesize import read_journal
+
+    cfg = GenerateConfig(backend="openai", max_new_tokens=4, endpoint={
+        "base_url": vllm_server.figures["url"] + "/v1", "model": str(served_target_dir),
+        "timeout_s": 60, "partitions": [{"max_prompt_tokens": 4096, "concurrency": 4}]})
+    data = DataConfig(sources=[{"name": "w", "synthesize": {"prompts": 12,
+                                                            "max_prompt_tokens": 24}}])
+    target = TargetConfig(model=str(served_target_dir))
+    first = run_generate(cfg, data, target, served_target,
+                         plan_stage(tmp_path, "generate", {"n": 1}, [served_target]))
+    journal = next((tmp_path / "generate" / "prompts").glob("w-*/written.jsonl"))
+    written = read_journal(journal)
+    assert sorted(written) == list(range(12))
+    assert {e["finish_reason"] for e in written.values()} <= {"stop", "length"}
+    kept = json.loads((first.dir / "stats.json").read_text())[0]["kept"]
+    assert kept == first.counts["generated"] and kept >= 1
+
+    lines = journal.read_text().splitlines(keepends=True)
+    journal.write_text("".join(lines[:5]) + lines[5][:7])  # cut off mid-line
+    run_generate(cfg, data, target, served_target,
+                 plan_stage(tmp_path, "generate", {"n": 2}, [served_target]))
+    again = read_journal(journal)
+    assert sorted(again) == list(range(12))
+    kept_before = [json.loads(line)["index"] for line in lines[:5]]
+    assert all(again[i] == written[i] for i in kept_before)

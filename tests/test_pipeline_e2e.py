@@ -355,3 +355,35 @@ def test_retention_deletes_big_outputs_and_recomputes_them_when_a_stage_needs_th
                                  "train": "Completed"}
     assert retrained["extract"]["descriptor"]["fingerprint"] == hidden["fingerprint"]
     assert not os.path.exists(hidden["path"])
+
+
+def test_compare_runs_each_variant_and_publishes_one_table(first_run, base_raw):
+    """The compare flow: a variant with the session run's settings is all Cached, one that
+    changes the benchmark runs only the benchmark; one table artifact under the base name,
+    each variant's reports under its own, and the rows on disk."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    from draftsmith.compare import read_comparison
+    from flows.compare import VariantForm, compare
+
+    rows = compare(full_config=base_raw, variants=[
+        VariantForm(name="base"),
+        VariantForm(name="short", overrides=["benchmark.max_new_tokens=12"])])
+    base, short = rows
+    assert (base["variant"], base["ran"], short["ran"]) == ("base", "-", "benchmark")
+    trained = first_run["train"]["descriptor"]["figures"]
+    assert base["tau"] == short["tau"] == round(trained["tau"], 3)
+    bench = first_run["benchmark"]["descriptor"]["figures"]
+    assert base["acceptance"] == round(bench["acceptance_length"], 3)
+    assert short["overrides"] == "benchmark.max_new_tokens=12" and short["identical"] == "8/8"
+    saved = read_comparison(Path(base_raw["run_root"]) / "compare" / "tiny.json")
+    assert saved["rows"] == rows and saved["variants"][1]["name"] == "short"
+    keys = ["draftsmith-tiny-comparison", "draftsmith-tiny-short-benchmark"]
+    with get_client(sync_client=True) as client:
+        artifacts = client.read_artifacts(
+            artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=keys)))
+    assert {a.key for a in artifacts} == set(keys)
+    table = next(a for a in artifacts if a.key == keys[0])
+    data = table.data if isinstance(table.data, list) else json.loads(table.data)
+    assert [row["variant"] for row in data] == ["base", "short"]

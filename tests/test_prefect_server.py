@@ -301,6 +301,11 @@ def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first
         "overrides": ["orchestration.mode=distributed", "orchestration.gpu_host=gpu-host",
                       "orchestration.endpoint_block=inference-endpoint"]}
     assert [s["schedule"]["cron"] for s in deployment["schedules"]] == ["0 3 * * *"]
+    comparison = server.deployment("draftsmith-compare/cpu")  # comparing configs from the UI
+    assert comparison["work_pool_name"] == "cpu"
+    assert comparison["parameters"] == deployment["parameters"]
+    assert list(comparison["parameter_openapi_schema"]["properties"]) == [
+        "config", "variants", "overrides", "full_config"]
     for stage in GPU_STAGES:
         gpu = server.deployment(f"draftsmith-{stage}/gpu")
         assert gpu["work_pool_name"] == "gpu"

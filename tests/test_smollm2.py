@@ -224,20 +224,21 @@ def test_another_instruction_asks_for_the_same_functions_under_another_key():
 # -- the pipeline on the real target ---------------------------------------------------------
 
 
-PROMPTS, TOKENS, BENCH_PROMPTS = 10, 24, 3
+PROMPTS, WRITTEN, TOKENS, BENCH_PROMPTS = 10, 8, 24, 3
 
 
 @pytest.fixture(scope="module")
 def smollm2_run(smollm2_target, tmp_path_factory):
-    """examples/smollm2-cpu.yaml, smaller, run in this process (no orchestration): the target
-    answers 10 prompts through the vLLM server the generate stage starts, the deploy stage
-    serves it with the drafter on vLLM, and the benchmark decodes 3 HumanEval prompts. No
+    """examples/smollm2-cpu.yaml, smaller, run in this process (no orchestration): through the
+    vLLM server the generate stage starts, the target writes 8 prompts of its own and answers
+    them and 10 python-functions prompts; the deploy stage serves it with the drafter on vLLM,
+    and the benchmark decodes the first dev prompt of each suite set (chat, code, math). No
     baseline server (a third vLLM start-up): the server's greedy outputs are read here, the
     server is stopped (vLLM's CPU engine keeps the cores busy while it is up), and the test
     decodes the same prompts greedily with transformers."""
     import asyncio
 
-    from draftsmith.bench.benchmark import held_out_prompts
+    from draftsmith.bench.benchmark import benchmark_prompts
     from draftsmith.bench.openai_load import run_completions
     from draftsmith.config import parse_config
     from draftsmith.plan import run_in_process
@@ -247,16 +248,18 @@ def smollm2_run(smollm2_target, tmp_path_factory):
     raw = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     raw["run_root"] = str(tmp_path_factory.mktemp("runs") / "smollm2")
     raw["data"]["sources"][0]["limit"] = PROMPTS
+    raw["data"]["sources"][1]["synthesize"].update(prompts=WRITTEN, max_prompt_tokens=48)
     raw["generate"].update(max_new_tokens=TOKENS)
     raw["generate"]["vllm"].update(port=free_port(), env=VLLM_TEST_ENV)
     raw["merge"].update(validation_fraction=0.2, draft_vocab_size=2048)
     raw["train"].update(epochs=2, batch_tokens=2048)
     raw["deploy"].update(port=free_port(), env=VLLM_TEST_ENV)
-    raw["benchmark"].update(num_prompts=BENCH_PROMPTS, max_new_tokens=TOKENS, concurrency=[1],
+    raw["benchmark"].update(prompts_per_set=1, max_new_tokens=TOKENS, concurrency=[1],
                             baseline=False)
     config = parse_config(raw)
     outputs = dict(run_in_process(config, smollm2_target).outputs)
-    prompts = held_out_prompts(config.benchmark, outputs["merge"], load_tokenizer(smollm2_target))
+    prompts, _ = benchmark_prompts(config.benchmark, outputs["merge"],
+                                   load_tokenizer(smollm2_target))
     url, model = outputs["deploy"].figures["url"], outputs["deploy"].figures["model"]
     try:
         served, _ = asyncio.run(run_completions(url, model, prompts, max_tokens=TOKENS))
@@ -273,14 +276,20 @@ def test_the_pipeline_runs_on_the_real_target_and_decodes_exactly(smollm2_run, s
 
     config, outputs, prompts, served = smollm2_run
     generate = outputs["generate"]
-    assert generate.counts["records"] == PROMPTS and generate.counts["generated"] == PROMPTS
+    stats = {s["source"]: s for s in json.loads((generate.dir / "stats.json").read_text())}
+    written = stats["self-written"]
+    assert written["read"] == WRITTEN and 1 <= written["kept"] <= WRITTEN
+    assert generate.counts["records"] == generate.counts["generated"] == PROMPTS + written["kept"]
     assert generate.figures["backend"] == "vllm"
-    # merge checked every record against HumanEval's 164 prompts: nothing overlaps.
-    overlap = outputs["merge"].figures["benchmark_overlap"]
-    assert overlap["benchmark"] == "builtin:humaneval" and overlap["benchmark_prompts"] == 164
-    assert overlap["records_checked"] == PROMPTS
-    assert overlap["exact_matches"] == 0 and overlap["near_matches"] == 0
-    assert (outputs["merge"].dir / "benchmark_overlap.json").is_file()
+    # The target wrote its prompts from its own chat template's user turn, through vLLM.
+    asked = [json.loads(line)["messages"][0]["content"] for line in
+             (generate.dir / "records.jsonl").read_text().splitlines()]
+    assert all("<|im_start|>" not in text and text.strip() for text in asked)
+    # merge checked every record against every prompt of the three sets.
+    checked = outputs["merge"].figures["decontamination"]
+    assert [(c["set"], c["eval_prompts"]) for c in checked] == [
+        ("chat", 120), ("code", 164), ("math", 120)]
+    assert (outputs["merge"].dir / "decontamination.json").is_file()
     train = outputs["train"].figures
     assert 0 < train["full_acc_0"] <= 1 and train["tau"] >= 1
     # The export names the target it was trained for: package, version and file hash.
@@ -294,7 +303,11 @@ def test_the_pipeline_runs_on_the_real_target_and_decodes_exactly(smollm2_run, s
     assert bench["engine"] == "vllm" and bench["prompts"] == BENCH_PROMPTS
     assert bench["acceptance_length"] >= 1 and len(bench["accepted_per_position"]) == 3
     report = json.loads((outputs["benchmark"].dir / "report.json").read_text())
-    assert min(p["prompt_tokens"] for p in report["per_prompt"]) > 60  # whole problems
+    # one row per set, from vLLM's counters read around each prompt
+    assert [(r["set"], r["split"], r["prompts"]) for r in report["sets"]] == [
+        ("chat", "dev", 1), ("code", "dev", 1), ("math", "dev", 1)]
+    assert sum(r["verify_rounds"] for r in report["sets"]) > 0
+    assert all(r["acceptance"] >= 1 for r in report["sets"])
     # Its greedy outputs are the target's own greedy decoding, token for token.
     target = load_target_model(smollm2_target.path)
     eos = load_tokenizer(smollm2_target).eos_token_id

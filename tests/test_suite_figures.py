@@ -41,3 +41,16 @@ def test_the_interval_holds_the_figure_and_narrows_with_more_prompts():
     wide = high - low
     low, high = bootstrap_interval(tokens * 10, rounds * 10, 2000)
     assert low < point < high and (high - low) < wide / 2
+
+
+def test_the_speedup_is_the_median_of_the_pairs():
+    from draftsmith.bench.vllm_bench import median_speedups, speed_pair
+
+    def rows(*tps):
+        return [{"concurrency": c, "tokens_per_s": t} for c, t in zip((1, 4), tps, strict=True)]
+
+    pairs = [speed_pair(rows(30, 90), rows(20, 80), "speculative first"),
+             speed_pair(rows(33, 84), rows(20, 80), "baseline first"),
+             speed_pair(rows(24, 100), rows(20, 80), "speculative first")]
+    assert pairs[0]["speedups"] == {1: 1.5, 4: 1.125}
+    assert median_speedups(pairs) == {1: 1.5, 4: 1.125}

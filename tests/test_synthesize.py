@@ -50,9 +50,6 @@ def test_task_types_are_checked():
     cfg = SynthesizeConfig(prompts=50, free_share=0, task_types={"poetry": 1},
                            openers={"poetry": ["Write a sonnet about"]})
     assert {w.opener for w in plan_writings(cfg)} == {"Write a sonnet about"}
-    base = {"data": {"sources": [{"name": "w", "synthesize": {"prompts": 5}}]}}
-    with pytest.raises(ConfigError, match="target writes prompts in the generate stage"):
-        parse_config({**base, "generate": {"backend": "vllm"}})
     with pytest.raises(ConfigError, match="give exactly one of path"):
         parse_config({"data": {"sources": [{"name": "w", "path": "a.jsonl",
                                             "synthesize": {"prompts": 5}}]}})

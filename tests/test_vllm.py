@@ -164,11 +164,23 @@ def test_engines_agree_on_outputs_and_acceptance(vllm_server, vllm_chain):
 
 
 def test_benchmark_through_vllm_reads_its_counters_and_matches_the_baseline(vllm_server,
-                                                                            vllm_chain):
-    """Runs last: its baseline stops the shared server."""
+                                                                            vllm_chain,
+                                                                            tmp_path):
+    """Runs last: its baseline stops the shared server. The 8 held-out prompts are an
+    evaluation set of its own (4 dev, 4 test): each set's row comes from vLLM's counters read
+    around every prompt, and adds up to what the counters say of all of them at once; the
+    speedup is the median of two pairs of server runs, in alternating order."""
     from draftsmith.bench.benchmark import run_benchmark
+    from draftsmith.data.merge import read_split
 
-    cfg = vllm_chain.benchmark_cfg(concurrency=[1, 4])
+    held_out = tmp_path / "held-out.jsonl"
+    rows = read_split(vllm_chain.out["merge"], "validation")[:8]
+    held_out.write_text("".join(json.dumps({"id": r["id"], "split": "dev" if i < 4 else "test",
+                                            "messages": json.loads(r["messages"])}) + "\n"
+                                for i, r in enumerate(rows)))
+    cfg = vllm_chain.benchmark_cfg(concurrency=[1, 4], num_prompts=16, repeats=2,
+                                   suite=[{"name": "held-out", "path": str(held_out)}],
+                                   splits=["dev", "test"])
     descriptor = run_benchmark(cfg, vllm_chain.target_cfg, vllm_server, vllm_chain.out["merge"],
                                vllm_chain.target, vllm_chain.plan("benchmark", vllm_server),
                                vllm_chain.deploy_cfg, trained=vllm_chain.out["train"])
@@ -178,6 +190,19 @@ def test_benchmark_through_vllm_reads_its_counters_and_matches_the_baseline(vllm
     assert summary["identical_outputs"] == "8/8" and summary["lossless"] is True
     assert summary["acceptance_length"] > 1.5 and isinstance(summary["speedup"], float)
     assert set(summary["speedups"]) == {"1", "4"}  # concurrency -> speedup (JSON keys)
+    sets = report["sets"]
+    assert [(r["set"], r["split"], r["prompts"], r["identical"]) for r in sets] == [
+        ("held-out", "dev", 4, "4/4"), ("held-out", "test", 4, "4/4")]
+    alone = next(r for r in report["rows"] if r["server"] != "baseline" and
+                 r["concurrency"] == 1)
+    assert sum(r["verify_rounds"] for r in sets) == alone["drafts"]
+    assert sum(r["round_tokens"] - r["verify_rounds"] for r in sets) == \
+        alone["accepted_tokens"]
+    pairs = report["speed_pairs"]
+    assert [p["order"] for p in pairs] == ["speculative first", "baseline first"]
+    assert summary["speedup_pairs"] == 2 and set(summary["speedup_spread"]) == {"1", "4"}
+    low, high = summary["speedup_spread"]["1"]
+    assert low <= summary["speedups"]["1"] <= high
     assert len(summary["accepted_per_position"]) == 3
     assert len(summary["trainer_full_acc"]) == 3
     # Per position acceptance cannot grow along the chain (a token counts only after its

@@ -73,7 +73,7 @@ def set_rows(prompts: list[EvalPrompt], per_prompt: list[dict[str, Any]], num_st
             "identical": f"{sum(same)}/{len(same)}" if same else None,
             "lossless": all(same) if same else None,
             "completion_tokens": sum(p["completion_tokens"] for p in chosen),
-            "verify_rounds": rounds,
+            "verify_rounds": rounds, "round_tokens": tokens,
         }
         if all("speculative_s" in p and "greedy_s" in p for p in chosen):
             spec = sum(p["completion_tokens"] for p in chosen) / sum(p["speculative_s"]

@@ -116,6 +116,7 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
         # this run started that server and can stop it.
         owned = servers.running(url) is not None
         baseline, plain, skipped = None, None, "benchmark.baseline is false"
+        pairs: list[dict[str, Any]] = []
         if cfg.baseline and owned:
             servers.stop(url)
             log.info("benchmark: stopped the speculative vLLM server; serving the target alone "
@@ -128,6 +129,9 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
                 baseline, plain = measure_server(launch.url, launch.model, prompts, cfg, None)
             finally:
                 process.stop()
+            pairs = [speed_pair(sweep, baseline, "speculative first")]
+            pairs += repeated_pairs(cfg, deploy_cfg, target_cfg, target, deployment, prompts,
+                                    positions, out)
         elif cfg.baseline:
             skipped = (f"the vLLM server at {url} was not started by this run, so it cannot be "
                        "stopped for the baseline (set benchmark.baseline=false, or let this run "
@@ -147,11 +151,15 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
                        "ttft_s": round(c.ttft_s, 4), "latency_s": round(c.latency_s, 4)}
                       for c in speculative]
         if baseline:
-            speedups = {row["concurrency"]: round(row["tokens_per_s"] / b["tokens_per_s"], 3)
-                        for row, b in zip(sweep, baseline, strict=True)}
+            speedups = median_speedups(pairs)
             summary["baseline_single_stream_tokens_per_s"] = baseline[0]["tokens_per_s"]
             summary["speedup"] = speedups[first["concurrency"]]
             summary["speedups"] = speedups
+            summary["speedup_pairs"] = len(pairs)
+            if len(pairs) > 1:
+                summary["speedup_spread"] = {c: [min(p["speedups"][c] for p in pairs),
+                                                 max(p["speedups"][c] for p in pairs)]
+                                             for c in speedups}
             slower = [c for c, s in speedups.items() if s < 1]
             verdict = (f"WARNING: speculation is slower than no speculation at concurrency "
                        f"{slower} (speedups {speedups})" if slower else
@@ -207,6 +215,7 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
         rows += [{"server": "baseline", **r} for r in baseline or []]
         atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
                                                 "sets": sets, "rows": rows,
+                                                "speed_pairs": pairs,
                                                 "per_prompt": per_prompt,
                                                 "per_prompt_acceptance": by_prompt})
         (out / "report.md").write_text(markdown_report(summary, rows, verdict))
@@ -221,6 +230,57 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
                                       "tokens": first["completion_tokens"]},
                         figures={**summary, "verdict": verdict,
                                  "report": str(Path(plan.dir) / "report.md")})
+
+
+def speed_pair(speculative: list[dict[str, Any]], baseline: list[dict[str, Any]],
+               order: str) -> dict[str, Any]:
+    """One speculative and one baseline measurement, back to back: tokens/s and the speedup
+    per concurrency."""
+    return {"order": order,
+            "speculative": {r["concurrency"]: r["tokens_per_s"] for r in speculative},
+            "baseline": {r["concurrency"]: r["tokens_per_s"] for r in baseline},
+            "speedups": {s["concurrency"]: round(s["tokens_per_s"] / b["tokens_per_s"], 3)
+                         for s, b in zip(speculative, baseline, strict=True)}}
+
+
+def median_speedups(pairs: list[dict[str, Any]]) -> dict[int, float]:
+    """The median speedup per concurrency over the pairs."""
+    import statistics
+
+    return {c: round(statistics.median(p["speedups"][c] for p in pairs), 3)
+            for c in pairs[0]["speedups"]}
+
+
+def repeated_pairs(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cfg: TargetConfig,
+                   target: Descriptor, deployment: Descriptor, prompts: list[list[int]],
+                   positions: int, out: Path) -> list[dict[str, Any]]:
+    """benchmark.repeats - 1 more pairs after the first, each server started again in turn,
+    the order alternating (baseline first, then speculative first, ...), so that a machine
+    whose load drifts does not favour one side. Only one server runs at a time: the engines
+    take the same cores or GPUs."""
+    family = target.figures["family"]
+    launches = {"speculative": build_vllm_launch(deploy_cfg, target_cfg,
+                                                 deployment.figures["drafter_dir"], family,
+                                                 target.path),
+                "baseline": build_vllm_launch(deploy_cfg, target_cfg, None, family,
+                                              target.path)}
+    pairs = []
+    for repeat in range(1, cfg.repeats):
+        order = ("baseline", "speculative") if repeat % 2 else ("speculative", "baseline")
+        rows = {}
+        for side in order:
+            launch = launches[side]
+            process, _ = start_vllm(launch, out / f"{side}-server-{repeat}.log",
+                                    f"vllm-{side}-{repeat}", deploy_cfg.startup_timeout_s)
+            try:
+                rows[side] = measure_server(launch.url, launch.model, prompts, cfg,
+                                            positions if side == "speculative" else None)[0]
+            finally:
+                process.stop()
+        pairs.append(speed_pair(rows["speculative"], rows["baseline"], f"{order[0]} first"))
+        log.info("benchmark: speed pair %d of %d (%s first): speedups %s", repeat + 1,
+                 cfg.repeats, order[0], pairs[-1]["speedups"])
+    return pairs
 
 
 def first_difference(a: list[int], b: list[int]) -> int:

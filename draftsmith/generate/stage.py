@@ -130,35 +130,58 @@ def _wire_messages(prompt: list[Message]) -> list[dict]:
     return [m.model_dump(exclude_none=True, exclude={"reasoning"}) for m in prompt]
 
 
-def _answer_with_vllm(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
-                      requests: list[Request], journal: SourceJournals,
-                      backoff_initial_s: float, backoff_max_s: float) -> RunTotals:
-    """`vllm serve` of the target for this stage (greedy answers from the target itself, at
-    the speed of a serving engine), asked as any OpenAI endpoint is, then stopped."""
-    from draftsmith.config import DeployConfig, EndpointConfig, Partition
-    from draftsmith.serve.vllm_launch import build_vllm_launch, start_vllm
+class TargetServer:
+    """`vllm serve` of the target alone (generate.vllm), started the first time the stage
+    needs it (prompts the target writes, then the answers: one start for both) and stopped
+    when the stage ends."""
 
-    server = cfg.vllm
-    deploy = DeployConfig(engine="vllm", host=server.host, port=server.port, env=server.env,
-                          extra_args=server.extra_args, startup_timeout_s=server.startup_timeout_s)
-    launch = build_vllm_launch(deploy, target_cfg, None, target.figures["family"], target.path)
-    journal.dir.mkdir(parents=True, exist_ok=True)
-    log.info("generate: starting vLLM for the target at %s (log %s)", launch.url,
-             journal.dir / "vllm-server.log")
-    process, _ = start_vllm(launch, journal.dir / "vllm-server.log", "vllm-generate",
-                            server.startup_timeout_s)
-    try:
-        endpoint = EndpointConfig(base_url=f"{launch.url}/v1", model=launch.model, partitions=[
-            Partition(max_prompt_tokens=1 << 30, concurrency=server.concurrency)])
-        regenerator = OpenAIRegenerator(
-            with_completion_budget(endpoint, cfg.max_new_tokens), journal, api_key=None,
-            temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
-            backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
-        log.info("generate: %d requests to vLLM at %s, %d in flight", len(requests),
-                 launch.url, server.concurrency)
-        return _run_async(regenerator.run(requests))
-    finally:
-        process.stop()
+    def __init__(self, cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
+                 log_dir: Path):
+        self.cfg, self.target_cfg, self.target, self.log_dir = cfg, target_cfg, target, log_dir
+        self._process = None
+        self._endpoint: EndpointConfig | None = None
+
+    def endpoint(self) -> EndpointConfig:
+        if self._endpoint is not None:
+            return self._endpoint
+        from draftsmith.config import DeployConfig, Partition
+        from draftsmith.serve.vllm_launch import build_vllm_launch, start_vllm
+
+        server = self.cfg.vllm
+        deploy = DeployConfig(engine="vllm", host=server.host, port=server.port,
+                              env=server.env, extra_args=server.extra_args,
+                              startup_timeout_s=server.startup_timeout_s)
+        launch = build_vllm_launch(deploy, self.target_cfg, None,
+                                   self.target.figures["family"], self.target.path)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log.info("generate: starting vLLM for the target at %s (log %s)", launch.url,
+                 self.log_dir / "vllm-server.log")
+        self._process, _ = start_vllm(launch, self.log_dir / "vllm-server.log",
+                                      "vllm-generate", server.startup_timeout_s)
+        self._endpoint = EndpointConfig(
+            base_url=f"{launch.url}/v1", model=launch.model,
+            partitions=[Partition(max_prompt_tokens=1 << 30, concurrency=server.concurrency)])
+        return self._endpoint
+
+    def stop(self) -> None:
+        if self._process is not None:
+            self._process.stop()
+        self._process = self._endpoint = None
+
+
+def _answer_with_vllm(cfg: GenerateConfig, server: TargetServer, requests: list[Request],
+                      journal: SourceJournals, backoff_initial_s: float,
+                      backoff_max_s: float) -> RunTotals:
+    """The target's vLLM server (greedy answers from the target itself, at the speed of a
+    serving engine), asked as any OpenAI endpoint is."""
+    endpoint = server.endpoint()
+    regenerator = OpenAIRegenerator(
+        with_completion_budget(endpoint, cfg.max_new_tokens), journal, api_key=None,
+        temperature=cfg.temperature, top_p=cfg.top_p, seed=cfg.seed,
+        backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
+    log.info("generate: %d requests to vLLM at %s, %d in flight", len(requests),
+             endpoint.base_url, cfg.vllm.concurrency)
+    return _run_async(regenerator.run(requests))
 
 
 def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
@@ -232,18 +255,22 @@ class GenerateWork:
 
 
 def plan_requests(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
-                  target: Descriptor, plan: StagePlan, writer: str | None = None
+                  target: Descriptor, plan: StagePlan, writer: str | None = None,
+                  api_key: str | None = None, backoff_initial_s: float = 1.0,
+                  backoff_max_s: float = 60.0, server: TargetServer | None = None
                   ) -> GenerateWork:
-    """Read every source and make a request of every prompt to answer. writer: the journal
-    files this process appends to (one per host when generate is spread over hosts)."""
+    """Read every source (a source the target writes is written first, what its journal
+    lacks) and make a request of every prompt to answer. writer: the journal files this
+    process appends to (one per host when generate is spread over hosts)."""
     records: list[Record] = []
     stats: list[SourceStats] = []
     for source in data.sources:
         if source.synthesize is not None:
             from draftsmith.generate.synthesize import synthesized_source
 
-            source_records, source_stats = synthesized_source(source, cfg, target_cfg, target,
-                                                              plan)
+            source_records, source_stats = synthesized_source(
+                source, cfg, target_cfg, target, plan, api_key, backoff_initial_s,
+                backoff_max_s, server)
         else:
             source_records, source_stats = load_data_source(source, data.max_drop_rate)
         log.info("source %s: read %d, kept %d, dropped %s%s", source.name, source_stats.read,
@@ -286,7 +313,23 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
     without it the key comes from generate.endpoint.api_key_env, if set. joined_run: the
     hosts of that spread run answered every prompt (run_generate_range): write the stage's
     output from the journals, answering nothing here."""
-    work = plan_requests(cfg, data, target_cfg, target, plan)
+    server = (TargetServer(cfg, target_cfg, target, plan.dir.parent / ANSWERS_DIR)
+              if cfg.backend == "vllm" else None)
+    try:
+        return _generate(cfg, data, target_cfg, target, plan, api_key, backoff_initial_s,
+                         backoff_max_s, joined_run, server)
+    finally:
+        if server is not None:
+            server.stop()
+
+
+def _generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
+              target: Descriptor, plan: StagePlan, api_key: str | None,
+              backoff_initial_s: float, backoff_max_s: float, joined_run: str | None,
+              server: TargetServer | None) -> Descriptor:
+    work = plan_requests(cfg, data, target_cfg, target, plan, api_key=api_key,
+                         backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s,
+                         server=server)
     records, stats, journal = work.records, work.stats, work.journal
     requests, request_for, unique = work.requests, work.request_for, work.unique
     done_before = journal.answers()
@@ -317,8 +360,8 @@ def run_generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig
                  [p.model_dump() for p in regenerator.endpoint.partitions])
         totals = _run_async(regenerator.run(missing))
     elif missing and cfg.backend == "vllm":
-        totals = _answer_with_vllm(cfg, target_cfg, target, missing, journal,
-                                   backoff_initial_s, backoff_max_s)
+        totals = _answer_with_vllm(cfg, server, missing, journal, backoff_initial_s,
+                                   backoff_max_s)
     elif missing:
         journal.start_attempt()
         totals = _answer_with_transformers(cfg, target_cfg, target, missing, journal)

@@ -13,9 +13,15 @@ reason is counted in the source's stats. The kept prompts are prompt-only record
 generate then answers greedily, like every other prompt, and merge keeps them apart from every
 evaluation set (draftsmith/data/overlap.py).
 
+The target writes where generate answers: in this process (backend transformers), through
+the vLLM server generate starts (backend vllm), or through your OpenAI-compatible server
+(backend openai: its /v1/completions, with the template's token ids as the prompt, so SGLang
+and vLLM write from exactly the text the in-process path does).
+
 Every prompt to write is fixed by the settings before any is written (its type, opener and
-topic, from `seed`), and batch b is sampled with seed + b, so a run resumed from the journal
-writes what an uninterrupted run on the same machine writes. The journal
+topic, from `seed`). In process, batch b is sampled with seed + b; over HTTP each prompt i
+carries its own seed (seed * 1,000,003 + i). Either way a run resumed from the journal writes
+what an uninterrupted run on the same machine writes. The journal
 (`<run_root>/generate/prompts/<source>-<settings>/written.jsonl`) is appended a batch at a time
 and fsynced; like the answer journals it survives the stage's retries and later runs.
 """
@@ -39,6 +45,7 @@ if TYPE_CHECKING:
     from draftsmith.artifacts import Descriptor, StagePlan
     from draftsmith.config import DataSource, GenerateConfig, SynthesizeConfig, TargetConfig
     from draftsmith.data.formats import Record, SourceStats
+    from draftsmith.generate.stage import TargetServer
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +241,101 @@ def join_opener(opener: str, continuation: str) -> str:
     return (opener + glue + continuation).strip()
 
 
+def write_over_http(writings: list[Writing], journal: Path, url: str, model: str,
+                    api_key: str | None, start_ids: list[int], tokenizer,
+                    synth: SynthesizeConfig, concurrency: int, timeout_s: float,
+                    max_retries: int, backoff_initial_s: float = 1.0,
+                    backoff_max_s: float = 60.0) -> dict[int, dict]:
+    """Every writing not in the journal yet, through an OpenAI-compatible /v1/completions
+    (`url` is the API's base, .../v1), `concurrency` at a time; journaled in chunks of a few
+    times `concurrency`. A request that still fails after its retries fails the stage: the
+    journal keeps what was written, and a rerun asks only for the rest."""
+    import asyncio
+
+    import httpx
+    from tenacity import AsyncRetrying, retry_if_exception, stop_after_attempt
+
+    from draftsmith.generate.openai_client import (
+        EndpointError,
+        HTTPStatusFailure,
+        MalformedReply,
+        _Backoff,
+        _describe,
+        _retry_after,
+        _retryable,
+    )
+
+    drop_torn_tail(journal)
+    done = read_journal(journal)
+    todo = [w for w in writings if w.index not in done]
+    if len(todo) < len(writings):
+        log.info("synthesize: %d of %d prompts written before (journal %s)",
+                 len(writings) - len(todo), len(writings), journal)
+    if not todo:
+        return done
+    opener_ids = {w.opener: tokenizer(w.opener, add_special_tokens=False)["input_ids"]
+                  if w.opener else [] for w in todo}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    endpoint = url.rstrip("/") + "/completions"
+    backoff = _Backoff(backoff_initial_s, backoff_max_s)
+
+    async def write_one(client: httpx.AsyncClient, writing: Writing) -> dict:
+        body = {"model": model, "prompt": start_ids + opener_ids[writing.opener],
+                "max_tokens": synth.max_prompt_tokens, "temperature": synth.temperature,
+                "top_p": synth.top_p, "seed": synth.seed * 1_000_003 + writing.index,
+                "stream": False}
+        retrying = AsyncRetrying(stop=stop_after_attempt(max_retries + 1), wait=backoff,
+                                 retry=retry_if_exception(_retryable), reraise=True)
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    response = await client.post(endpoint, json=body, headers=headers)
+                    if response.status_code != 200:
+                        raise HTTPStatusFailure(response.status_code, response.text,
+                                                _retry_after(response.headers))
+                    try:
+                        choice = response.json()["choices"][0]
+                        text, finish = choice["text"], choice.get("finish_reason")
+                        tokens = response.json().get("usage", {}).get("completion_tokens")
+                    except (ValueError, KeyError, IndexError, TypeError):
+                        raise MalformedReply("no choices[0].text in the completion") from None
+        except (HTTPStatusFailure, MalformedReply, httpx.HTTPError) as err:
+            raise EndpointError(
+                f"synthesize: prompt {writing.index} failed after {max_retries + 1} attempts "
+                f"at {endpoint}: {_describe(err)[:300]}. The {len(done)} prompts written so "
+                f"far are kept in {journal}; running the stage again writes only the rest"
+            ) from None
+        return {"index": writing.index, "task_type": writing.task_type,
+                "opener": writing.opener, "text": join_opener(writing.opener, text),
+                "finish_reason": "stop" if finish == "stop" else finish or "length",
+                "tokens": tokens}
+
+    async def write_all() -> None:
+        chunk = max(4 * concurrency, 64)
+        progress = Progress("synthesize", total=len(todo), unit="prompt")
+        limits = httpx.Limits(max_connections=concurrency,
+                              max_keepalive_connections=concurrency)
+        gate = asyncio.Semaphore(concurrency)
+
+        async def gated(client: httpx.AsyncClient, writing: Writing) -> dict:
+            async with gate:
+                return await write_one(client, writing)
+
+        async with httpx.AsyncClient(timeout=httpx.Timeout(timeout_s), limits=limits) as client:
+            for start in range(0, len(todo), chunk):
+                part = todo[start:start + chunk]
+                entries = await asyncio.gather(*(gated(client, w) for w in part))
+                append_batch(journal, list(entries))  # durable before it counts as done
+                done.update((e["index"], e) for e in entries)
+                progress.update(len(part))
+        progress.close()
+
+    from draftsmith.generate.stage import _run_async
+
+    _run_async(write_all())
+    return done
+
+
 # --------------------------------------------------------------------------- filtering
 
 
@@ -279,24 +381,27 @@ def select_prompts(entries: list[dict], min_chars: int) -> tuple[list[dict], Cou
 
 
 def synthesized_source(source: DataSource, cfg: GenerateConfig, target_cfg: TargetConfig,
-                       target: Descriptor, plan: StagePlan) -> tuple[list[Record], SourceStats]:
-    """The source's prompts: written by the target (what the journal lacks), filtered, as
-    prompt-only records; and its stats (written, kept, dropped by reason, per task type)."""
+                       target: Descriptor, plan: StagePlan, api_key: str | None = None,
+                       backoff_initial_s: float = 1.0, backoff_max_s: float = 60.0,
+                       server: TargetServer | None = None) -> tuple[list[Record], SourceStats]:
+    """The source's prompts: written by the target (what the journal lacks) where generate
+    answers, filtered, as prompt-only records; and its stats (written, kept, dropped by
+    reason, per task type). api_key: a Prefect Secret's value (backend openai); server: the
+    stage's vLLM server of the target (backend vllm)."""
     from draftsmith.data.formats import Message, Record, SourceStats
-    from draftsmith.errors import ConfigValueError
 
     synth = source.synthesize
-    if cfg.backend != "transformers":
-        raise ConfigValueError(
-            f"data.sources[{source.name}].synthesize with generate.backend={cfg.backend}: the "
-            "target writes prompts in this process; set generate.backend: transformers, or "
-            "write the prompts with your server into a file and read that as a source")
     dtype = target_cfg.dtype if cfg.dtype == "auto" else cfg.dtype
     journal = journal_path(plan, source, cfg, target, dtype)
     writings = plan_writings(synth)
     entries = read_journal(journal)
     if any(w.index not in entries for w in writings):
-        entries = _write_with_target(writings, journal, cfg, target_cfg, target, dtype, synth)
+        if cfg.backend == "transformers":
+            entries = _write_with_target(writings, journal, cfg, target_cfg, target, dtype,
+                                         synth)
+        else:
+            entries = _write_with_server(writings, journal, cfg, target, synth, api_key,
+                                         backoff_initial_s, backoff_max_s, server)
     kept, dropped = select_prompts([entries[w.index] for w in writings],
                                    synth.min_prompt_chars)
     if source.limit is not None:
@@ -351,3 +456,29 @@ def _write_with_target(writings: list[Writing], journal: Path, cfg: GenerateConf
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def _write_with_server(writings: list[Writing], journal: Path, cfg: GenerateConfig,
+                       target: Descriptor, synth: SynthesizeConfig, api_key: str | None,
+                       backoff_initial_s: float, backoff_max_s: float,
+                       server: TargetServer | None) -> dict[int, dict]:
+    """Through the endpoint generate answers with: your server (openai), or the stage's
+    `vllm serve` of the target (vllm)."""
+    from draftsmith.target import load_tokenizer
+
+    tokenizer = load_tokenizer(target)
+    start_ids = tokenizer(user_turn_start(tokenizer), add_special_tokens=False)["input_ids"]
+    log.info("synthesize: %s writes %d prompts (%s), journal %s", cfg.backend, len(writings),
+             dict(sorted(Counter(w.task_type for w in writings).items())), journal)
+    if cfg.backend == "openai":
+        from draftsmith.generate.openai_client import resolve_api_key
+
+        endpoint, concurrency = cfg.endpoint, cfg.endpoint.partitions[0].concurrency
+        api_key = resolve_api_key(endpoint, api_key)
+    else:
+        if server is None:
+            raise ValueError("generate.backend=vllm writes prompts through the stage's server")
+        endpoint, concurrency, api_key = server.endpoint(), cfg.vllm.concurrency, None
+    return write_over_http(writings, journal, endpoint.base_url, endpoint.model, api_key,
+                           start_ids, tokenizer, synth, concurrency, endpoint.timeout_s,
+                           endpoint.max_retries, backoff_initial_s, backoff_max_s)

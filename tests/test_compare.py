@@ -1,0 +1,53 @@
+"""Comparing configs: the variants' syntax and a row's figures (the flow itself runs in
+tests/test_pipeline_e2e.py, on the session's Prefect API)."""
+
+from __future__ import annotations
+
+import pytest
+
+from draftsmith.compare import (
+    Variant,
+    check_variants,
+    comparison_markdown,
+    comparison_row,
+    parse_variant,
+)
+from draftsmith.config import ConfigError
+
+
+def test_a_variant_is_a_name_and_overrides():
+    assert parse_variant("e2: train.epochs=2 train.lr=1e-3") == Variant(
+        "e2", ("train.epochs=2", "train.lr=1e-3"))
+    assert parse_variant("base") == Variant("base")
+    assert parse_variant("code: 'data.sources=[{name: f, builtin: python-functions}]'") == \
+        Variant("code", ("data.sources=[{name: f, builtin: python-functions}]",))
+    assert Variant("e2", ("train.epochs=2",)).run_overrides("smollm2") == [
+        "train.epochs=2", "name=smollm2-e2"]
+    with pytest.raises(ConfigError, match=r"\['epochs'\] are not key=value"):
+        parse_variant("e2: epochs")
+    with pytest.raises(ConfigError, match="start with the variant's name"):
+        parse_variant("train.epochs=2")
+    with pytest.raises(ConfigError, match=r"\['a'\] given more than once"):
+        check_variants([Variant("a"), Variant("a")])
+
+
+def test_a_row_has_a_column_per_set_and_part():
+    def stage(state, **figures):
+        return {"state": state, "descriptor": {"counts": {}, "figures": figures}}
+
+    results = {
+        "merge": {"state": "Cached", "descriptor": {"counts": {"train_records": 900},
+                                                    "figures": {}}},
+        "train": stage("Completed", tau=3.31234, acceptance_replayed=3.1),
+        "benchmark": stage("Completed", speedup=1.8123, sets=[
+            {"set": "chat", "split": "dev", "acceptance": 2.61, "ci95": [2.5, 2.7],
+             "identical": "40/40"},
+            {"set": "code", "split": "dev", "acceptance": 3.05, "ci95": [2.9, 3.2],
+             "identical": "33/34"}])}
+    row = comparison_row(Variant("wide", ("drafter.intermediate_size=3072",)), results)
+    assert row == {"variant": "wide", "overrides": "drafter.intermediate_size=3072",
+                   "ran": "train, benchmark", "train records": 900, "tau": 3.312,
+                   "replayed": 3.1, "chat dev": "2.610 [2.500, 2.700]",
+                   "code dev": "3.050 [2.900, 3.200]", "identical": "73/74", "speedup": 1.812}
+    page = comparison_markdown("smollm2: 1 variants", [row])
+    assert "| variant | overrides | ran |" in page and "| wide |" in page
