@@ -51,19 +51,26 @@ def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
         raise typer.Exit(2) from None
 
 
-def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
+def _local_api() -> None:
+    """A Prefect API for a flow run in this process: the temporary server, which boots on the
+    other core while Prefect and the flow import (it dies with this process, even under kill
+    -9), or Prefect's own."""
     _prepare_environment()
     from flows.local import start_prefects_own, start_temporary_api
 
-    # The temporary API server boots on the other core while Prefect and the flow import here;
-    # both are guarded: they die with this process, even under kill -9.
     api = start_temporary_api()
-    from flows.pipeline import pipeline
+    import flows.compare  # noqa: F401 - imports Prefect and the flows while the server boots
 
     if api is not None:
         api.wait_ready()
     else:
         start_prefects_own()
+
+
+def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
+    _local_api()
+    from flows.pipeline import pipeline
+
     return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
 
 
@@ -147,17 +154,10 @@ def compare(
     except ConfigError as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
-    _prepare_environment()
-    from flows.local import start_prefects_own, start_temporary_api
-
-    api = start_temporary_api()
+    _local_api()
     from flows.compare import VariantForm
     from flows.compare import compare as compare_flow
 
-    if api is not None:
-        api.wait_ready()
-    else:
-        start_prefects_own()
     rows = compare_flow(full_config=pipeline_config.model_dump(mode="json"), variants=[
         VariantForm(name=v.name, overrides=list(v.overrides)) for v in variants])
     table = Table(title=f"draftsmith compare: {pipeline_config.pipeline_name}", show_header=True)

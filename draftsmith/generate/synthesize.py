@@ -188,6 +188,17 @@ def drop_torn_tail(path: Path) -> None:
             f.truncate(end)
 
 
+def journal_so_far(path: Path) -> dict[int, dict]:
+    """What the journal holds, after cutting a line a crash tore."""
+    drop_torn_tail(path)
+    return read_journal(path)
+
+
+def opener_token_ids(tokenizer, writings: list[Writing]) -> dict[str, list[int]]:
+    return {w.opener: tokenizer(w.opener, add_special_tokens=False)["input_ids"]
+            if w.opener else [] for w in writings}
+
+
 def append_batch(path: Path, entries: list[dict]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a", encoding="utf-8") as f:
@@ -203,9 +214,7 @@ def write_prompts(writings: list[Writing], journal: Path, generator, start_ids: 
                   batch_size: int, seed: int) -> dict[int, dict]:
     """Every writing not in the journal yet, a batch at a time (batch b sampled with
     seed + b), appended to the journal; returns the whole journal."""
-    tokenizer = generator.tokenizer
-    drop_torn_tail(journal)
-    done = read_journal(journal)
+    done = journal_so_far(journal)
     batches = [writings[i:i + batch_size] for i in range(0, len(writings), batch_size)]
     todo = [(b, batch) for b, batch in enumerate(batches)
             if any(w.index not in done for w in batch)]
@@ -214,8 +223,7 @@ def write_prompts(writings: list[Writing], journal: Path, generator, start_ids: 
                  len(batches) - len(todo), len(batches), journal)
     if not todo:
         return done
-    opener_ids = {w.opener: tokenizer(w.opener, add_special_tokens=False)["input_ids"]
-                  if w.opener else [] for w in writings}
+    opener_ids = opener_token_ids(generator.tokenizer, writings)
     generator.longest_prompt = len(start_ids) + max(map(len, opener_ids.values()), default=0)
     progress = Progress("synthesize", total=sum(len(b) for _, b in todo), unit="prompt")
     for b, batch in todo:
@@ -265,16 +273,14 @@ def write_over_http(writings: list[Writing], journal: Path, url: str, model: str
         _retryable,
     )
 
-    drop_torn_tail(journal)
-    done = read_journal(journal)
+    done = journal_so_far(journal)
     todo = [w for w in writings if w.index not in done]
     if len(todo) < len(writings):
         log.info("synthesize: %d of %d prompts written before (journal %s)",
                  len(writings) - len(todo), len(writings), journal)
     if not todo:
         return done
-    opener_ids = {w.opener: tokenizer(w.opener, add_special_tokens=False)["input_ids"]
-                  if w.opener else [] for w in todo}
+    opener_ids = opener_token_ids(tokenizer, todo)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     endpoint = url.rstrip("/") + "/completions"
     backoff = _Backoff(backoff_initial_s, backoff_max_s)
