@@ -31,7 +31,8 @@ progress() {
   for stage in generate merge extract train export deploy benchmark; do
     for d in "$RUN"/root/$stage/*/; do
       [ -d "$d" ] || continue
-      if [ -f "$d/descriptor.json" ]; then echo "  $stage: done ($(basename "$d"))"; else
+      case "$(basename "$d")" in answers|prompts) continue ;; esac  # journals, not outputs
+      if [ -f "$d/manifest.json" ]; then echo "  $stage: done ($(basename "$d"))"; else
         echo "  $stage: running ($(basename "$d"))"; fi
     done
   done
