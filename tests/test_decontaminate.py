@@ -51,9 +51,12 @@ def test_each_check_and_the_records_it_leaves_alone(suite):
         # a function named like an entry point, in another spelling
         record("name", "Write a function.", "def hasCloseElements(xs, t):\n    return False"),
         record("clean", "What is a good name for a cat?", "Whiskers is a classic name."),
+        # a list of numbers, as many answers and HumanEval's examples write one, is no copy
+        record("numbers", "Sum a list.", "sum_list([1, 2, 3, 4, 5, 6, 7]) == 28 and "
+               "print([1, 2, 3, 4, 5])"),
     ]
     kept, reports = decontaminate(records, suite)
-    assert [r.id for r in kept] == ["clean"]
+    assert [r.id for r in kept] == ["clean", "numbers"]
     by_set = {r["set"]: r for r in reports}
     assert by_set["chat"]["prompt_exact"] == 1 and by_set["chat"]["prompt_ngram"] == 2
     code = by_set["code"]

@@ -191,9 +191,16 @@ def defined_names(text: str) -> set[str]:
     return {normalized_name(n) for n in _DEFINED.findall(text)}
 
 
+# A run of digits and punctuation (`[1, 2, 3, 4, 5, 6, 7]`) identifies no prompt: an n-gram
+# counts only with this many tokens that hold a letter.
+MIN_WORDS_PER_NGRAM = 4
+
+
 def _gram_hashes(text: str, n: int = CONTAMINATION_NGRAM) -> set[int]:
     tokens = _TOKEN.findall(text.lower())
-    return {hash(tuple(tokens[i:i + n])) for i in range(len(tokens) - n + 1)}
+    wordy = [any(c.isalpha() for c in t) for t in tokens]
+    return {hash(tuple(tokens[i:i + n])) for i in range(len(tokens) - n + 1)
+            if sum(wordy[i:i + n]) >= MIN_WORDS_PER_NGRAM}
 
 
 def _token_line(text: str) -> str:
@@ -262,8 +269,9 @@ def decontaminate(records: list[Record], eval_sets: dict[str, list], action: str
 
     A record resembles an evaluation prompt when its prompt is the same text (case and spacing
     folded), when its prompt or its answers share a 13-gram with the prompt or its reference
-    answer (word and punctuation tokens, lower-cased; the set's template n-grams left out; a
-    prompt shorter than 13 tokens counts when its prompt holds it whole), or when it defines
+    answer (word and punctuation tokens, lower-cased; the set's template n-grams, and n-grams
+    of fewer than 4 words such as a list of numbers, left out; a prompt shorter than 13 tokens
+    counts when its prompt holds it whole), or when it defines
     a function whose normalized name is the prompt's entry point. action
     "drop" removes such records; "fail" raises OverlapError naming them."""
     indexes = [EvalIndex.of(name, prompts) for name, prompts in eval_sets.items()]
