@@ -297,6 +297,13 @@ class GenerateConfig(StrictModel):
     max_failure_rate: float = operational(0.0, ge=0.0, le=1.0, description=(
         "Requests that fail after every retry go to errors.jsonl, never into the data; a "
         "larger share than this fails the stage (a rerun retries only those)."))
+    pool: Literal["auto", "gpu", "cpu"] = operational("auto", description=(
+        "Where the stage runs in distributed mode. auto: on the gpu pool whenever it starts "
+        "an engine or talks to one on the GPU host (backend transformers or vllm, or openai "
+        "with a loopback base_url such as http://127.0.0.1:30000/v1), else with the pipeline "
+        "on the cpu pool; gpu: on the gpu pool (an endpoint on the GPU host under another "
+        "name); cpu: with the pipeline (an endpoint elsewhere whose URL reads as loopback, "
+        "e.g. through an SSH tunnel on the cpu machine)."))
 
     @model_validator(mode="after")
     def _endpoint_matches_backend(self) -> GenerateConfig:
