@@ -209,6 +209,7 @@ def deploy(
     from draftsmith.figures import ExportFigures, TargetFigures
     from draftsmith.plan import finished_outputs
     from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
+    from draftsmith.serve.holders import PortBusyError, require_free_port
     from draftsmith.serve.process import ManagedProcess
     from draftsmith.serve.readiness import ReadinessError, wait_until_ready
     from draftsmith.serve.sglang_launch import LaunchError, build_launch
@@ -235,12 +236,13 @@ def deploy(
         _print_launch(launch)
         return
     try:
+        require_free_port("deploy", pipeline_config.deploy.host, pipeline_config.deploy.port)
         require_free_gpus(None)
         log_file = Path(pipeline_config.run_root) / "sglang-server.log"
         with ManagedProcess(launch.argv, log_file, launch.env, name="sglang") as process:
             wait_until_ready(launch.url, pipeline_config.deploy, str(drafter), process)
             _serve_until_exit(process, launch.url, log_file)
-    except (GpusBusyError, ReadinessError) as err:
+    except (GpusBusyError, PortBusyError, ReadinessError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
 
@@ -268,6 +270,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
                  dry_run: bool) -> None:
     """`draftsmith deploy` for deploy.engine=vllm: the same checks, `vllm serve` until Ctrl-C."""
 
+    from draftsmith.serve.holders import PortBusyError, require_free_port
     from draftsmith.serve.readiness import ReadinessError
     from draftsmith.serve.vllm_launch import VLLMLaunchError, build_vllm_launch, start_vllm
 
@@ -282,9 +285,10 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         return
     log_file = Path(pipeline_config.run_root) / "vllm-server.log"
     try:
+        require_free_port("deploy", pipeline_config.deploy.host, pipeline_config.deploy.port)
         process, _ = start_vllm(launch, log_file, "vllm",
                                 pipeline_config.deploy.startup_timeout_s)
-    except (VLLMLaunchError, ReadinessError) as err:
+    except (VLLMLaunchError, ReadinessError, PortBusyError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     try:
