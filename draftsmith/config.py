@@ -986,6 +986,17 @@ class PipelineConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _sglang_runs_the_norms(self) -> PipelineConfig:
+        # Refused by export after training otherwise: SGLang 0.5.23 never reads the flag.
+        if self.drafter.norm_before_residual and self.export.format == "sglang":
+            raise ValueError(
+                "drafter.norm_before_residual=true with export.format=sglang: SGLang 0.5.23 "
+                "always keeps the residual before hidden_norm, so it cannot run this drafter; "
+                "set export.format=speculators (and deploy.engine=vllm or embedded), or "
+                "drafter.norm_before_residual=false (EAGLE-3.1's other norms run on SGLang)")
+        return self
+
+    @model_validator(mode="after")
     def _endpoint_given(self) -> PipelineConfig:
         if (self.generate.backend == "openai" and self.generate.endpoint is None
                 and not self.orchestration.endpoint_block):
