@@ -455,6 +455,10 @@ def prefect_setup(
     zombie_after_s: Annotated[int, typer.Option(
         help="Mark a flow run Crashed after this many seconds without a heartbeat (an "
              "automation); 0: no automation.")] = 600,
+    watch_data: Annotated[int | None, typer.Option(
+        help="Watch the data: every this many seconds, look at each data source's file and "
+             "start a pipeline run for each whose content changed (the deployment "
+             "draftsmith-watch-data/cpu, schedule active).", min=1)] = None,
     set_: SetOption = None,
 ) -> None:
     """Create the cpu and gpu work pools, blocks, the GPU concurrency limit and the
@@ -472,7 +476,7 @@ def prefect_setup(
                            shared_path=shared, cron=cron, cron_active=cron_active,
                            endpoint_url=endpoint_url, endpoint_model=endpoint_model,
                            api_key_env=api_key_env, rerun_on_new_data=rerun_on_new_data,
-                           zombie_after_s=zombie_after_s or None)
+                           zombie_after_s=zombie_after_s or None, watch_every_s=watch_data)
     try:
         ids = setup(pipeline_config, options, config_path=config, overrides=list(set_ or []))
     except ValueError as err:
@@ -480,6 +484,11 @@ def prefect_setup(
         raise typer.Exit(2) from None
     for name, deployment_id in ids.items():
         print(f"{name}\t{deployment_id}")
+    if cron and not cron_active:
+        console.print(f"the cron schedule ({cron}) is paused: start it in the UI (the "
+                      "deployment's Schedules toggle) or with `prefect deployment schedule ls "
+                      "draftsmith-pipeline/cpu` and `prefect deployment schedule resume "
+                      "draftsmith-pipeline/cpu SCHEDULE_ID` (or run setup with --cron-active)")
     if host:
         console.print("[green]ready[/green]: start `prefect worker start --pool cpu` anywhere "
                       "and, on each GPU host, `prefect worker start --pool gpu --work-queue "

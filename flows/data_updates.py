@@ -12,7 +12,23 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.variables import Variable
 
+from draftsmith.artifacts import sha256_file
 from draftsmith.config import ConfigError, DatasetUpdate, PipelineConfig, with_source
+
+DATASET_EVENT = "draftsmith.dataset.updated"
+
+
+def dataset_event(path: str | Path, source: str | None = None) -> dict:
+    """The event that says a dataset file has new content (the pipeline trigger's input):
+    what `draftsmith prefect notify-new-data` and the data watcher emit."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such dataset file")
+    name = source or path.stem
+    return {"event": DATASET_EVENT,
+            "resource": {"prefect.resource.id": f"draftsmith.dataset.{name}",
+                         "prefect.resource.name": name},
+            "payload": {"source": name, "path": str(path), "sha256": sha256_file(path)}}
 
 
 def variable_name(config: PipelineConfig) -> str:
