@@ -3,8 +3,9 @@ port with its own PREFECT_HOME and SQLite database, `draftsmith prefect setup`, 
 worker per pool, and the pipeline deployment started as the UI starts it (the REST API, the
 form's defaults). What a user sees is checked where they see it: the artifacts (keyed per
 pipeline, with charts, shown by the UI in headless Chromium), the run summary, run names, new
-data that sticks across runs, per-source generation and runs queued under the deployment's
-concurrency limit.
+data that sticks across runs, per-source generation, runs queued under the deployment's
+concurrency limit, where generate runs for each backend (a `transformers serve` the user started
+as its loopback endpoint), and the data watcher starting a run when a data file changes.
 
 The GPU worker sees one stand-in GPU (tests/fake_nvidia_smi.sh) that a service holds until the
 first preflight has looked at it: generate's first attempt fails naming the holder, Prefect
