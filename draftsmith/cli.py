@@ -22,7 +22,8 @@ from draftsmith.config import EXAMPLES_DIR, ConfigError, PipelineConfig, load_co
 from draftsmith.plan import select_stages
 
 app = typer.Typer(
-    help="Train EAGLE-3 drafters for a target LLM and ship them to SGLang.\n\n"
+    help="Train speculative-decoding drafters (EAGLE-3, EAGLE-3.1, DFlash) for a target LLM "
+    "and ship them to vLLM or SGLang.\n\n"
     "Stages: generate -> merge -> extract -> train -> export (fix-keys) -> deploy -> benchmark.",
     no_args_is_help=True,
     add_completion=False,
