@@ -35,16 +35,21 @@ def variable_name(config: PipelineConfig) -> str:
     return f"draftsmith-{config.pipeline_name}-data"
 
 
-def recorded(config: PipelineConfig) -> dict[str, str]:
-    """The updates recorded for this pipeline: source name -> the file it reads."""
-    value = Variable.get(variable_name(config), default=None)
+def per_source(name: str, value_type: type, expected: str, fix: str) -> dict:
+    """A Prefect variable that holds {source name: value_type}, or {} when it is not set;
+    another content is refused naming the variable, what it should hold and the fix."""
+    value = Variable.get(name, default=None)
     if value is None:
         return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise ConfigError(f"Prefect variable {variable_name(config)} holds {value!r}; expected "
-                          "{source name: dataset file}: fix it in the UI (Variables) or delete "
-                          "it to read the config's files")
+    if not isinstance(value, dict) or not all(isinstance(v, value_type) for v in value.values()):
+        raise ConfigError(f"Prefect variable {name} holds {value!r}; expected {expected}: {fix}")
     return value
+
+
+def recorded(config: PipelineConfig) -> dict[str, str]:
+    """The updates recorded for this pipeline: source name -> the file it reads."""
+    return per_source(variable_name(config), str, "{source name: dataset file}",
+                      "fix it in the UI (Variables) or delete it to read the config's files")
 
 
 def apply(config: PipelineConfig, dataset: DatasetUpdate | None) -> PipelineConfig:

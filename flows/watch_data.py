@@ -26,7 +26,7 @@ from prefect import flow, get_run_logger  # noqa: E402
 from prefect.events import emit_event  # noqa: E402
 from prefect.variables import Variable  # noqa: E402
 
-from draftsmith.config import ConfigError, PipelineConfig, form_config  # noqa: E402
+from draftsmith.config import PipelineConfig, form_config  # noqa: E402
 from draftsmith.fingerprints import changed_files, watched_files  # noqa: E402
 from flows import data_updates  # noqa: E402
 from flows.data_updates import dataset_event  # noqa: E402
@@ -37,14 +37,9 @@ def variable_name(config: PipelineConfig) -> str:
 
 
 def last_look(config: PipelineConfig) -> dict[str, dict[str, str]]:
-    value = Variable.get(variable_name(config), default=None)
-    if value is None:
-        return {}
-    if not isinstance(value, dict) or not all(isinstance(v, dict) for v in value.values()):
-        raise ConfigError(f"Prefect variable {variable_name(config)} holds {value!r}; expected "
-                          "{source: {path, fingerprint}}: delete it (the next look records the "
-                          "files afresh)")
-    return value
+    return data_updates.per_source(variable_name(config), dict,
+                                   "{source: {path, fingerprint}}",
+                                   "delete it (the next look records the files afresh)")
 
 
 @flow(name="draftsmith-watch-data")
