@@ -10,6 +10,7 @@ API (PREFECT_API_URL). Idempotent: running it again updates what exists.
   and a trigger that re-runs it on `draftsmith.dataset.updated`;
 - the compare deployment on `cpu` (`draftsmith-compare/cpu`): the pipeline's form plus a list
   of variants, one comparison table (flows/compare.py);
+- optionally the data watcher on `cpu`, which emits that event when a data file changes;
 - one deployment per GPU stage flow on `gpu`, whose job variables pin CUDA_VISIBLE_DEVICES and
   the NCCL environment;
 - an automation that marks a flow run Crashed when its heartbeats stop (zombie detection).
@@ -24,12 +25,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draftsmith.artifacts import sha256_file
 from draftsmith.config import PipelineConfig
+from flows.data_updates import DATASET_EVENT, dataset_event
 
 log = logging.getLogger("draftsmith.setup")
 
-DATASET_EVENT = "draftsmith.dataset.updated"
 PIPELINE_DEPLOYMENT = "cpu"
 # Engine and child-process logs ("draftsmith.*") in every flow run's Prefect log; Prefect reads
 # it when it starts, before any draftsmith module could set it.
@@ -62,6 +62,9 @@ class SetupOptions:
     zombie_after_s: int | None = 600
     # The trigger that re-runs the pipeline on `draftsmith.dataset.updated` (an automation).
     rerun_on_new_data: bool = True
+    # The data watcher (flows/watch_data.py): a deployment on the cpu pool that looks at the
+    # data files this often and emits that event for each that changed. None: no watcher.
+    watch_every_s: int | None = None
 
 
 def _ensure_pool(client, name: str, description: str) -> None:
@@ -214,6 +217,9 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
     from flows.pipeline import pipeline
 
     options = options or SetupOptions()
+    if options.watch_every_s and not options.rerun_on_new_data:
+        raise ValueError("--watch-data starts runs through the new-data trigger, and "
+                         "--no-rerun-on-new-data leaves it out: drop one of the two")
     if options.endpoint_url and not options.endpoint_block:
         options.endpoint_block = "inference-endpoint"
     config = config.model_copy(deep=True)
@@ -273,6 +279,8 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
                     "other on one run root, and one comparison table artifact",
         tags=["draftsmith"])
     ids[f"{compare.name}/{PIPELINE_DEPLOYMENT}"] = str(comparison.apply())
+    if options.watch_every_s:
+        ids.update(deploy_watcher(parameters, options))
     for flow_ in STAGE_FLOWS.values():
         if not options.hosts:  # one GPU host: the pool's default queue
             host = host_blocks[options.gpu_host]
@@ -297,16 +305,26 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
     return ids
 
 
-def dataset_event(path: str | Path, source: str | None = None) -> dict:
-    """The event that says a dataset file has new content (the pipeline trigger's input)."""
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such dataset file")
-    name = source or path.stem
-    return {"event": DATASET_EVENT,
-            "resource": {"prefect.resource.id": f"draftsmith.dataset.{name}",
-                         "prefect.resource.name": name},
-            "payload": {"source": name, "path": str(path), "sha256": sha256_file(path)}}
+def deploy_watcher(parameters: dict, options: SetupOptions) -> dict[str, str]:
+    """The data watcher's deployment on the cpu pool: the pipeline deployment's parameters
+    (its config and overrides, or its full config), an active interval schedule, one run at a
+    time."""
+    from datetime import timedelta
+
+    from prefect.deployments.runner import EntrypointType
+    from prefect.schedules import Interval
+
+    from flows.watch_data import watch_data
+
+    watcher = watch_data.to_deployment(
+        PIPELINE_DEPLOYMENT, work_pool_name=options.cpu_pool, parameters=parameters,
+        concurrency_limit=1, job_variables={"env": dict(LOG_ENV)},
+        schedules=[Interval(timedelta(seconds=options.watch_every_s), active=True)],
+        entrypoint_type=EntrypointType.MODULE_PATH,
+        description=f"draftsmith: every {options.watch_every_s} s, a pipeline run for each "
+                    "data file whose content changed (draftsmith.dataset.updated)",
+        tags=["draftsmith"])
+    return {f"{watch_data.name}/{PIPELINE_DEPLOYMENT}": str(watcher.apply())}
 
 
 def notify_new_data(path: str | Path, source: str | None = None) -> str:

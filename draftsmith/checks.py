@@ -62,6 +62,7 @@ def check_config(config: PipelineConfig, deep: bool = False) -> list[Finding]:
     check_endpoint(checks, config)
     check_devices(checks, config)
     check_hosts(checks, config)
+    check_placement(checks, config)
     check_run_root(checks, config)
     check_init_from(checks, config)
     if deep:
@@ -381,6 +382,20 @@ def check_hosts(checks: Checks, config: PipelineConfig) -> None:
     else:
         checks.ok("hosts", f"train on {', '.join(hosts[:nodes])}, rendezvous at "
                            f"{config.train.rdzv_endpoint}")
+
+
+def check_placement(checks: Checks, config: PipelineConfig) -> None:
+    """Distributed mode: which pool each stage runs on, and why generate goes where it goes
+    (draftsmith/stages.py generate_pool)."""
+    if config.orchestration.mode != "distributed":
+        return
+    from draftsmith.stages import STAGES, generate_pool
+
+    on_gpu = [s.label for s in STAGES if s.gpu(config)]
+    on_cpu = [s.label for s in STAGES if not s.gpu(config)]
+    pool, why = generate_pool(config)
+    checks.ok("placement", f"gpu pool: {', '.join(on_gpu)}; with the pipeline on the cpu pool: "
+                           f"{', '.join(on_cpu)} (generate on the {pool} pool: {why})")
 
 
 def check_run_root(checks: Checks, config: PipelineConfig) -> None:

@@ -22,7 +22,8 @@ from draftsmith.config import EXAMPLES_DIR, ConfigError, PipelineConfig, load_co
 from draftsmith.plan import select_stages
 
 app = typer.Typer(
-    help="Train EAGLE-3 drafters for a target LLM and ship them to SGLang.\n\n"
+    help="Train speculative-decoding drafters (EAGLE-3, EAGLE-3.1, DFlash) for a target LLM "
+    "and ship them to vLLM or SGLang.\n\n"
     "Stages: generate -> merge -> extract -> train -> export (fix-keys) -> deploy -> benchmark.",
     no_args_is_help=True,
     add_completion=False,
@@ -254,6 +255,7 @@ def deploy(
     from draftsmith.figures import ExportFigures, TargetFigures
     from draftsmith.plan import finished_outputs
     from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
+    from draftsmith.serve.holders import PortBusyError, require_free_port
     from draftsmith.serve.process import ManagedProcess
     from draftsmith.serve.readiness import ReadinessError, wait_until_ready
     from draftsmith.serve.sglang_launch import LaunchError, build_launch
@@ -280,12 +282,13 @@ def deploy(
         _print_launch(launch)
         return
     try:
+        require_free_port("deploy", pipeline_config.deploy.host, pipeline_config.deploy.port)
         require_free_gpus(None)
         log_file = Path(pipeline_config.run_root) / "sglang-server.log"
         with ManagedProcess(launch.argv, log_file, launch.env, name="sglang") as process:
             wait_until_ready(launch.url, pipeline_config.deploy, str(drafter), process)
             _serve_until_exit(process, launch.url, log_file)
-    except (GpusBusyError, ReadinessError) as err:
+    except (GpusBusyError, PortBusyError, ReadinessError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
 
@@ -313,6 +316,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
                  dry_run: bool) -> None:
     """`draftsmith deploy` for deploy.engine=vllm: the same checks, `vllm serve` until Ctrl-C."""
 
+    from draftsmith.serve.holders import PortBusyError, require_free_port
     from draftsmith.serve.readiness import ReadinessError
     from draftsmith.serve.vllm_launch import VLLMLaunchError, build_vllm_launch, start_vllm
 
@@ -327,9 +331,10 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         return
     log_file = Path(pipeline_config.run_root) / "vllm-server.log"
     try:
+        require_free_port("deploy", pipeline_config.deploy.host, pipeline_config.deploy.port)
         process, _ = start_vllm(launch, log_file, "vllm",
                                 pipeline_config.deploy.startup_timeout_s)
-    except (VLLMLaunchError, ReadinessError) as err:
+    except (VLLMLaunchError, ReadinessError, PortBusyError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     try:
@@ -496,6 +501,10 @@ def prefect_setup(
     zombie_after_s: Annotated[int, typer.Option(
         help="Mark a flow run Crashed after this many seconds without a heartbeat (an "
              "automation); 0: no automation.")] = 600,
+    watch_data: Annotated[int | None, typer.Option(
+        help="Watch the data: every this many seconds, look at each data source's file and "
+             "start a pipeline run for each whose content changed (the deployment "
+             "draftsmith-watch-data/cpu, schedule active).", min=1)] = None,
     set_: SetOption = None,
 ) -> None:
     """Create the cpu and gpu work pools, blocks, the GPU concurrency limit and the
@@ -513,7 +522,7 @@ def prefect_setup(
                            shared_path=shared, cron=cron, cron_active=cron_active,
                            endpoint_url=endpoint_url, endpoint_model=endpoint_model,
                            api_key_env=api_key_env, rerun_on_new_data=rerun_on_new_data,
-                           zombie_after_s=zombie_after_s or None)
+                           zombie_after_s=zombie_after_s or None, watch_every_s=watch_data)
     try:
         ids = setup(pipeline_config, options, config_path=config, overrides=list(set_ or []))
     except ValueError as err:
@@ -521,6 +530,11 @@ def prefect_setup(
         raise typer.Exit(2) from None
     for name, deployment_id in ids.items():
         print(f"{name}\t{deployment_id}")
+    if cron and not cron_active:
+        console.print(f"the cron schedule ({cron}) is paused: start it in the UI (the "
+                      "deployment's Schedules toggle) or with `prefect deployment schedule ls "
+                      "draftsmith-pipeline/cpu` and `prefect deployment schedule resume "
+                      "draftsmith-pipeline/cpu SCHEDULE_ID` (or run setup with --cron-active)")
     if host:
         console.print("[green]ready[/green]: start `prefect worker start --pool cpu` anywhere "
                       "and, on each GPU host, `prefect worker start --pool gpu --work-queue "

@@ -356,6 +356,13 @@ class GenerateConfig(StrictModel):
     max_failure_rate: float = operational(0.0, ge=0.0, le=1.0, description=(
         "Requests that fail after every retry go to errors.jsonl, never into the data; a "
         "larger share than this fails the stage (a rerun retries only those)."))
+    pool: Literal["auto", "gpu", "cpu"] = operational("auto", description=(
+        "Where the stage runs in distributed mode. auto: on the gpu pool whenever it starts "
+        "an engine or talks to one on the GPU host (backend transformers or vllm, or openai "
+        "with a loopback base_url such as http://127.0.0.1:30000/v1), else with the pipeline "
+        "on the cpu pool; gpu: on the gpu pool (an endpoint on the GPU host under another "
+        "name); cpu: with the pipeline (an endpoint elsewhere whose URL reads as loopback, "
+        "e.g. through an SSH tunnel on the cpu machine)."))
 
     @model_validator(mode="after")
     def _endpoint_matches_backend(self) -> GenerateConfig:
@@ -1086,6 +1093,17 @@ class PipelineConfig(StrictModel):
                     f"one block drafts at most block_size - 1 = {block - 1} tokens and no tree; "
                     f"set num_steps <= {block - 1} (num_draft_tokens = num_steps + 1) and "
                     "eagle_topk=1, or raise drafter.dflash.block_size")
+        return self
+
+    @model_validator(mode="after")
+    def _sglang_runs_the_norms(self) -> PipelineConfig:
+        # Refused by export after training otherwise: SGLang 0.5.23 never reads the flag.
+        if self.drafter.norm_before_residual and self.export.format == "sglang":
+            raise ValueError(
+                "drafter.norm_before_residual=true with export.format=sglang: SGLang 0.5.23 "
+                "always keeps the residual before hidden_norm, so it cannot run this drafter; "
+                "set export.format=speculators (and deploy.engine=vllm or embedded), or "
+                "drafter.norm_before_residual=false (EAGLE-3.1's other norms run on SGLang)")
         return self
 
     @model_validator(mode="after")

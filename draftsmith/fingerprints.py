@@ -116,3 +116,26 @@ def hub_fingerprint(source: DataSource) -> str:
 def data_version(data: list[Descriptor]) -> str:
     """A short name for the data a run reads: the hash of its sources' fingerprints, in order."""
     return hash_json([d.fingerprint for d in data])[:8]
+
+
+def watched_files(config: PipelineConfig) -> dict[str, dict[str, str]]:
+    """What the data watcher compares between two looks (flows/watch_data.py): for each
+    source read from a file, the file and its content fingerprint. A file that is gone is
+    left out (the run that reads it names it)."""
+    out = {}
+    for source in config.data.sources:
+        if source.path is None:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            out[source.name] = {"path": str(source.path),
+                                "fingerprint": remembered_digest(source.path)[:16]}
+    return out
+
+
+def changed_files(seen: dict[str, dict[str, str]], now: dict[str, dict[str, str]]) -> list[str]:
+    """The sources whose file has other content now than at the last look, at the same path.
+    A source seen for the first time, or read from another file since (a new-data update, which
+    started its own run), is not a change: the look only records it."""
+    return [name for name, state in now.items()
+            if name in seen and seen[name].get("path") == state["path"]
+            and seen[name].get("fingerprint") != state["fingerprint"]]

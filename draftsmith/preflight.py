@@ -17,7 +17,7 @@ from draftsmith.config import GenerateConfig
 from draftsmith.errors import InputError
 from draftsmith.extract.preflight import free_bytes
 from draftsmith.figures import TargetFigures
-from draftsmith.serve.gpus import GpusBusyError, gpu_processes
+from draftsmith.serve.gpus import require_free_gpus
 
 # Room a stage needs beyond its estimate: logs, temp files written before a rename.
 MARGIN_BYTES = 256 << 20
@@ -39,21 +39,8 @@ def stage_gpus(device: str) -> list[str] | None | bool:
 def require_free_stage_gpus(stage: str, device: str) -> None:
     """Raise naming every other process that holds one of this stage's GPUs."""
     gpus = stage_gpus(device)
-    if gpus is False:
-        return
-    processes = gpu_processes()
-    if processes is None:  # no nvidia-smi: nothing to ask (CPU hosts)
-        return
-    busy = [p for p in processes
-            if p.pid != os.getpid() and (gpus is None or p.gpu in gpus)]
-    if busy:
-        listing = "\n".join(f"  GPU {p.gpu}: pid {p.pid} {p.name} ({p.used_mib} MiB)"
-                            for p in busy)
-        which = "all GPUs" if gpus is None else f"GPUs {','.join(gpus)}"
-        raise GpusBusyError(
-            f"{stage}: {which} must be free, but other processes hold them:\n{listing}\n"
-            "stop them (a system service such as nv-hostengine or a leftover server), or give "
-            "this stage other GPUs with CUDA_VISIBLE_DEVICES (the gpu pool's job variables)")
+    if gpus is not False:
+        require_free_gpus(gpus, stage)
 
 
 def require_disk_room(stage: str, plan: StagePlan, needed_bytes: int) -> None:

@@ -272,6 +272,53 @@ def _ranges(config: PipelineConfig) -> int:
     return len(config.orchestration.hosts())
 
 
+def names_this_host(url: str) -> bool:
+    """Whether an http(s) URL names the machine it is resolved on: localhost, a loopback or
+    an unspecified address (127.0.0.1, ::1, 0.0.0.0). Such a URL means the GPU host only when
+    the stage runs there."""
+    import ipaddress
+    from urllib.parse import urlsplit
+
+    try:
+        host = urlsplit(url).hostname
+    except ValueError:
+        return False
+    if not host:
+        return False
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        address = ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return address.is_loopback or address.is_unspecified
+
+
+def generate_pool(config: PipelineConfig) -> tuple[str, str]:
+    """Where generate runs in distributed mode ("gpu" or "cpu") and why: where its engine
+    is. It starts one (transformers in process, `vllm serve`) or talks to one on the GPU
+    host (openai with a loopback base_url, which resolves where the stage runs); an endpoint
+    elsewhere is answered from the pipeline's pool. generate.pool overrides it."""
+    cfg = config.generate
+    if cfg.pool != "auto":
+        return cfg.pool, f"generate.pool={cfg.pool}"
+    if cfg.backend == "transformers":
+        return "gpu", "backend transformers: the target answers in process"
+    if cfg.backend == "vllm":
+        return "gpu", "backend vllm: the stage starts `vllm serve` of the target"
+    url = cfg.endpoint.base_url if cfg.endpoint is not None else None
+    if url is not None and names_this_host(url):
+        return "gpu", (f"backend openai at {url}: a loopback URL, the server on the GPU host "
+                       "(generate.pool=cpu if it is elsewhere)")
+    where = url or "an endpoint from orchestration.endpoint_block"
+    return "cpu", (f"backend openai at {where}: a server elsewhere (generate.pool=gpu if it "
+                   "runs on the GPU host)")
+
+
+def _generate_on_gpu(config: PipelineConfig) -> bool:
+    return generate_pool(config)[0] == "gpu"
+
+
 def _generate_ranges(config: PipelineConfig) -> int:
     # Only the in-process backend answers on the GPU hosts; prompts the target writes itself
     # are written on one host, in one journal.
@@ -744,7 +791,7 @@ STAGES: list[Stage] = [
     Stage("generate", "reads every data source and answers prompt-only records with the target",
           "draftsmith/generate/stage.py", _run_generate, inputs=(TARGET, DATA),
           section="generate", figures=GenerateFigures, describe=_describe_generate,
-          gpu=lambda c: c.generate.backend == "transformers", key_extras=_generate_key,
+          gpu=_generate_on_gpu, key_extras=_generate_key,
           preflight=_generate_preflight, reports=_generate_reports, progress=True,
           secret=_endpoint_secret,
           spread=Spread("range", _generate_ranges, _nothing_to_prepare, _generate_range,

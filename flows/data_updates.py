@@ -12,23 +12,44 @@ from pathlib import Path
 from prefect import get_run_logger
 from prefect.variables import Variable
 
+from draftsmith.artifacts import sha256_file
 from draftsmith.config import ConfigError, DatasetUpdate, PipelineConfig, with_source
+
+DATASET_EVENT = "draftsmith.dataset.updated"
+
+
+def dataset_event(path: str | Path, source: str | None = None) -> dict:
+    """The event that says a dataset file has new content (the pipeline trigger's input):
+    what `draftsmith prefect notify-new-data` and the data watcher emit."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such dataset file")
+    name = source or path.stem
+    return {"event": DATASET_EVENT,
+            "resource": {"prefect.resource.id": f"draftsmith.dataset.{name}",
+                         "prefect.resource.name": name},
+            "payload": {"source": name, "path": str(path), "sha256": sha256_file(path)}}
 
 
 def variable_name(config: PipelineConfig) -> str:
     return f"draftsmith-{config.pipeline_name}-data"
 
 
-def recorded(config: PipelineConfig) -> dict[str, str]:
-    """The updates recorded for this pipeline: source name -> the file it reads."""
-    value = Variable.get(variable_name(config), default=None)
+def per_source(name: str, value_type: type, expected: str, fix: str) -> dict:
+    """A Prefect variable that holds {source name: value_type}, or {} when it is not set;
+    another content is refused naming the variable, what it should hold and the fix."""
+    value = Variable.get(name, default=None)
     if value is None:
         return {}
-    if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
-        raise ConfigError(f"Prefect variable {variable_name(config)} holds {value!r}; expected "
-                          "{source name: dataset file}: fix it in the UI (Variables) or delete "
-                          "it to read the config's files")
+    if not isinstance(value, dict) or not all(isinstance(v, value_type) for v in value.values()):
+        raise ConfigError(f"Prefect variable {name} holds {value!r}; expected {expected}: {fix}")
     return value
+
+
+def recorded(config: PipelineConfig) -> dict[str, str]:
+    """The updates recorded for this pipeline: source name -> the file it reads."""
+    return per_source(variable_name(config), str, "{source name: dataset file}",
+                      "fix it in the UI (Variables) or delete it to read the config's files")
 
 
 def apply(config: PipelineConfig, dataset: DatasetUpdate | None) -> PipelineConfig:

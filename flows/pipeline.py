@@ -129,8 +129,9 @@ def pipeline(config: str = "tiny", stages: StageSelection = (),
              ttt_steps: int | None = None, engine: Engine | None = None,
              overrides: list[str] = (), full_config: dict[str, Any] | None = None
              ) -> dict[str, dict]:
-    """Train an EAGLE-3 drafter and ship it: generate, merge, extract, train, export, deploy,
-    benchmark. Stages whose output is complete for these settings are Cached.
+    """Train a speculative-decoding drafter (EAGLE-3, EAGLE-3.1 or DFlash) and ship it to vLLM
+    or SGLang: generate, merge, extract, train, export, deploy, benchmark. Stages whose output
+    is complete for these settings are Cached.
 
     Args:
         config: The pipeline YAML to run: a path this worker can read, or the name of a bundled

@@ -35,6 +35,32 @@ def test_distributed_mode_sends_the_gpu_stages_to_the_gpu_pool():
     assert not dispatch.is_remote(http, "generate")
 
 
+def test_generate_goes_where_its_engine_is():
+    """The gpu pool when generate starts an engine (transformers, vllm) or talks to one on
+    the GPU host (a loopback URL resolves where the stage runs); generate.pool overrides."""
+    def remote(**generate) -> bool:
+        return dispatch.is_remote(config(orchestration={"mode": "distributed"},
+                                         generate=generate), "generate")
+
+    def endpoint(url: str) -> dict:
+        return {"backend": "openai", "endpoint": {"base_url": url, "model": "m"}}
+
+    assert remote(backend="transformers") and remote(backend="vllm")
+    for url in ("http://127.0.0.1:30000/v1", "http://localhost:8000/v1", "http://[::1]:30000/v1",
+                "http://0.0.0.0:30000/v1", "https://127.0.0.2/v1"):
+        assert remote(**endpoint(url)), url
+    for url in ("http://gpu-host:30000/v1", "https://openrouter.ai/api/v1",
+                "http://10.0.0.7:30000/v1"):
+        assert not remote(**endpoint(url)), url
+    assert remote(**endpoint("http://gpu-host:30000/v1"), pool="gpu")
+    assert not remote(**endpoint("http://127.0.0.1:30000/v1"), pool="cpu")
+    assert not remote(backend="vllm", pool="cpu")
+    from draftsmith.stages import generate_pool
+
+    pool, why = generate_pool(config(generate=endpoint("http://127.0.0.1:30000/v1")))
+    assert pool == "gpu" and "loopback" in why and "generate.pool=cpu" in why
+
+
 def test_a_served_deploy_and_its_benchmark_run_in_one_child_run():
     from draftsmith.artifacts import external_descriptor
     from draftsmith.plan import RunPlan

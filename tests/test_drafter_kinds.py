@@ -101,6 +101,12 @@ def test_what_a_kind_cannot_run_is_refused_when_the_config_loads():
                                                   "num_draft_tokens": 5}))
     with pytest.raises(ConfigError, match="deploy.engine=vllm or embedded"):
         parse_config(raw_config(**dflash, deploy={"engine": "sglang"}))
+    # SGLang 0.5.23 runs EAGLE-3.1's norms but norm_before_residual.
+    with pytest.raises(ConfigError, match="SGLang 0.5.23 always keeps the residual"):
+        parse_config(raw_config(drafter={"norm_before_residual": True},
+                                export={"format": "sglang"}))
+    parse_config(raw_config(drafter={"norm_before_fc": True, "fc_norm": True,
+                                     "norm_output": True}, export={"format": "sglang"}))
     ok = parse_config(raw_config(**dflash, deploy={"engine": "vllm", "num_steps": 3,
                                                    "eagle_topk": 1, "num_draft_tokens": 4}))
     assert ok.drafter.kind == "dflash" and ok.warnings() == []

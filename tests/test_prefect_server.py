@@ -3,8 +3,9 @@ port with its own PREFECT_HOME and SQLite database, `draftsmith prefect setup`, 
 worker per pool, and the pipeline deployment started as the UI starts it (the REST API, the
 form's defaults). What a user sees is checked where they see it: the artifacts (keyed per
 pipeline, with charts, shown by the UI in headless Chromium), the run summary, run names, new
-data that sticks across runs, per-source generation and runs queued under the deployment's
-concurrency limit.
+data that sticks across runs, per-source generation, runs queued under the deployment's
+concurrency limit, where generate runs for each backend (a `transformers serve` the user started
+as its loopback endpoint), and the data watcher starting a run when a data file changes.
 
 The GPU worker sees one stand-in GPU (tests/fake_nvidia_smi.sh) that a service holds until the
 first preflight has looked at it: generate's first attempt fails naming the holder, Prefect
@@ -77,6 +78,9 @@ class Server:
             # A run queued behind the deployment's concurrency limit tries again after this.
             "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "1",
             "PREFECT_WORKER_PREFETCH_SECONDS": "1",
+            # No scheduled runs: the data watcher's interval schedule is active, and its looks
+            # are the test's to time (the pipeline's cron schedule is paused anyway).
+            "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
             "PYTHONUNBUFFERED": "1",
         }
         self.env.pop("PREFECT_API_KEY", None)
@@ -245,13 +249,15 @@ def start_workers(server: Server, config_file: Path) -> str:
     stand-in GPU. Returns setup's output."""
     setup = subprocess.run(
         [str(BIN / "draftsmith"), "prefect", "setup", str(config_file), "--gpus", "1",
-         "--nccl", "NCCL_DEBUG=WARN", "--cron", "0 3 * * *",
+         "--nccl", "NCCL_DEBUG=WARN", "--cron", "0 3 * * *", "--watch-data", "3600",
          "--endpoint-url", "http://127.0.0.1:9/v1", "--endpoint-model", "tiny",
          "--api-key-env", "DRAFTSMITH_TEST_KEY"],
         env={**server.env, "DRAFTSMITH_TEST_KEY": API_KEY}, capture_output=True, text=True,
         timeout=180)
     assert setup.returncode == 0, setup.stdout + setup.stderr
     assert API_KEY not in setup.stdout + setup.stderr
+    assert "prefect deployment schedule resume draftsmith-pipeline/cpu" in " ".join(
+        setup.stderr.split())  # how to start the paused cron schedule
     fake = server.root / "bin"
     fake.mkdir()
     shutil.copy(REPO / "tests" / "fake_nvidia_smi.sh", fake / "nvidia-smi")
@@ -306,6 +312,12 @@ def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first
     assert comparison["parameters"] == deployment["parameters"]
     assert list(comparison["parameter_openapi_schema"]["properties"]) == [
         "config", "variants", "overrides", "full_config"]
+    assert [s["active"] for s in deployment["schedules"]] == [False]  # paused until resumed
+    watcher = server.deployment("draftsmith-watch-data/cpu")
+    assert watcher["work_pool_name"] == "cpu" and watcher["parameters"] == deployment[
+        "parameters"]
+    assert [(s["schedule"]["interval"], s["active"]) for s in watcher["schedules"]] == [
+        (3600.0, True)]
     for stage in GPU_STAGES:
         gpu = server.deployment(f"draftsmith-{stage}/gpu")
         assert gpu["work_pool_name"] == "gpu"
@@ -615,3 +627,131 @@ def cancel_and_check(server: Server, run_id: str, pid: int) -> None:
     while alive(pid) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not alive(pid), f"the server (pid {pid}) outlived its cancelled run"
+
+
+# --------------------------------------------------------------------------- placement
+
+
+def generate_task(server: Server, pipeline_run: dict, timeout_s: float = 180) -> tuple[dict, dict]:
+    """The generate task run of a pipeline run (started with stages=[generate]) once final,
+    and the flow run it ran in: the pipeline's own, or a child on the gpu pool."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        runs = [pipeline_run, *server.flow_runs(
+            parent_flow_run_id={"any_": [pipeline_run["id"]]})]
+        for run in runs:
+            for task_run in server.task_runs(run["id"]):
+                state = task_run["state"]
+                if task_run["name"].startswith("generate-") and state and \
+                        state["type"] in FINAL:
+                    return task_run, run
+        assert time.monotonic() < deadline, f"no final generate task in {pipeline_run['id']}"
+        time.sleep(0.5)
+
+
+def run_logs(server: Server, flow_run_id: str) -> str:
+    logs = server.api.post("/logs/filter", json={
+        "logs": {"flow_run_id": {"any_": [flow_run_id]}}}).json()
+    return "\n".join(entry["message"] for entry in logs)
+
+
+@pytest.fixture(scope="module")
+def user_endpoint(server, first_run):
+    """An OpenAI-compatible server a user started on the GPU host: `transformers serve` of the
+    tiny target on loopback. Returns its base URL and model name."""
+    from draftsmith.serve.readiness import port_open
+    from draftsmith.target import tiny_target_path
+
+    port, model = free_port(), str(tiny_target_path())
+    server.start("user-endpoint", [str(BIN / "transformers"), "serve", model, "--host",
+                                   "127.0.0.1", "--port", str(port), "--device", "cpu"],
+                 {"HF_HUB_OFFLINE": "1"})
+    deadline = time.monotonic() + 300
+    while not port_open("127.0.0.1", port):
+        assert server.processes["user-endpoint"].poll() is None, server.log("user-endpoint")
+        assert time.monotonic() < deadline, server.log("user-endpoint")[-3000:]
+        time.sleep(0.5)
+    return f"http://127.0.0.1:{port}/v1", model
+
+
+def test_generate_runs_where_its_engine_is(server, first_run, user_endpoint):
+    """Each backend, started from the UI with stages=[generate]: transformers (the first run)
+    and vllm start an engine, so they run in a child run on the gpu pool; openai at a loopback
+    URL talks to a server on the GPU host, so it does too. (An endpoint elsewhere, and
+    generate.pool, leave it in the pipeline's run on the cpu pool, where merge and export run:
+    tests/test_dispatch.py.)"""
+    deployment = server.deployment("draftsmith-pipeline/cpu")
+    url, model = user_endpoint
+    # The user's server, not setup's endpoint block (which would replace it).
+    openai = ["orchestration.endpoint_block=null", "generate.backend=openai",
+              f"generate.endpoint.base_url={url}", f"generate.endpoint.model={model}"]
+    vllm = ["generate.backend=vllm", f"generate.vllm.port={free_port()}",
+            "generate.vllm.extra_args=[--enforce-eager]",
+            "generate.vllm.env={VLLM_CPU_KVCACHE_SPACE: '1', VLLM_ENABLE_V1_MULTIPROCESSING: '0'}"]
+    where = {"transformers": stage_states(server, first_run[1])["generate"][1]}
+    logs = {}
+    for name, overrides in {"vllm": vllm, "openai at 127.0.0.1": openai}.items():
+        _, run_id = start_from_ui(server, stages=["generate"],
+                                  overrides=[*deployment["parameters"]["overrides"], *overrides])
+        run = server.wait_run(run_id)
+        assert run["state_type"] == "COMPLETED", (name, run["state"])
+        task_run, where[name] = generate_task(server, run)
+        assert task_run["state"]["name"] == "Completed", name
+        logs[name] = run_logs(server, where[name]["id"])
+    gpu_log, cpu_log = server.log("worker-gpu"), server.log("worker-cpu")
+    for name, run in where.items():  # a child run the gpu worker ran, the cpu worker did not
+        assert run["work_pool_name"] == "gpu" and run["parent_task_run_id"], name
+        assert f"submitting flow run '{run['id']}'" in gpu_log and run["id"] not in cpu_log, name
+    assert "generate: starting vLLM for the target at" in logs["vllm"]  # on the GPU host
+    assert f"requests to {url}" in logs["openai at 127.0.0.1"]
+
+
+# --------------------------------------------------------------------------- the watcher
+
+
+def test_the_data_watcher_starts_a_run_when_a_data_file_changes(server, new_data_run,
+                                                                config_file):
+    """The watcher deployment (setup --watch-data), run as its schedule runs it: its first
+    look records the files; a later look that finds new content in a source's file emits the
+    new-data event, and the pipeline's trigger starts a run with that file. The new content
+    here is what every earlier run trained on (the file was changed before the first look and
+    put back), so that run finds every stage cached."""
+    watcher = server.deployment("draftsmith-watch-data/cpu")
+    pipeline_id = server.deployment("draftsmith-pipeline/cpu")["id"]
+    source = yaml.safe_load(config_file.read_text())["data"]["sources"][0]
+    path = Path(source["path"])
+    trained = path.read_bytes()
+
+    def look() -> dict:
+        response = server.api.post(f"/deployments/{watcher['id']}/create_flow_run", json={})
+        response.raise_for_status()
+        run = server.wait_run(response.json()["id"])
+        assert run["state_type"] == "COMPLETED", run["state"]
+        return run
+
+    before = {r["id"] for r in server.flow_runs(deployment_id={"any_": [pipeline_id]})}
+    try:
+        path.write_bytes(trained + b'{"id": "w1", "conversations": [{"from": "human", '
+                                   b'"value": "Complete this function: def w1():"}]}\n')
+        look()  # the first look: recorded, no event
+        path.write_bytes(trained)
+        changed = look()
+    finally:
+        path.write_bytes(trained)
+    deadline, new = time.monotonic() + 90, []
+    while not new and time.monotonic() < deadline:
+        new = [r for r in server.flow_runs(deployment_id={"any_": [pipeline_id]})
+               if r["id"] not in before]
+        time.sleep(1)
+    assert new, "no pipeline run started by the watcher's event:\n" + run_logs(
+        server, changed["id"])
+    run = server.wait_run(new[0]["id"])
+    assert run["parameters"]["dataset"] == {"source": source["name"], "path": str(path)}
+    assert run["state_type"] == "COMPLETED", run["state"]
+    states = stage_states(server, run)
+    assert {s: states[s][0] for s in states} == {s: "Cached" for s in STAGES}
+    assert len([r for r in server.flow_runs(deployment_id={"any_": [pipeline_id]})
+                if r["id"] not in before]) == 1  # the first look started nothing
+    assert f"data source {source['name']}: {path} changed" in run_logs(server, changed["id"])
+    seen = server.api.get("/variables/name/draftsmith-tiny-watched").json()["value"]
+    assert seen[source["name"]]["path"] == str(path)

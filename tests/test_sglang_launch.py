@@ -349,7 +349,8 @@ def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, 
         holder.listen()
         cfg = deploy(port=holder.getsockname()[1])
         plan = plan_stage(tmp_path / "runs", "deploy", {}, [exported])
-        with pytest.raises(RuntimeError, match="already in use"):
+        with pytest.raises(RuntimeError, match=rf"already in use by a server this run did "
+                                               rf"not start \(pid {os.getpid()}: "):
             run_deploy_sglang(cfg, TargetConfig(model=random_target.path), exported,
                               random_target, plan)
     assert not plan.is_complete()

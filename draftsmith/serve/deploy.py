@@ -108,8 +108,9 @@ def run_deploy_sglang(cfg: DeployConfig, target_cfg: TargetConfig, exported: Des
     """
     from draftsmith.serve import servers
     from draftsmith.serve.gpus import require_free_gpus
+    from draftsmith.serve.holders import require_free_port
     from draftsmith.serve.process import ManagedProcess
-    from draftsmith.serve.readiness import ReadinessError, port_open, wait_until_ready
+    from draftsmith.serve.readiness import ReadinessError, wait_until_ready
     from draftsmith.serve.sglang_launch import build_launch
 
     drafter_dir = ExportFigures.of(exported).drafter_dir
@@ -124,12 +125,8 @@ def run_deploy_sglang(cfg: DeployConfig, target_cfg: TargetConfig, exported: Des
         except (ReadinessError, OSError) as err:
             log.info("deploy: the recorded server is gone (%s); launching again", err)
             shutil.rmtree(plan.dir)
-    if port_open(cfg.host, cfg.port):
-        raise RuntimeError(
-            f"deploy: {cfg.host}:{cfg.port} is already in use by a server this run did not "
-            "start (or one serving another drafter); stop it or set deploy.port"
-        )
-    require_free_gpus(visible_gpus())
+    require_free_port("deploy", cfg.host, cfg.port)
+    require_free_gpus(visible_gpus(), "deploy")
     with stage_output(plan) as out:
         process = ManagedProcess(launch.argv, out / "server.log", launch.env, name="sglang")
         process.start()

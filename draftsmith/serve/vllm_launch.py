@@ -322,7 +322,7 @@ def run_deploy_vllm(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: st
     from draftsmith.artifacts import atomic_write_json, finish_stage, read_descriptor, stage_output
     from draftsmith.serve import servers
     from draftsmith.serve.gpus import require_free_gpus
-    from draftsmith.serve.readiness import port_open
+    from draftsmith.serve.holders import require_free_port
 
     launch = build_vllm_launch(cfg, target_cfg, drafter_dir, family, target_path)
     if plan.is_complete():
@@ -334,12 +334,10 @@ def run_deploy_vllm(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: st
         except (ReadinessError, OSError, httpx.HTTPError) as err:
             log.info("deploy: the recorded vLLM server is gone (%s); launching again", err)
             shutil.rmtree(plan.dir)
-    if port_open(cfg.host, cfg.port):
-        raise RuntimeError(
-            f"deploy: {cfg.host}:{cfg.port} is already in use by a server this run did not "
-            "start (or one serving another drafter); stop it or set deploy.port")
+    require_free_port("deploy", cfg.host, cfg.port)
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    require_free_gpus([g.strip() for g in visible.split(",") if g.strip()] if visible else None)
+    require_free_gpus([g.strip() for g in visible.split(",") if g.strip()] if visible else None,
+                      "deploy")
     with stage_output(plan) as out:
         log.info("deploy: starting vLLM: %s", launch.shell())
         process, reported = start_vllm(launch, out / "server.log", "vllm",
