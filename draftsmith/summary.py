@@ -68,6 +68,12 @@ def run_report(results: dict[str, dict], title: str) -> Report:
     if figures:
         text += ("| " + " | ".join(figures) + " |\n|" + "---|" * len(figures) + "\n| "
                  + " | ".join(_cell(v) for v in figures.values()) + " |\n\n")
+    sets = ((results.get("benchmark") or {}).get("descriptor") or {}).get(
+        "figures", {}).get("sets")
+    if sets:
+        from draftsmith.bench.suite import sets_markdown
+
+        text += "## By prompt set\n\n" + sets_markdown(sets) + "\n"
     text += "| stage | state | result |\n|---|---|---|\n"
     text += "".join(f"| {r.stage} | {r.state} | {_cell(r.result)} |\n" for r in rows)
     for problem in problems:

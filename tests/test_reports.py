@@ -162,3 +162,13 @@ def test_partitions_default_to_generate_max_new_tokens():
     assert budget == [96, 9]
     assert [p.max_tokens for p in EndpointConfig(base_url="http://x/v1",
                                                  model="m").partitions] == [None, None]
+
+
+def test_the_run_summary_has_a_row_per_prompt_set():
+    run = results()
+    run["benchmark"]["descriptor"]["figures"]["sets"] = [
+        {"set": "chat", "split": "test", "prompts": 80, "acceptance": 2.61, "ci95": [2.5, 2.7],
+         "per_position": [0.7, 0.5, 0.4], "identical": "80/80", "speedup": 1.9}]
+    text = run_report(run, "smollm2").text
+    assert "## By prompt set" in text
+    assert "| chat | test | 80 | 2.610 | 2.500-2.700 | 0.70, 0.50, 0.40 | 80/80 | 1.9 |" in text
