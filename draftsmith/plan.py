@@ -321,7 +321,8 @@ def run_in_process(config: PipelineConfig, target: Descriptor,
             descriptor, state = read_descriptor(step.plan), "Cached"
         else:
             step.stage.preflight(config, step.inputs, step.plan)
-            descriptor, state = step.stage.run(config, step.inputs, step.plan, None), "Completed"
+            descriptor = step.stage.execute(config, step.inputs, step.plan)
+            state = "Completed"
         run.record(step.name, state, descriptor)
         seconds = time.monotonic() - started
         log.info("stage %s: %s in %.1fs (%s)", step.name, state, seconds, descriptor.path)

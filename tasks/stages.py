@@ -113,9 +113,9 @@ def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inp
         secret = secret_value(stage.secret(config))
         if stage.progress:
             with progress_artifact(stage.name, artifact_key(config, f"{stage.label}-progress")):
-                descriptor = stage.run(config, inputs, plan, secret)
+                descriptor = stage.execute(config, inputs, plan, secret)
         else:
-            descriptor = stage.run(config, inputs, plan, secret)
+            descriptor = stage.execute(config, inputs, plan, secret)
     publish(stage.reports(descriptor), config)
     return descriptor
 
