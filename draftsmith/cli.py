@@ -64,7 +64,13 @@ def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
         api.wait_ready()
     else:
         start_prefects_own()
-    return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
+    from draftsmith.errors import InputError
+
+    try:
+        return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
+    except InputError as err:  # the run log above has the traceback; the fix is in the text
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
 
 
 def _summary(results: dict[str, dict]) -> tuple[Table, list[str]]:

@@ -22,6 +22,7 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from draftsmith import progress as engine_progress
+from draftsmith import runlock
 from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
 from draftsmith.config import PipelineConfig, TargetConfig
 from draftsmith.errors import worth_retrying
@@ -98,26 +99,51 @@ def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inp
               joined_run: str | None = None) -> Descriptor:
     """The body of every stage task. joined_run: the stage ran as parts on several GPU hosts
     (that run id); here its output is joined from theirs."""
-    # A retry, or a rerun after Prefect's cache was cleared, finds the finished directory; a
-    # live output (a server) is checked against the server by the engine instead.
+    if (descriptor := finished(stage, plan, config)) is None:
+        # One process computes a stage at a time: another one (a stage flow started beside the
+        # pipeline's) is waited for, and its output then reused.
+        with runlock.hold(config.run_root, runlock.stage_lock_name(stage.name, plan.key),
+                          lock_holder(stage.name), config.orchestration.run_root_wait_s,
+                          f"stage {stage.name} ({plan.dir})"):
+            descriptor = finished(stage, plan, config) or compute(stage, plan, config, inputs,
+                                                                  joined_run)
+    publish(stage.reports(descriptor), config)
+    return descriptor
+
+
+def finished(stage: Stage, plan: StagePlan, config: PipelineConfig) -> Descriptor | None:
+    """The stage's output when its directory is complete: a retry, a rerun after Prefect's
+    cache was cleared, or another process that finished it first. A live output (a server) is
+    checked against the server by the engine instead."""
     if plan.is_complete() and not stage.live(config):
         get_run_logger().info("%s: complete output found at %s, reusing it", stage.name,
                               plan.dir)
-        descriptor = read_descriptor(plan)
-    elif joined_run is not None and stage.spread is not None:
+        return read_descriptor(plan)
+    return None
+
+
+def compute(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inputs,
+            joined_run: str | None) -> Descriptor:
+    if joined_run is not None and stage.spread is not None:
         get_run_logger().info("%s: joining the output of its %d hosts", stage.name,
                               stage.parts(config))
-        descriptor = stage.spread.finish(config, inputs, plan, joined_run)
-    else:
-        stage.preflight(config, inputs, plan)
-        secret = secret_value(stage.secret(config))
-        if stage.progress:
-            with progress_artifact(stage.name, artifact_key(config, f"{stage.label}-progress")):
-                descriptor = stage.execute(config, inputs, plan, secret)
-        else:
-            descriptor = stage.execute(config, inputs, plan, secret)
-    publish(stage.reports(descriptor), config)
-    return descriptor
+        return stage.spread.finish(config, inputs, plan, joined_run)
+    stage.preflight(config, inputs, plan)
+    secret = secret_value(stage.secret(config))
+    if stage.progress:
+        with progress_artifact(stage.name, artifact_key(config, f"{stage.label}-progress")):
+            return stage.execute(config, inputs, plan, secret)
+    return stage.execute(config, inputs, plan, secret)
+
+
+def lock_holder(stage: str | None = None, run: str | None = None) -> runlock.Holder:
+    """This flow run (named `run`, or as Prefect named it), as a lock names it to a run that
+    waits for it."""
+    from prefect.runtime import flow_run
+
+    return runlock.Holder(run=run or flow_run.get_name() or "a draftsmith run",
+                          flow_run=flow_run.get_id(), url=flow_run.get_flow_run_ui_url(),
+                          stage=stage)
 
 
 def stage_task(stage: Stage) -> Task:
@@ -142,13 +168,17 @@ def run_part(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inpu
     check_shared(plan, part, config.run_root, config.orchestration.shared_storage_wait_s)
     logger.info("%s %s: sees the shared run root (%s)", stage.name, part.where(),
                 config.run_root)
-    stage.preflight(config, inputs, plan)
-    if stage.progress:
-        key = artifact_key(config, f"{stage.label}-progress-{part.kind}-{part.index}")
-        with progress_artifact(f"{stage.name} {part.label}", key):
+    name = runlock.stage_lock_name(stage.name, plan.key, f"{part.kind}{part.index}")
+    with runlock.hold(config.run_root, name, lock_holder(stage.name),
+                      config.orchestration.run_root_wait_s,
+                      f"stage {stage.name} {part.label} ({plan.dir})"):
+        stage.preflight(config, inputs, plan)
+        if stage.progress:
+            key = artifact_key(config, f"{stage.label}-progress-{part.kind}-{part.index}")
+            with progress_artifact(f"{stage.name} {part.label}", key):
+                report = stage.spread.run(config, inputs, plan, part)
+        else:
             report = stage.spread.run(config, inputs, plan, part)
-    else:
-        report = stage.spread.run(config, inputs, plan, part)
     logger.info("%s %s: done %s", stage.name, part.where(), report)
     return report
 
