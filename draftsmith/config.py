@@ -872,6 +872,10 @@ class OrchestrationConfig(StrictModel):
         "another process is running) waits this long for it, naming it in the log, then is "
         "refused with its name; none waits as long as that run lives, 0 refuses at once. A "
         "run that was killed holds nothing: its lock is taken over at once."))
+    api_outage_s: float = operational(900.0, gt=0, description=(
+        "How long a run rides out an unreachable Prefect API (a server restart, a network "
+        "drop): GPU stages go on, the pipeline keeps waiting for their child runs and reports "
+        "their state when the API is back; an outage longer than this fails the run."))
 
     def hosts(self) -> list[str]:
         """The GPU host blocks, in order: gpu_hosts, or the one gpu_host."""

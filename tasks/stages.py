@@ -28,6 +28,7 @@ from draftsmith.config import PipelineConfig, TargetConfig
 from draftsmith.errors import worth_retrying
 from draftsmith.hosts import HostPart, check_shared
 from draftsmith.stages import Inputs, Report, Stage, artifact_key
+from tasks.api_outage import LatestOnly, api_call
 
 
 def plan_cache_key(_context, parameters) -> str:
@@ -48,31 +49,47 @@ def retry_unless_hopeless(_task, _task_run, state) -> bool:
 
 @contextmanager
 def progress_artifact(stage: str, key: str | None = None) -> Iterator[None]:
-    """Mirror the engine's progress reports into one Prefect progress artifact."""
-    artifact_id = create_progress_artifact(0.0, key=key, description=f"{stage} progress")
+    """Mirror the engine's progress reports into one Prefect progress artifact. The updates go
+    out from a thread of their own: a stage never waits on the Prefect API, and one that is
+    away misses updates, not work (tasks/api_outage.py)."""
+    artifact: list = []  # its id, once the API has created it
+
+    def send(update: tuple[float, str | None]) -> None:
+        if not artifact:
+            artifact.append(create_progress_artifact(update[0], key=key,
+                                                     description=f"{stage} progress"))
+        update_progress_artifact(artifact[0], update[0], description=update[1])
+
+    sender = LatestOnly(send, f"{stage} progress")
+    sender.put((0.0, f"{stage} progress"))
 
     def listener(p: engine_progress.Progress) -> None:
         if p.total:  # the description carries the counts, rate and ETA of the log line
-            update_progress_artifact(artifact_id, min(100.0, 100.0 * p.done / p.total),
-                                     description=p.message())
+            sender.put((min(100.0, 100.0 * p.done / p.total), p.message()))
 
     engine_progress.add_listener(listener)
     try:
         yield
+    except BaseException:
+        sender.close()
+        raise
     finally:
         engine_progress.remove_listener(listener)
-    update_progress_artifact(artifact_id, 100.0)
+    sender.close(last=(100.0, None))
 
 
 def publish(reports: list[Report], config: PipelineConfig) -> None:
     """Reports as Prefect artifacts, keyed within the pipeline (draftsmith-<name>-<key>), and
     their lines in the run log."""
+    outage_s = config.orchestration.api_outage_s
     for report in reports:
         key = artifact_key(config, report.key) if report.key else None
         if report.kind == "table":
-            create_table_artifact(report.rows, key=key, description=report.description)
+            api_call(lambda r=report, k=key: create_table_artifact(
+                r.rows, key=k, description=r.description), f"artifact {key}", outage_s)
         elif report.kind == "markdown":
-            create_markdown_artifact(report.text, key=key, description=report.description)
+            api_call(lambda r=report, k=key: create_markdown_artifact(
+                r.text, key=k, description=r.description), f"artifact {key}", outage_s)
     log_lines(reports)
 
 
