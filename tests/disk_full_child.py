@@ -83,69 +83,66 @@ def temp_files(root: Path) -> list[str]:
 
 
 @contextmanager
+def wrapped(obj, name: str, wrap):
+    """obj.name replaced by wrap(obj.name) for the block."""
+    real = getattr(obj, name)
+    setattr(obj, name, wrap(real))
+    try:
+        yield
+    finally:
+        setattr(obj, name, real)
+
+
 def filled_after(obj, name: str, disk: Disk, calls: int, leave: int):
     """Fill the disk (to `leave` bytes free) right after the `calls`-th call of obj.name."""
-    real = getattr(obj, name)
     count = {"n": 0}
 
-    def wrapper(*args, **kwargs):
-        result = real(*args, **kwargs)
-        count["n"] += 1
-        if count["n"] == calls:
-            disk.fill(leave)
-        return result
+    def wrap(real):
+        def wrapper(*args, **kwargs):
+            result = real(*args, **kwargs)
+            count["n"] += 1
+            if count["n"] == calls:
+                disk.fill(leave)
+            return result
+        return wrapper
 
-    setattr(obj, name, wrapper)
-    try:
-        yield
-    finally:
-        setattr(obj, name, real)
+    return wrapped(obj, name, wrap)
 
 
-@contextmanager
 def filled_before(obj, name: str, disk: Disk, leave: int):
     """Fill the disk right before the first call of obj.name."""
-    real = getattr(obj, name)
 
-    def wrapper(*args, **kwargs):
-        disk.fill(leave)
-        return real(*args, **kwargs)
+    def wrap(real):
+        def wrapper(*args, **kwargs):
+            disk.fill(leave)
+            return real(*args, **kwargs)
+        return wrapper
 
-    setattr(obj, name, wrapper)
-    try:
-        yield
-    finally:
-        setattr(obj, name, real)
+    return wrapped(obj, name, wrap)
 
 
-@contextmanager
 def filled_before_second(obj, name: str, disk: Disk, leave: int):
     """Fill the disk once the first call of obj.name has returned, before the second goes on
     (shards are written on two threads: the second one waits for the first)."""
-    real = getattr(obj, name)
-    first_done = threading.Event()
-    count = {"n": 0}
-    lock = threading.Lock()
+    first_done, lock, count = threading.Event(), threading.Lock(), {"n": 0}
 
-    def wrapper(*args, **kwargs):
-        with lock:
-            count["n"] += 1
-            mine = count["n"]
-        if mine == 1:
-            try:
-                return real(*args, **kwargs)
-            finally:
-                first_done.set()
-        first_done.wait()
-        if mine == 2:
-            disk.fill(leave)
-        return real(*args, **kwargs)
+    def wrap(real):
+        def wrapper(*args, **kwargs):
+            with lock:
+                count["n"] += 1
+                mine = count["n"]
+            if mine == 1:
+                try:
+                    return real(*args, **kwargs)
+                finally:
+                    first_done.set()
+            first_done.wait()
+            if mine == 2:
+                disk.fill(leave)
+            return real(*args, **kwargs)
+        return wrapper
 
-    setattr(obj, name, wrapper)
-    try:
-        yield
-    finally:
-        setattr(obj, name, real)
+    return wrapped(obj, name, wrap)
 
 
 class Lines(logging.Handler):
