@@ -126,6 +126,32 @@ def automation_deadlock_warning(server_version: str, automations: int) -> str | 
             "--no-rerun-on-new-data and --zombie-after-s 0 to create none")
 
 
+LEASES_ON_DISK = "prefect.server.concurrency.lease_storage.filesystem"
+
+
+def lease_storage_warning(server_settings: dict) -> str | None:
+    """The warning for a server that keeps concurrency leases in memory, or None. Its restart
+    forgets the leases of the slots that running runs hold (a GPU stage's, a pipeline run's):
+    they are never given back, and every later run waits for them."""
+    storage = server_settings.get("server", {}).get("concurrency", {}).get("lease_storage")
+    if not storage or not storage.endswith(".memory"):
+        return None
+    return ("the Prefect server keeps concurrency leases in memory: if it restarts while a "
+            "GPU stage runs, that stage's GPU slots stay taken for good and later GPU stages "
+            "wait for ever. Start it with PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE="
+            f"{LEASES_ON_DISK} (or a Redis lease storage) (docs/faults.md)")
+
+
+def server_settings(client) -> dict:
+    """The server's own settings (its /admin/settings), {} when it does not show them."""
+    try:
+        response = client.request("GET", "/admin/settings")
+        response.raise_for_status()
+        return response.json()
+    except Exception:  # noqa: BLE001 - an older or locked-down server: no warning then
+        return {}
+
+
 def ensure_zombie_detection(after_s: int) -> None:
     """An automation that marks a flow run Crashed when its heartbeats stop (its worker or
     machine died), so the run, and the parent waiting on it, end in a state the user sees.
@@ -230,10 +256,12 @@ def setup(config: PipelineConfig, options: SetupOptions | None = None,
         config.orchestration.endpoint_block = options.endpoint_block
 
     with get_client(sync_client=True) as client:
-        warning = automation_deadlock_warning(
-            client.api_version(), bool(options.zombie_after_s) + options.rerun_on_new_data)
-        if warning:
-            log.warning(warning)
+        warnings = (automation_deadlock_warning(
+            client.api_version(), bool(options.zombie_after_s) + options.rerun_on_new_data),
+            lease_storage_warning(server_settings(client)))
+        for warning in warnings:
+            if warning:
+                log.warning(warning)
         _ensure_pool(client, options.cpu_pool, "draftsmith: the pipeline flow and CPU stages")
         _ensure_pool(client, options.gpu_pool, "draftsmith: GPU stages, on the GPU host")
         save_blocks(options, config.run_root)

@@ -21,6 +21,8 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from draftsmith.diskspace import writing, writing_into
+
 
 def cache_root() -> Path:
     """Where draftsmith keeps what outlives a run (built targets, file digests):
@@ -65,19 +67,21 @@ def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    """Write to a temp name in the same directory, fsync, rename: readers see all or nothing."""
+    """Write to a temp name in the same directory, fsync, rename: readers see all or nothing.
+    A full disk raises DiskFullError naming the file and its size, and leaves no temp file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with writing(path, len(data)):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with writing(path, len(data), partial=tmp), os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
@@ -86,19 +90,32 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, size: int | None = None) -> Iterator[Path]:
     """Yield a temp path for a writer that wants a file name (torch.save, safetensors); the file
-    appears under `path` only if the block succeeds."""
+    appears under `path` only if the block succeeds. size: what the write needs, in bytes, if
+    known: a full disk raises DiskFullError naming the file and it."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        yield tmp
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        with writing(path, size, partial=tmp):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            yield tmp
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of the tensors in a (nested) state dict: what saving it needs, near enough."""
+    if hasattr(obj, "element_size") and hasattr(obj, "numel"):
+        return obj.element_size() * obj.numel()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
 class StagePlan(BaseModel):
@@ -150,13 +167,15 @@ def load_descriptor(plan: StagePlan) -> Descriptor:
 
 @contextmanager
 def stage_output(plan: StagePlan) -> Iterator[Path]:
-    """Give a stage an empty directory to fill. Leftovers of a crashed attempt are removed."""
+    """Give a stage an empty directory to fill. Leftovers of a crashed attempt are removed. A
+    write into it that finds the disk full raises DiskFullError naming it."""
     if plan.is_complete():
         raise RuntimeError(f"{plan.dir} is already complete; refusing to overwrite it")
     if plan.dir.exists():
         shutil.rmtree(plan.dir)
-    plan.dir.mkdir(parents=True)
-    yield plan.dir
+    with writing_into(plan.dir, f"{plan.stage}'s output in"):
+        plan.dir.mkdir(parents=True)
+        yield plan.dir
 
 
 def finish_stage(
@@ -165,16 +184,22 @@ def finish_stage(
     figures: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
     known_checksums: dict[str, str] | None = None,
+    leave_out: str | None = None,
 ) -> Descriptor:
     """Checksum every file the stage wrote, then write the manifest last, atomically.
 
     known_checksums: sha256 of files the stage hashed as it wrote them (hidden-state shards
-    run to terabytes; reading them all a second time would cost hours)."""
+    run to terabytes; reading them all a second time would cost hours). leave_out: a
+    subdirectory that is not part of the output (training's resume state, deleted once the
+    manifest is written, so that a manifest that fails to be written leaves it to resume
+    from)."""
     known = known_checksums or {}
     files = {}
     for p in sorted(plan.dir.rglob("*")):
         if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
             name = str(p.relative_to(plan.dir))
+            if leave_out is not None and p.relative_to(plan.dir).parts[0] == leave_out:
+                continue
             files[name] = known.get(name) or sha256_file(p)
     fingerprint = hash_json({"stage": plan.stage, "files": files})[:16]
     descriptor = Descriptor(

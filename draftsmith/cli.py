@@ -70,9 +70,14 @@ def _local_api() -> None:
 
 def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
     _local_api()
+    from draftsmith.errors import InputError
     from flows.pipeline import pipeline
 
-    return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
+    try:
+        return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
+    except InputError as err:  # the run log above has the traceback; the fix is in the text
+        console.print(f"[red]{err}[/red]")
+        raise typer.Exit(2) from None
 
 
 def _summary(results: dict[str, dict]) -> tuple[Table, list[str]]:

@@ -984,6 +984,15 @@ class OrchestrationConfig(StrictModel):
         "Before a stage spread over several hosts starts, each host must read back a file the "
         "pipeline wrote under run_root; a host that does not see it within this long refuses "
         "(run_root is not storage every host mounts)."))
+    run_root_wait_s: float | None = operational(None, ge=0, description=(
+        "One run at a time writes a run_root: a run that finds another run on it (or a stage "
+        "another process is running) waits this long for it, naming it in the log, then is "
+        "refused with its name; none waits as long as that run lives, 0 refuses at once. A "
+        "run that was killed holds nothing: its lock is taken over at once."))
+    api_outage_s: float = operational(900.0, gt=0, description=(
+        "How long a run rides out an unreachable Prefect API (a server restart, a network "
+        "drop): GPU stages go on, the pipeline keeps waiting for their child runs and reports "
+        "their state when the API is back; an outage longer than this fails the run."))
 
     def hosts(self) -> list[str]:
         """The GPU host blocks, in order: gpu_hosts, or the one gpu_host."""

@@ -162,6 +162,12 @@ class RunPlan:
     def inputs_of(self, stage: Stage) -> Inputs:
         return {name: self.outputs[name] for name in stage.stage_inputs()}
 
+    def inputs_of_group(self, group: list[str]) -> Inputs:
+        """What the stages of one execution read from outside it (a served deploy's benchmark
+        reads train's output too, beside deploy's)."""
+        names = [n for s in group for n in stages.get(s).stage_inputs() if n not in group]
+        return {name: self.outputs[name] for name in names if name in self.outputs}
+
     def group_of(self, stage: Stage) -> list[str]:
         """The stages one execution of `stage` runs: itself, and the stage after it when its
         output is a live server that stage measures."""
@@ -202,7 +208,8 @@ class RunPlan:
                 plan = self.plan_for(name)
             reason = ("complete output found" if plan.is_complete()
                       else self.why_it_runs(stage, plan))
-            yield Step(stage, plan, self.inputs_of(stage), reason, self.group_of(stage))
+            group = self.group_of(stage)
+            yield Step(stage, plan, self.inputs_of_group(group), reason, group)
 
     def record(self, name: str, state: str, descriptor: Descriptor) -> None:
         """What a stage's execution returned (Completed, Cached, ...); applies retention."""
@@ -321,7 +328,8 @@ def run_in_process(config: PipelineConfig, target: Descriptor,
             descriptor, state = read_descriptor(step.plan), "Cached"
         else:
             step.stage.preflight(config, step.inputs, step.plan)
-            descriptor, state = step.stage.run(config, step.inputs, step.plan, None), "Completed"
+            descriptor = step.stage.execute(config, step.inputs, step.plan)
+            state = "Completed"
         run.record(step.name, state, descriptor)
         seconds = time.monotonic() - started
         log.info("stage %s: %s in %.1fs (%s)", step.name, state, seconds, descriptor.path)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 from draftsmith.artifacts import Descriptor, StagePlan
 from draftsmith.config import GenerateConfig
+from draftsmith.diskspace import free_bytes
 from draftsmith.errors import InputError
-from draftsmith.extract.preflight import free_bytes
 from draftsmith.figures import TargetFigures
 from draftsmith.serve.gpus import require_free_gpus
 

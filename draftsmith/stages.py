@@ -26,6 +26,7 @@ from typing import Any, Literal
 from draftsmith import hosts
 from draftsmith.artifacts import Descriptor, StagePlan
 from draftsmith.config import ConfigError, DrafterConfig, PipelineConfig, key_settings, slug
+from draftsmith.diskspace import writing_into
 from draftsmith.figures import (
     MERGE_COVERAGE_FILE,
     TRAIN_METRICS_FILE,
@@ -130,7 +131,8 @@ class Spread:
     def run(self, config: PipelineConfig, inputs: Inputs, plan: StagePlan,
             part: HostPart) -> dict[str, Any]:
         """One host's part; a range that finishes is marked done."""
-        report = self.run_part(config, inputs, plan, part)
+        with writing_into(plan.dir, f"{plan.stage}'s output in"):
+            report = self.run_part(config, inputs, plan, part)
         if not self.coupled:
             hosts.mark_done(plan, part, report)
         return report
@@ -176,6 +178,14 @@ class Stage:
     # A result the run must not pass silently (a lossless engine that was not): the message.
     problem: Callable[[Descriptor], str | None] = lambda _d: None
     spread: Spread | None = None  # how it runs over several GPU hosts, when it can
+
+    def execute(self, config: PipelineConfig, inputs: Inputs, plan: StagePlan,
+                secret: str | None = None) -> Descriptor:
+        """Run the stage's engine function. A write that finds the disk full and names no file
+        of its own (a report, a chart) raises DiskFullError naming the stage's directory; the
+        big writers name their file and its size themselves (draftsmith/diskspace.py)."""
+        with writing_into(plan.dir, f"{self.name}'s output in"):
+            return self.run(config, inputs, plan, secret)
 
     def parts(self, config: PipelineConfig) -> int:
         """The GPU hosts this stage takes with this config (1: it runs as one stage)."""

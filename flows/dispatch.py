@@ -12,6 +12,7 @@ from draftsmith.config import ConfigError, PipelineConfig, parse_config
 from draftsmith.hosts import HostPart
 from draftsmith.plan import Step
 from draftsmith.stages import Stage
+from tasks.api_outage import api_call
 
 
 class StageDispatchError(RuntimeError):
@@ -46,8 +47,6 @@ def run_remote(config: PipelineConfig, step: Step, parent: str | None = None) ->
     """Run the step's group of stages as one child flow run on the gpu pool, named
     `<stage> for <parent run>`; returns each stage task's final state name (Completed,
     Cached). Raises naming the child run unless it completed."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
     from prefect.deployments import run_deployment
 
     group = [stages.get(name) for name in step.group]
@@ -62,11 +61,13 @@ def run_remote(config: PipelineConfig, step: Step, parent: str | None = None) ->
         parameters["host"] = config.orchestration.gpu_hosts[0]
     name = deployment_name(config, step.stage)
     labels = "+".join(s.label for s in group)
-    flow_run = run_deployment(name, parameters=parameters,
-                              flow_run_name=f"{labels} for {parent}" if parent else None,
-                              timeout=config.orchestration.stage_timeout_s,
-                              poll_interval=config.orchestration.poll_interval_s)
-    state = flow_run.state
+    outage_s = config.orchestration.api_outage_s
+    # Started again after an API outage, the same key finds the run the first try made.
+    flow_run = api_call(lambda: run_deployment(
+        name, parameters=parameters, flow_run_name=f"{labels} for {parent}" if parent else None,
+        timeout=0, idempotency_key=_idempotency_key(f"{labels}-{step.plan.key}")),
+        f"{step.name}: starting its child run of {name}", outage_s)
+    state = wait_final(config, flow_run, f"{step.name}: child run {flow_run.name}")
     if state is None or not state.is_final():
         raise StageDispatchError(
             f"{step.name}: child run {flow_run.name} ({flow_run.id}) of {name} is still "
@@ -77,19 +78,79 @@ def run_remote(config: PipelineConfig, step: Step, parent: str | None = None) ->
         raise StageDispatchError(
             f"{step.name}: child run {flow_run.name} ({flow_run.id}) of {name} ended "
             f"{state.name}: {state.message}; its logs are in the Prefect UI")
-    with get_client(sync_client=True) as client:
-        task_runs = client.read_task_runs(
-            flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
-    states: dict[str, str] = {}
-    for run in sorted(task_runs, key=lambda r: r.created or 0):
-        for stage in group:
-            if run.name.startswith(f"{stage.label}-") and run.state:
-                states[stage.name] = run.state.name
-    missing = [s.name for s in group if s.name not in states]
-    if missing:
-        raise StageDispatchError(f"child run {flow_run.name} ({flow_run.id}) completed without "
-                                 f"running the task of {missing}")
+    return task_states(config, flow_run, group, f"{step.name}: reading child run "
+                       f"{flow_run.name}")
+
+
+# How long a child run's task states may take to reach the server after the run's own final
+# state: they travel as events, sent again after an API outage once the client reconnects.
+TASK_STATES_WAIT_S = 120.0
+
+
+def task_states(config: PipelineConfig, flow_run, group: list[Stage], what: str
+                ) -> dict[str, str]:
+    """Each stage task's final state name in a completed child run."""
+    import time
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    def read_task_runs() -> list:
+        with get_client(sync_client=True) as client:
+            return client.read_task_runs(
+                flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run.id])))
+
+    deadline = time.monotonic() + TASK_STATES_WAIT_S
+    while True:
+        task_runs = api_call(read_task_runs, what, config.orchestration.api_outage_s)
+        states: dict[str, str] = {}
+        for run in sorted(task_runs, key=lambda r: r.created or 0):
+            for stage in group:
+                if run.name.startswith(f"{stage.label}-") and run.state \
+                        and run.state.is_final():
+                    states[stage.name] = run.state.name
+        missing = [s.name for s in group if s.name not in states]
+        if not missing:
+            return states
+        if time.monotonic() > deadline:
+            raise StageDispatchError(
+                f"child run {flow_run.name} ({flow_run.id}) completed without a final state "
+                f"for the task of {missing} after {TASK_STATES_WAIT_S:.0f} s")
+        time.sleep(config.orchestration.poll_interval_s)
     return states
+
+
+def _idempotency_key(what: str) -> str | None:
+    from prefect.runtime import flow_run
+
+    return f"{flow_run.get_id()}-{what}" if flow_run.get_id() else None
+
+
+def read_state(config: PipelineConfig, flow_run_id, what: str):
+    """A child run's state, read through an API outage (up to orchestration.api_outage_s)."""
+    from prefect.client.orchestration import get_client
+
+    def read():
+        with get_client(sync_client=True) as client:
+            return client.read_flow_run(flow_run_id).state
+
+    return api_call(read, what, config.orchestration.api_outage_s)
+
+
+def wait_final(config: PipelineConfig, flow_run, what: str):
+    """Poll a child run until its state is final, or orchestration.stage_timeout_s has passed
+    (then its last state). While the Prefect API is away the child's work goes on on its
+    worker; this waits for the API to come back and reads the state then."""
+    import time
+
+    timeout = config.orchestration.stage_timeout_s
+    deadline = time.monotonic() + timeout if timeout else None
+    while True:
+        state = read_state(config, flow_run.id, what)
+        if (state is not None and state.is_final()) or (
+                deadline is not None and time.monotonic() > deadline):
+            return state
+        time.sleep(config.orchestration.poll_interval_s)
 
 
 def is_spread(config: PipelineConfig, stage: Stage) -> bool:
@@ -132,12 +193,15 @@ def run_parts(config: PipelineConfig, step: Step, parent: str | None = None) -> 
     runs = {}
     for part in todo:
         name = deployment_name(config, stage, part.host)
-        runs[part.index] = run_deployment(
+        runs[part.index] = api_call(lambda part=part, name=name: run_deployment(
             name, timeout=0, parameters={
                 "config": config.model_dump(mode="json"), "inputs": inputs,
                 "plan": step.plan.model_dump(mode="json"), "host": part.host,
                 "part": part.model_dump(mode="json")},
-            flow_run_name=f"{stage.label} {part.label} for {parent}" if parent else None)
+            flow_run_name=f"{stage.label} {part.label} for {parent}" if parent else None,
+            idempotency_key=_idempotency_key(f"{stage.label}-{part.label}-{step.plan.key}")),
+            f"{stage.name} {part.where()}: starting its child run",
+            config.orchestration.api_outage_s)
         logger.info("%s %s: child run %s of %s", stage.name, part.where(),
                     runs[part.index].name, name)
     failed, cancelled = wait_parts(config, stage, {p.index: p for p in todo}, runs)
@@ -175,7 +239,7 @@ def wait_parts(config: PipelineConfig, stage: Stage, parts: dict[int, HostPart],
     with get_client(sync_client=True) as client:
         while pending:
             for index, run in list(pending.items()):
-                state = client.read_flow_run(run.id).state
+                state = read_state(config, run.id, f"{stage.name}: child run {run.name}")
                 if state is None or not state.is_final():
                     continue
                 del pending[index]
@@ -185,10 +249,13 @@ def wait_parts(config: PipelineConfig, stage: Stage, parts: dict[int, HostPart],
                                f"{state.name}: {state.message}"))
                 if stage.spread is not None and stage.spread.coupled and cancelled_at is None:
                     cancelled_at = time.monotonic()
+                    why = Cancelling(message=f"{stage.name}: {parts[index].where()} failed")
                     for other, other_run in pending.items():
                         cancelled.append(parts[other])
-                        client.set_flow_run_state(other_run.id, Cancelling(
-                            message=f"{stage.name}: {parts[index].where()} failed"), force=True)
+                        api_call(lambda run_id=other_run.id, why=why: client.set_flow_run_state(
+                            run_id, why, force=True),
+                            f"{stage.name}: cancelling {parts[other].where()}",
+                            config.orchestration.api_outage_s)
             if pending and cancelled_at is not None and \
                     time.monotonic() > cancelled_at + CANCEL_GRACE_S:
                 failed += [(parts[i], f"child run {r.name} ({r.id}) cancelled, not yet stopped "

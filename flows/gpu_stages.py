@@ -7,14 +7,12 @@ free-for-all), so two runs never share a GPU."""
 from __future__ import annotations
 
 import os
-from contextlib import nullcontext
 from pathlib import Path
 
 # Engine logs ("draftsmith.*") go to the Prefect run log too; must be set before Prefect loads.
 os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "draftsmith")
 
 from prefect import Flow, flow, get_run_logger  # noqa: E402
-from prefect.concurrency.sync import concurrency  # noqa: E402
 
 from blocks.gpu_host import GpuHost, concurrency_limit_name  # noqa: E402
 from draftsmith import stages  # noqa: E402
@@ -27,7 +25,9 @@ from draftsmith.serve import process as child_processes  # noqa: E402
 from draftsmith.serve import servers  # noqa: E402
 from draftsmith.stages import Stage  # noqa: E402
 from flows.dispatch import flow_name  # noqa: E402
+from flows.gpu_slots import gpu_slots  # noqa: E402
 from flows.pipeline import run_stage_task  # noqa: E402
+from tasks.api_outage import wait_for_api  # noqa: E402
 from tasks.stages import part_task_for  # noqa: E402
 
 
@@ -61,13 +61,16 @@ def run_gpu_stages(names: list[str], config: PipelineConfig, inputs: dict[str, D
     results: dict[str, dict] = {}
     logger.info("%s%s: waiting for %d GPU slot(s) of %s", "+".join(names),
                 f" {part.label}" if part else "", slots, limit)
+    outage_s = config.orchestration.api_outage_s
     try:
-        with concurrency(limit, occupy=slots, strict=True) if slots else nullcontext():
+        with gpu_slots(limit, slots, config.run_root, outage_s):
             if part is not None:
                 stage = stages.get(names[0])
                 assert plan is not None, "a part runs on the plan the pipeline made"
                 report = part_task_for(stage)(plan, config,
                                               {n: out[n] for n in stage.stage_inputs()}, part)
+                # Prefect records how this run ended, and frees the slots, through its API.
+                wait_for_api(f"{stage.name} {part.label}: finished", outage_s)
                 return {stage.name: {"state": "Completed", "part": report}}
             for index, name in enumerate(names):
                 stage = stages.get(name)
@@ -78,6 +81,7 @@ def run_gpu_stages(names: list[str], config: PipelineConfig, inputs: dict[str, D
                 out[name] = state.result()
                 results[name] = {"state": state.name, "descriptor": out[name].model_dump()}
                 logger.info("stage %s: %s (%s)", name, state.name, out[name].path)
+            wait_for_api(f"{'+'.join(names)}: finished", outage_s)
     except BaseException:
         if stopped := child_processes.stop_started():
             logger.warning("stopped %d child process(es) this run started", stopped)

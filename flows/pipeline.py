@@ -23,8 +23,8 @@ from prefect import flow, get_run_logger  # noqa: E402
 from prefect.states import State  # noqa: E402
 from pydantic import WithJsonSchema  # noqa: E402
 
+from draftsmith import runlock, summary  # noqa: E402
 from draftsmith import stages as stage_table  # noqa: E402
-from draftsmith import summary  # noqa: E402
 from draftsmith.artifacts import StagePlan, load_descriptor  # noqa: E402
 from draftsmith.config import (  # noqa: E402
     ConfigError,
@@ -40,7 +40,7 @@ from draftsmith.serve import process as child_processes  # noqa: E402
 from draftsmith.serve import servers  # noqa: E402
 from draftsmith.stages import Inputs, Stage  # noqa: E402
 from flows import data_updates, dispatch  # noqa: E402
-from tasks.stages import log_lines, publish, resolve_target, task_for  # noqa: E402
+from tasks.stages import lock_holder, log_lines, publish, resolve_target, task_for  # noqa: E402
 
 # Defaults () are empty lists in the form (tuples: a flow's defaults are never mutated).
 # The form's stage picker lists the stage table's names (a multi-select); the flow itself
@@ -166,8 +166,13 @@ def pipeline(config: str = "tiny", stages: StageSelection = (),
     run_config = dispatch.with_endpoint_block(run_config)
     run = RunPlan(run_config, resolve_target(run_config.target), selected, data=data)
     try:
-        for step in run.steps():
-            execute(run, step, run_name)
+        # One run writes a run root at a time: another one is waited for (or refused, with
+        # orchestration.run_root_wait_s), and a lock left by a killed run is taken over.
+        with runlock.hold(run_config.run_root, runlock.RUN_LOCK, lock_holder(run=run_name),
+                          run_config.orchestration.run_root_wait_s,
+                          f"run root {run_config.run_root}"):
+            for step in run.steps():
+                execute(run, step, run_name)
     except BaseException:
         # Failed or cancelled (Prefect raises TerminationSignal on SIGTERM): no child of this
         # run may outlive it, kept servers included.

@@ -22,11 +22,13 @@ from prefect.artifacts import (
 from prefect.cache_policies import NO_CACHE
 
 from draftsmith import progress as engine_progress
+from draftsmith import runlock
 from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descriptor
 from draftsmith.config import PipelineConfig, TargetConfig
 from draftsmith.errors import worth_retrying
 from draftsmith.hosts import HostPart, check_shared
 from draftsmith.stages import Inputs, Report, Stage, artifact_key
+from tasks.api_outage import LatestOnly, api_call
 
 
 def plan_cache_key(_context, parameters) -> str:
@@ -47,31 +49,47 @@ def retry_unless_hopeless(_task, _task_run, state) -> bool:
 
 @contextmanager
 def progress_artifact(stage: str, key: str | None = None) -> Iterator[None]:
-    """Mirror the engine's progress reports into one Prefect progress artifact."""
-    artifact_id = create_progress_artifact(0.0, key=key, description=f"{stage} progress")
+    """Mirror the engine's progress reports into one Prefect progress artifact. The updates go
+    out from a thread of their own: a stage never waits on the Prefect API, and one that is
+    away misses updates, not work (tasks/api_outage.py)."""
+    artifact: list = []  # its id, once the API has created it
+
+    def send(update: tuple[float, str | None]) -> None:
+        if not artifact:
+            artifact.append(create_progress_artifact(update[0], key=key,
+                                                     description=f"{stage} progress"))
+        update_progress_artifact(artifact[0], update[0], description=update[1])
+
+    sender = LatestOnly(send, f"{stage} progress")
+    sender.put((0.0, f"{stage} progress"))
 
     def listener(p: engine_progress.Progress) -> None:
         if p.total:  # the description carries the counts, rate and ETA of the log line
-            update_progress_artifact(artifact_id, min(100.0, 100.0 * p.done / p.total),
-                                     description=p.message())
+            sender.put((min(100.0, 100.0 * p.done / p.total), p.message()))
 
     engine_progress.add_listener(listener)
     try:
         yield
+    except BaseException:
+        sender.close()
+        raise
     finally:
         engine_progress.remove_listener(listener)
-    update_progress_artifact(artifact_id, 100.0)
+    sender.close(last=(100.0, None))
 
 
 def publish(reports: list[Report], config: PipelineConfig) -> None:
     """Reports as Prefect artifacts, keyed within the pipeline (draftsmith-<name>-<key>), and
     their lines in the run log."""
+    outage_s = config.orchestration.api_outage_s
     for report in reports:
         key = artifact_key(config, report.key) if report.key else None
         if report.kind == "table":
-            create_table_artifact(report.rows, key=key, description=report.description)
+            api_call(lambda r=report, k=key: create_table_artifact(
+                r.rows, key=k, description=r.description), f"artifact {key}", outage_s)
         elif report.kind == "markdown":
-            create_markdown_artifact(report.text, key=key, description=report.description)
+            api_call(lambda r=report, k=key: create_markdown_artifact(
+                r.text, key=k, description=r.description), f"artifact {key}", outage_s)
     log_lines(reports)
 
 
@@ -98,26 +116,51 @@ def run_stage(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inp
               joined_run: str | None = None) -> Descriptor:
     """The body of every stage task. joined_run: the stage ran as parts on several GPU hosts
     (that run id); here its output is joined from theirs."""
-    # A retry, or a rerun after Prefect's cache was cleared, finds the finished directory; a
-    # live output (a server) is checked against the server by the engine instead.
+    if (descriptor := finished(stage, plan, config)) is None:
+        # One process computes a stage at a time: another one (a stage flow started beside the
+        # pipeline's) is waited for, and its output then reused.
+        with runlock.hold(config.run_root, runlock.stage_lock_name(stage.name, plan.key),
+                          lock_holder(stage.name), config.orchestration.run_root_wait_s,
+                          f"stage {stage.name} ({plan.dir})"):
+            descriptor = finished(stage, plan, config) or compute(stage, plan, config, inputs,
+                                                                  joined_run)
+    publish(stage.reports(descriptor), config)
+    return descriptor
+
+
+def finished(stage: Stage, plan: StagePlan, config: PipelineConfig) -> Descriptor | None:
+    """The stage's output when its directory is complete: a retry, a rerun after Prefect's
+    cache was cleared, or another process that finished it first. A live output (a server) is
+    checked against the server by the engine instead."""
     if plan.is_complete() and not stage.live(config):
         get_run_logger().info("%s: complete output found at %s, reusing it", stage.name,
                               plan.dir)
-        descriptor = read_descriptor(plan)
-    elif joined_run is not None and stage.spread is not None:
+        return read_descriptor(plan)
+    return None
+
+
+def compute(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inputs,
+            joined_run: str | None) -> Descriptor:
+    if joined_run is not None and stage.spread is not None:
         get_run_logger().info("%s: joining the output of its %d hosts", stage.name,
                               stage.parts(config))
-        descriptor = stage.spread.finish(config, inputs, plan, joined_run)
-    else:
-        stage.preflight(config, inputs, plan)
-        secret = secret_value(stage.secret(config))
-        if stage.progress:
-            with progress_artifact(stage.name, artifact_key(config, f"{stage.label}-progress")):
-                descriptor = stage.run(config, inputs, plan, secret)
-        else:
-            descriptor = stage.run(config, inputs, plan, secret)
-    publish(stage.reports(descriptor), config)
-    return descriptor
+        return stage.spread.finish(config, inputs, plan, joined_run)
+    stage.preflight(config, inputs, plan)
+    secret = secret_value(stage.secret(config))
+    if stage.progress:
+        with progress_artifact(stage.name, artifact_key(config, f"{stage.label}-progress")):
+            return stage.execute(config, inputs, plan, secret)
+    return stage.execute(config, inputs, plan, secret)
+
+
+def lock_holder(stage: str | None = None, run: str | None = None) -> runlock.Holder:
+    """This flow run (named `run`, or as Prefect named it), as a lock names it to a run that
+    waits for it."""
+    from prefect.runtime import flow_run
+
+    return runlock.Holder(run=run or flow_run.get_name() or "a draftsmith run",
+                          flow_run=flow_run.get_id(), url=flow_run.get_flow_run_ui_url(),
+                          stage=stage)
 
 
 def stage_task(stage: Stage) -> Task:
@@ -142,13 +185,17 @@ def run_part(stage: Stage, plan: StagePlan, config: PipelineConfig, inputs: Inpu
     check_shared(plan, part, config.run_root, config.orchestration.shared_storage_wait_s)
     logger.info("%s %s: sees the shared run root (%s)", stage.name, part.where(),
                 config.run_root)
-    stage.preflight(config, inputs, plan)
-    if stage.progress:
-        key = artifact_key(config, f"{stage.label}-progress-{part.kind}-{part.index}")
-        with progress_artifact(f"{stage.name} {part.label}", key):
+    name = runlock.stage_lock_name(stage.name, plan.key, f"{part.kind}{part.index}")
+    with runlock.hold(config.run_root, name, lock_holder(stage.name),
+                      config.orchestration.run_root_wait_s,
+                      f"stage {stage.name} {part.label} ({plan.dir})"):
+        stage.preflight(config, inputs, plan)
+        if stage.progress:
+            key = artifact_key(config, f"{stage.label}-progress-{part.kind}-{part.index}")
+            with progress_artifact(f"{stage.name} {part.label}", key):
+                report = stage.spread.run(config, inputs, plan, part)
+        else:
             report = stage.spread.run(config, inputs, plan, part)
-    else:
-        report = stage.spread.run(config, inputs, plan, part)
     logger.info("%s %s: done %s", stage.name, part.where(), report)
     return report
 

@@ -154,6 +154,7 @@ def engine_error_classes() -> list[type[BaseException]]:
     import inspect
 
     modules = ["draftsmith.errors", "draftsmith.config", "draftsmith.data.formats",
+               "draftsmith.diskspace", "draftsmith.runlock",
                "draftsmith.data.tokenize", "draftsmith.export.formats",
                "draftsmith.export.layer_ids", "draftsmith.extract.store",
                "draftsmith.extract.preflight", "draftsmith.extract.sglang_backend",

@@ -29,6 +29,7 @@ import httpx
 import pytest
 import yaml
 
+from deployments.setup import LEASES_ON_DISK, lease_storage_warning
 from draftsmith.config import load_config
 from draftsmith.fingerprints import data_descriptors, data_version
 from draftsmith.stages import STAGES as STAGE_TABLE
@@ -82,6 +83,8 @@ class Server:
             # are the test's to time (the pipeline's cron schedule is paused anyway).
             "PREFECT_SERVER_SERVICES_SCHEDULER_ENABLED": "false",
             "PYTHONUNBUFFERED": "1",
+            # Leases of concurrency slots survive a restart of the server (docs/faults.md).
+            "PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE": LEASES_ON_DISK,
         }
         self.env.pop("PREFECT_API_KEY", None)
         self.processes: dict[str, subprocess.Popen] = {}
@@ -755,3 +758,176 @@ def test_the_data_watcher_starts_a_run_when_a_data_file_changes(server, new_data
     assert f"data source {source['name']}: {path} changed" in run_logs(server, changed["id"])
     seen = server.api.get("/variables/name/draftsmith-tiny-watched").json()["value"]
     assert seen[source["name"]]["path"] == str(path)
+
+
+# --------------------------------------------------------------------------- faults (issue 47)
+# The world around a run: its Prefect server restarts while a GPU stage works, and the process
+# a GPU worker started for a stage is killed -9 (as the OOM killer does) in the middle of it.
+
+# Longer than Prefect's client rides out by itself (five retries 2 to 32 s apart: 62-75 s), so
+# that draftsmith's own patience is what carries the run through.
+OUTAGE_S = 90
+
+
+def ui_overrides(server: Server, *extra: str) -> list[str]:
+    """The form's overrides (distributed mode, as setup made them) and more."""
+    return [*server.deployment("draftsmith-pipeline/cpu")["parameters"]["overrides"], *extra]
+
+
+def restart_server(server: Server, down_s: float, while_down=None) -> None:
+    """Stop the Prefect server (SIGTERM, as a restart does), keep it away down_s seconds, and
+    start it again on the same port and database; while_down() runs once it is gone."""
+    process = server.processes["server"]
+    os.killpg(process.pid, signal.SIGTERM)
+    process.wait(timeout=60)
+    gone = time.monotonic()
+    if while_down is not None:
+        while_down()
+    time.sleep(max(0.0, down_s - (time.monotonic() - gone)))
+    server.start("server-restarted", [str(BIN / "prefect"), "server", "start", "--host",
+                                      "127.0.0.1", "--port", str(server.port)])
+    server.processes["server"] = server.processes.pop("server-restarted")
+    server.wait_healthy()
+
+
+def run_log(config_file: Path) -> str:
+    """draftsmith.log of the run root: what every flow run's engine logged, the pipeline's
+    and the GPU stages' (written there even while the Prefect API is away)."""
+    return (Path(yaml.safe_load(config_file.read_text())["run_root"]) / "draftsmith.log"
+            ).read_text()
+
+
+def test_a_gpu_stage_rides_out_the_prefect_server_restarting(server, first_run, config_file,
+                                                            tmp_path):
+    """Deploy (a served engine, on the gpu pool, with the benchmark in the same child run)
+    waits for its server while the Prefect server is away for longer than its clients retry;
+    the engine becomes ready and is benchmarked while it is still away. The run ends
+    Completed, every stage's state is recorded once the server is back, and nothing before
+    deploy runs again."""
+    # The server keeps its leases on disk (setup would warn otherwise), so the restart below
+    # gives the GPU slot back when the stage ends.
+    settings = server.api.get("/admin/settings").json()
+    assert settings["server"]["concurrency"]["lease_storage"] == LEASES_ON_DISK
+    assert lease_storage_warning(settings) is None
+    gate, started = tmp_path / "gate", tmp_path / "launched"
+    launcher = tmp_path / "gated_sglang.py"
+    fake = str(REPO / "tests" / "fake_sglang_server.py")
+    launcher.write_text(  # the stand-in SGLang server, once the test opens the gate
+        "import os, sys, time\n"
+        f"open({str(started)!r}, 'w').close()\n"
+        f"while not os.path.exists({str(gate)!r}):\n    time.sleep(0.2)\n"
+        f"os.execv(sys.executable, [sys.executable, {fake!r}, *sys.argv[1:]])\n")
+    _, run_id = start_from_ui(server, overrides=ui_overrides(
+        server, "deploy.engine=sglang", f"deploy.sglang_command=[{sys.executable}, {launcher}]",
+        f"deploy.port={free_port()}", "deploy.startup_timeout_s=900",
+        "benchmark.baseline=false"))
+    deadline = time.monotonic() + 600
+    while not started.exists():  # deploy is waiting for its engine, on the gpu worker
+        assert time.monotonic() < deadline, server.log("worker-gpu")[-3000:]
+        assert server.api.get(f"/flow_runs/{run_id}").json()["state_type"] not in TERMINAL
+        time.sleep(0.5)
+    restart_server(server, OUTAGE_S, while_down=lambda: (time.sleep(5), gate.touch()))
+    run = server.wait_run(run_id)
+    assert run["state_type"] == "COMPLETED", (run["state"], server.log("worker-gpu")[-6000:])
+    states = stage_states(server, run)
+    assert {s: states[s][0] for s in states} == {
+        "generate": "Cached", "merge": "Cached", "extract": "Cached", "train": "Cached",
+        "export": "Cached", "deploy": "Completed", "benchmark": "Completed"}
+    child = states["deploy"][1]
+    assert child["state_type"] == "COMPLETED" and child["work_pool_name"] == "gpu"
+    log = run_log(config_file)
+    # The pipeline waited for its child run through the outage, and said so.
+    assert "the Prefect API is unreachable" in log and "the Prefect API is back" in log
+
+
+UNINTERRUPTED = """
+import json, sys
+from draftsmith.artifacts import plan_stage
+from draftsmith.config import load_config
+from draftsmith.plan import finished_outputs
+from draftsmith.target import resolve_target
+from draftsmith.train.trainer import run_train
+
+config = load_config(sys.argv[1], json.loads(sys.argv[3]))
+outputs = finished_outputs(config, resolve_target(config.target), "extract")
+done = run_train(config.train, outputs["extract"], outputs["merge"], outputs["target"],
+                 plan_stage(sys.argv[2], "train", {}, [outputs["extract"]]),
+                 drafter_settings=config.drafter)
+print(done.path)
+"""
+
+
+def flow_run_process(flow_run_id: str) -> int | None:
+    """The pid of the process a worker started for this flow run (its environment names it)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"PREFECT__FLOW_RUN_ID={flow_run_id}".encode() in environ:
+            return int(proc.name)
+    return None
+
+
+def test_a_gpu_stage_killed_mid_stage_is_crashed_and_the_rerun_resumes_it(
+        server, first_run, config_file, tmp_path):
+    """The process running train on the gpu worker is killed -9 after its first checkpoint (as
+    the OOM killer would). Prefect marks the child run Crashed and the pipeline Failed, with
+    no Completed state for the unfinished stage; a rerun from the UI gives back the GPU slot
+    the killed process held, resumes training from the checkpoint and ends with the weights of
+    a training that was never interrupted. (Both runs select train alone: the stages before it
+    are read from disk.)"""
+    from safetensors.torch import load_file
+
+    settings = ["train.epochs=6", "train.batch_tokens=256", "train.checkpoint_every=1"]
+    overrides = ui_overrides(server, *settings)
+    run_root = Path(yaml.safe_load(config_file.read_text())["run_root"])
+    before = set((run_root / "train").iterdir())
+    _, run_id = start_from_ui(server, overrides=overrides, stages=["train"])
+    deadline, victim, child = time.monotonic() + 600, None, None
+    while victim is None:
+        assert time.monotonic() < deadline, server.log("worker-gpu")[-3000:]
+        children = [c for c in server.flow_runs(parent_flow_run_id={"any_": [run_id]})
+                    if c["name"].startswith("train for")]
+        fresh = [d for d in (run_root / "train").iterdir() if d not in before]
+        if children and fresh and (fresh[0] / "resume" / "state.pt").is_file():
+            child = children[0]
+            victim = flow_run_process(child["id"])
+        time.sleep(0.2)
+    os.kill(victim, signal.SIGKILL)
+    failed = server.wait_run(run_id)
+    assert failed["state_type"] == "FAILED", failed["state"]
+    child = server.api.get(f"/flow_runs/{child['id']}").json()
+    assert child["state_type"] == "CRASHED", child["state"]
+    assert child["name"] in failed["state"]["message"]
+    train_dir = fresh[0]
+    assert not (train_dir / "manifest.json").exists()
+    assert (train_dir / "resume" / "state.pt").is_file()
+    # No Completed state for the unfinished training, in the child run or anywhere.
+    assert all(t["state"] is None or t["state"]["type"] != "COMPLETED"
+               for t in server.task_runs(child["id"]) if t["name"].startswith("train-"))
+
+    _, rerun_id = start_from_ui(server, overrides=overrides, stages=["train"])
+    rerun = server.wait_run(rerun_id)
+    assert rerun["state_type"] == "COMPLETED", rerun["state"]
+    (again,) = server.flow_runs(parent_flow_run_id={"any_": [rerun_id]})
+    assert again["name"].startswith("train for") and again["state_type"] == "COMPLETED"
+    assert "released 1 GPU slot(s) of gpus-gpu-host held by flow run " \
+        f"{child['id']}, which ended Crashed" in run_log(config_file)
+    assert re.search(rf"train: resuming from {re.escape(str(train_dir))}/resume/state.pt at "
+                     r"step [1-9]", run_log(config_file))
+
+    # The same training, never interrupted, in a fresh process as a worker's (this test
+    # process has run other tests: its torch state is not a worker's).
+    straight = subprocess.run([sys.executable, "-c", UNINTERRUPTED, str(config_file),
+                               str(tmp_path), json.dumps(overrides)], env=server.env,
+                              capture_output=True, text=True, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    resumed, uninterrupted = (load_file(str(d / "drafter.safetensors")) for d in (
+        train_dir, Path(straight.stdout.strip().splitlines()[-1])))
+    assert resumed.keys() == uninterrupted.keys()
+    for name in resumed:
+        assert resumed[name].equal(uninterrupted[name]), name
+

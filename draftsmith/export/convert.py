@@ -17,7 +17,7 @@ import torch
 from pydantic import ValidationError
 from safetensors.torch import save_file
 
-from draftsmith.artifacts import atomic_path, atomic_write_json
+from draftsmith.artifacts import atomic_path, atomic_write_json, tensor_bytes
 from draftsmith.export import native
 from draftsmith.export.formats import (
     DFLASH_SPECULATORS,
@@ -179,7 +179,7 @@ def export_drafter(state: dict[str, torch.Tensor], cfg: DrafterShape, layout_nam
         raise ExportError(str(err)) from None
     tensors = {layout.to_layout_name(name): state[name].detach().cpu().contiguous()
                for name in layout.native_tensors(cfg)}
-    with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
+    with atomic_path(out_dir / WEIGHTS_FILE, tensor_bytes(tensors)) as tmp:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
     atomic_write_json(out_dir / "config.json", config)
     written = read_drafter(out_dir, family)

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from draftsmith.artifacts import atomic_path, atomic_write_json
+from draftsmith.artifacts import atomic_path, atomic_write_json, tensor_bytes
 from draftsmith.export.formats import ExportError
 from draftsmith.model.kinds import (
     KINDS,
@@ -92,7 +92,7 @@ def save_native(drafter: Drafter, out_dir: str | Path, provenance: dict[str, Any
     if tensors is None:
         tensors = drafter.state_dict()
     state = {k: v.detach().cpu().contiguous() for k, v in tensors.items() if k not in NOT_STORED}
-    with atomic_path(out_dir / WEIGHTS_FILE) as tmp:
+    with atomic_path(out_dir / WEIGHTS_FILE, tensor_bytes(state)) as tmp:
         save_file(state, str(tmp))
     atomic_write_json(out_dir / META_FILE, {
         "format": kind_of(drafter).native_format,

@@ -9,7 +9,6 @@ an int32 target argmax (the SGLang backend stores no argmax: 4 bytes a token of 
 from __future__ import annotations
 
 import logging
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import pyarrow.parquet as pq
 
 from draftsmith.artifacts import Descriptor
 from draftsmith.config import ExtractConfig
+from draftsmith.diskspace import free_bytes
 from draftsmith.errors import InputError
 from draftsmith.figures import TargetFigures
 
@@ -52,14 +52,6 @@ def bytes_per_token(hidden_size: int, num_aux_layers: int, dtype: str) -> int:
 
 def estimate_store_bytes(tokens: int, hidden_size: int, num_aux_layers: int, dtype: str) -> int:
     return int(tokens * bytes_per_token(hidden_size, num_aux_layers, dtype) * (1 + OVERHEAD))
-
-
-def free_bytes(destination: str | Path) -> int:
-    """Free space on the filesystem that will hold `destination` (which may not exist yet)."""
-    path = Path(destination).absolute()
-    while not path.exists():
-        path = path.parent
-    return shutil.disk_usage(path).free
 
 
 def merged_tokens(merged: Descriptor) -> int:

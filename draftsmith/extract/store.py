@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from draftsmith.artifacts import atomic_path, atomic_write_json, sha256_file
+from draftsmith.diskspace import DiskFullError
 from draftsmith.errors import InputError
 
 INDEX_FILE = "store.json"
@@ -119,7 +120,7 @@ def write_safetensors(path: str | Path, tensors: dict[str, torch.Tensor | list[t
     text = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
     text += b" " * (-len(text) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     digest = hashlib.sha256()
-    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    with atomic_path(path, 8 + len(text) + position) as tmp, open(tmp, "wb") as f:
         for part in (len(text).to_bytes(8, "little"), text, *map(_as_bytes, chunks)):
             digest.update(part)
             f.write(part)
@@ -227,6 +228,8 @@ class AsyncShardWriter:
                 self._queue.task_done()
 
     def _raise_if_failed(self) -> None:
+        if isinstance(self._error, DiskFullError):  # it names the shard and the fix already
+            raise self._error
         if self._error is not None:
             raise RuntimeError(f"writing a shard under {self.root} failed: {self._error}"
                                ) from self._error

@@ -36,6 +36,7 @@ from tenacity import (
 )
 
 from draftsmith.config import EndpointConfig, Partition
+from draftsmith.diskspace import append_line
 from draftsmith.errors import InputError, TransientError
 from draftsmith.progress import Progress
 
@@ -233,10 +234,8 @@ class Journal:
         return out
 
     def _append(self, path: Path, obj: Any) -> None:
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(obj, ensure_ascii=False) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+        # A full disk: DiskFullError naming the journal, and the torn line taken back.
+        append_line(path, json.dumps(obj, ensure_ascii=False) + "\n")
 
     def add_answer(self, answer: Answer) -> None:
         self._append(self.answers_path, asdict(answer))

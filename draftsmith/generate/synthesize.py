@@ -31,7 +31,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import random
 import re
 from collections import Counter
@@ -39,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftsmith.diskspace import append_line
 from draftsmith.progress import Progress
 
 if TYPE_CHECKING:
@@ -200,11 +200,10 @@ def opener_token_ids(tokenizer, writings: list[Writing]) -> dict[str, list[int]]
 
 
 def append_batch(path: Path, entries: list[dict]) -> None:
+    """One fsynced append per batch; a full disk takes the batch back whole and names the
+    journal (draftsmith/diskspace.py), so the rerun writes that batch again."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a", encoding="utf-8") as f:
-        f.write("".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
-        f.flush()
-        os.fsync(f.fileno())
+    append_line(path, "".join(json.dumps(e, ensure_ascii=False) + "\n" for e in entries))
 
 
 # --------------------------------------------------------------------------- writing

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from draftsmith.artifacts import atomic_path
+from draftsmith.artifacts import atomic_path, tensor_bytes
 from draftsmith.distributed import Dist
 from draftsmith.errors import CheckpointError, ConfigValueError
 from draftsmith.model.eagle3 import Eagle3Drafter
@@ -94,8 +94,9 @@ class DDPCheckpointer(Checkpointer):
         if not self.dist.is_main:
             return
         model = {k: v.cpu() for k, v in self.drafter.state_dict().items() if k not in SKIPPED}
-        with atomic_path(self.path) as tmp:
-            torch.save({**common, "model": model, "optimizer": self.optimizer.state_dict()}, tmp)
+        saved = {**common, "model": model, "optimizer": self.optimizer.state_dict()}
+        with atomic_path(self.path, tensor_bytes(saved)) as tmp:
+            torch.save(saved, tmp)
 
     def _load(self, saved: dict[str, Any]) -> None:
         self.drafter.load_state_dict(saved["model"], strict=False)
@@ -110,13 +111,14 @@ class FSDPCheckpointer(Checkpointer):
 
         step = common["position"]["step"]
         names = [f"rank{r}-step{step}.pt" for r in range(self.dist.world)]
-        with atomic_path(self.path.parent / names[self.dist.rank]) as tmp:
-            torch.save({"model": fsdp.local_state(self.drafter, skip=SKIPPED),
-                        "optimizer": fsdp.local_optimizer_state(self.optimizer.optimizer)}, tmp)
+        shard = {"model": fsdp.local_state(self.drafter, skip=SKIPPED),
+                 "optimizer": fsdp.local_optimizer_state(self.optimizer.optimizer)}
+        with atomic_path(self.path.parent / names[self.dist.rank], tensor_bytes(shard)) as tmp:
+            torch.save(shard, tmp)
         self.dist.barrier()
         if not self.dist.is_main:
             return
-        with atomic_path(self.path) as tmp:
+        with atomic_path(self.path, tensor_bytes(common)) as tmp:
             torch.save({**common, "shards": names}, tmp)
         for old in self.path.parent.glob("rank*-step*.pt"):
             if old.name not in names:

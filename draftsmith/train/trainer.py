@@ -480,16 +480,20 @@ def finish_train(cfg: TrainConfig, plan: StagePlan, result: dict,
     out = plan.dir
     settings = drafter_settings or DrafterConfig()
     plot_metrics(result["history"], kind_named(settings.kind).positions(settings, cfg), out)
-    import shutil
-
-    shutil.rmtree(out / RESUME_DIR, ignore_errors=True)  # finished: nothing left to resume
     best = result["best"]
     log.info("train: best epoch %d, validation tau %.3f, acceptance replayed %.3f",
              result["best_epoch"], best["tau"], best.get("acceptance_replayed", float("nan")))
     ranks = {k: result[k] for k in ("ranks_finished", "torchrun_exit_code") if k in result}
-    return finish_stage(
+    descriptor = finish_stage(
         plan,
         counts={"steps": result["steps"], "epochs": result["best_epoch"] + 1},
         figures={k: round(v, 4) for k, v in best.items() if k not in ("split", "step", "epoch")},
         extra=ranks or None,  # under torchrun: every rank finished (how torchrun exited)
+        leave_out=RESUME_DIR,
     )
+    # Finished: nothing left to resume. Deleted only now: a manifest that could not be written
+    # (a full disk) leaves the last checkpoint, and the rerun trains no step again.
+    import shutil
+
+    shutil.rmtree(out / RESUME_DIR, ignore_errors=True)
+    return descriptor
