@@ -12,8 +12,6 @@ so new settings or a new target answer everything again.
 
 from __future__ import annotations
 
-import asyncio
-import concurrent.futures
 import json
 import logging
 import time
@@ -45,6 +43,7 @@ from draftsmith.generate.openai_client import (
     cost_usd,
     resolve_api_key,
 )
+from draftsmith.generate.target_server import TargetServer, run_async
 from draftsmith.hosts import HostPart, range_bounds
 from draftsmith.progress import Progress
 
@@ -115,58 +114,9 @@ def load_data_source(source: DataSource, max_drop_rate: float) -> tuple[list[Rec
                        instruction=source.instruction)
 
 
-def _run_async(coro):
-    """asyncio.run, also from a thread that already runs an event loop (some task runners)."""
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return asyncio.run(coro)
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        return pool.submit(asyncio.run, coro).result()
-
-
 def _wire_messages(prompt: list[Message]) -> list[dict]:
     # Earlier turns' reasoning is not part of what the target is shown again.
     return [m.model_dump(exclude_none=True, exclude={"reasoning"}) for m in prompt]
-
-
-class TargetServer:
-    """`vllm serve` of the target alone (generate.vllm), started the first time the stage
-    needs it (prompts the target writes, then the answers: one start for both) and stopped
-    when the stage ends."""
-
-    def __init__(self, cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
-                 log_dir: Path):
-        self.cfg, self.target_cfg, self.target, self.log_dir = cfg, target_cfg, target, log_dir
-        self._process = None
-        self._endpoint: EndpointConfig | None = None
-
-    def endpoint(self) -> EndpointConfig:
-        if self._endpoint is not None:
-            return self._endpoint
-        from draftsmith.config import DeployConfig, Partition
-        from draftsmith.serve.vllm_launch import build_vllm_launch, start_vllm
-
-        server = self.cfg.vllm
-        deploy = DeployConfig(engine="vllm", host=server.host, port=server.port,
-                              env=server.env, extra_args=server.extra_args,
-                              startup_timeout_s=server.startup_timeout_s)
-        launch = build_vllm_launch(deploy, self.target_cfg, None,
-                                   self.target.figures["family"], self.target.path)
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        log.info("generate: starting vLLM for the target at %s (log %s)", launch.url,
-                 self.log_dir / "vllm-server.log")
-        self._process, _ = start_vllm(launch, self.log_dir / "vllm-server.log",
-                                      "vllm-generate", server.startup_timeout_s)
-        self._endpoint = EndpointConfig(
-            base_url=f"{launch.url}/v1", model=launch.model,
-            partitions=[Partition(max_prompt_tokens=1 << 30, concurrency=server.concurrency)])
-        return self._endpoint
-
-    def stop(self) -> None:
-        if self._process is not None:
-            self._process.stop()
-        self._process = self._endpoint = None
 
 
 def _answer_with_vllm(cfg: GenerateConfig, server: TargetServer, requests: list[Request],
@@ -181,7 +131,7 @@ def _answer_with_vllm(cfg: GenerateConfig, server: TargetServer, requests: list[
         backoff_initial_s=backoff_initial_s, backoff_max_s=backoff_max_s)
     log.info("generate: %d requests to vLLM at %s, %d in flight", len(requests),
              endpoint.base_url, cfg.vllm.concurrency)
-    return _run_async(regenerator.run(requests))
+    return run_async(regenerator.run(requests))
 
 
 def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, target: Descriptor,
@@ -358,7 +308,7 @@ def _generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
         log.info("generate: %d requests to %s (model %s), partitions %s", len(missing),
                  regenerator.url, cfg.endpoint.model,
                  [p.model_dump() for p in regenerator.endpoint.partitions])
-        totals = _run_async(regenerator.run(missing))
+        totals = run_async(regenerator.run(missing))
     elif missing and cfg.backend == "vllm":
         totals = _answer_with_vllm(cfg, server, missing, journal, backoff_initial_s,
                                    backoff_max_s)

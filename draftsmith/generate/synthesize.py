@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from draftsmith.artifacts import Descriptor, StagePlan
     from draftsmith.config import DataSource, GenerateConfig, SynthesizeConfig, TargetConfig
     from draftsmith.data.formats import Record, SourceStats
-    from draftsmith.generate.stage import TargetServer
+    from draftsmith.generate.target_server import TargetServer
 
 log = logging.getLogger(__name__)
 
@@ -335,9 +335,9 @@ def write_over_http(writings: list[Writing], journal: Path, url: str, model: str
                 progress.update(len(part))
         progress.close()
 
-    from draftsmith.generate.stage import _run_async
+    from draftsmith.generate.target_server import run_async
 
-    _run_async(write_all())
+    run_async(write_all())
     return done
 
 
