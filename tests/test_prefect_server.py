@@ -840,19 +840,24 @@ def test_a_gpu_stage_rides_out_the_prefect_server_restarting(server, first_run, 
     assert "the Prefect API is unreachable" in log and "the Prefect API is back" in log
 
 
+# Trains on the data the pipeline reads: the config's files with the new-data updates recorded
+# in the Prefect variable (argv[4], {source: file}) applied, as flows/data_updates.py does.
 UNINTERRUPTED = """
 import json, sys
 from draftsmith.artifacts import plan_stage
-from draftsmith.config import load_config
+from draftsmith.config import load_config, with_source
 from draftsmith.plan import finished_outputs
 from draftsmith.target import resolve_target
 from draftsmith.train.trainer import run_train
 
 config = load_config(sys.argv[1], json.loads(sys.argv[3]))
+for source, path in json.loads(sys.argv[4]).items():
+    config = with_source(config, source, path)
 outputs = finished_outputs(config, resolve_target(config.target), "extract")
 done = run_train(config.train, outputs["extract"], outputs["merge"], outputs["target"],
                  plan_stage(sys.argv[2], "train", {}, [outputs["extract"]]),
                  drafter_settings=config.drafter)
+print(outputs["extract"].fingerprint)
 print(done.path)
 """
 
@@ -921,12 +926,16 @@ def test_a_gpu_stage_killed_mid_stage_is_crashed_and_the_rerun_resumes_it(
 
     # The same training, never interrupted, in a fresh process as a worker's (this test
     # process has run other tests: its torch state is not a worker's).
+    updates = server.api.get("/variables/name/draftsmith-tiny-data").json().get("value") or {}
     straight = subprocess.run([sys.executable, "-c", UNINTERRUPTED, str(config_file),
-                               str(tmp_path), json.dumps(overrides)], env=server.env,
-                              capture_output=True, text=True, timeout=600)
+                               str(tmp_path), json.dumps(overrides), json.dumps(updates)],
+                              env=server.env, capture_output=True, text=True, timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
+    extract_fingerprint, uninterrupted_dir = straight.stdout.strip().splitlines()[-2:]
+    manifest = json.loads((train_dir / "manifest.json").read_text())
+    assert manifest["key_material"]["inputs"]["extract"] == extract_fingerprint  # the same data
     resumed, uninterrupted = (load_file(str(d / "drafter.safetensors")) for d in (
-        train_dir, Path(straight.stdout.strip().splitlines()[-1])))
+        train_dir, Path(uninterrupted_dir)))
     assert resumed.keys() == uninterrupted.keys()
     for name in resumed:
         assert resumed[name].equal(uninterrupted[name]), name
