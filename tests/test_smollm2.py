@@ -281,6 +281,10 @@ def test_the_pipeline_runs_on_the_real_target_and_decodes_exactly(smollm2_run, s
     assert written["read"] == WRITTEN and 1 <= written["kept"] <= WRITTEN
     assert generate.counts["records"] == generate.counts["generated"] == PROMPTS + written["kept"]
     assert generate.figures["backend"] == "vllm"
+    # One vLLM server wrote the prompts and answered them, without a log line per request.
+    server_log = (generate.dir.parent / "answers" / "vllm-server.log").read_text()
+    assert "--disable-uvicorn-access-log" in server_log or "Avg generation" in server_log
+    assert "POST /v1/completions" not in server_log
     # The target wrote its prompts from its own chat template's user turn, through vLLM.
     asked = [json.loads(line)["messages"][0]["content"] for line in
              (generate.dir / "records.jsonl").read_text().splitlines()]

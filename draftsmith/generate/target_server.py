@@ -14,6 +14,8 @@ from draftsmith.config import EndpointConfig, GenerateConfig, TargetConfig
 
 log = logging.getLogger(__name__)
 
+QUIET_ACCESS_LOG = "--disable-uvicorn-access-log"
+
 
 def run_async(coro):
     """asyncio.run, also from a thread that already runs an event loop (some task runners)."""
@@ -36,18 +38,30 @@ class TargetServer:
         self._process = None
         self._endpoint: EndpointConfig | None = None
 
+    def launch(self):
+        """The `vllm serve` command: the target alone, without the access log's line per
+        request (a run sends tens of thousands; vLLM's periodic stats line says the progress)."""
+        from draftsmith.config import DeployConfig
+        from draftsmith.serve.vllm_launch import build_vllm_launch
+
+        server = self.cfg.vllm
+        extra_args = list(server.extra_args)
+        if QUIET_ACCESS_LOG not in extra_args:
+            extra_args.append(QUIET_ACCESS_LOG)
+        deploy = DeployConfig(engine="vllm", host=server.host, port=server.port,
+                              env=server.env, extra_args=extra_args,
+                              startup_timeout_s=server.startup_timeout_s)
+        return build_vllm_launch(deploy, self.target_cfg, None,
+                                 self.target.figures["family"], self.target.path)
+
     def endpoint(self) -> EndpointConfig:
         if self._endpoint is not None:
             return self._endpoint
-        from draftsmith.config import DeployConfig, Partition
-        from draftsmith.serve.vllm_launch import build_vllm_launch, start_vllm
+        from draftsmith.config import Partition
+        from draftsmith.serve.vllm_launch import start_vllm
 
         server = self.cfg.vllm
-        deploy = DeployConfig(engine="vllm", host=server.host, port=server.port,
-                              env=server.env, extra_args=server.extra_args,
-                              startup_timeout_s=server.startup_timeout_s)
-        launch = build_vllm_launch(deploy, self.target_cfg, None,
-                                   self.target.figures["family"], self.target.path)
+        launch = self.launch()
         self.log_dir.mkdir(parents=True, exist_ok=True)
         log.info("generate: starting vLLM for the target at %s (log %s)", launch.url,
                  self.log_dir / "vllm-server.log")
