@@ -74,8 +74,14 @@ def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
     once per temperature and shared by every drafting config)."""
     for prompt in prompts[: cfg.warmup_prompts]:
         plain_generate(runner, prompt, cfg.max_new_tokens, eos)
-    return [plain_generate(runner, prompt, cfg.max_new_tokens, eos,
-                            Sampling(cfg.temperature, seed=i)) for i, prompt in enumerate(prompts)]
+    progress = Progress("benchmark plain decoding", total=len(prompts), unit="prompt")
+    out = []
+    for i, prompt in enumerate(prompts):
+        out.append(plain_generate(runner, prompt, cfg.max_new_tokens, eos,
+                                  Sampling(cfg.temperature, seed=i)))
+        progress.update(1)
+    progress.close()
+    return out
 
 
 def accepted_by_position(round_tokens: list[int], num_steps: int) -> list[int]:
