@@ -96,6 +96,7 @@ def comparison_row(variant: Variant, results: dict[str, dict]) -> dict[str, Any]
         row["acceptance"] = _rounded(bench.get("acceptance_length"))
     row["identical"] = _identical(bench, sets)
     row["speedup"] = _rounded(bench.get("speedup"))
+    row["drafter"] = _figure(results, "export").get("drafter_dir")  # the one to deploy
     return row
 
 

@@ -39,6 +39,7 @@ def test_a_row_has_a_column_per_set_and_part():
         "merge": {"state": "Cached", "descriptor": {"counts": {"train_records": 900},
                                                     "figures": {}}},
         "train": stage("Completed", tau=3.31234, acceptance_replayed=3.1),
+        "export": stage("Cached", drafter_dir="/runs/x/export/k/drafter"),
         "benchmark": stage("Completed", speedup=1.8123, sets=[
             {"set": "chat", "split": "dev", "acceptance": 2.61, "ci95": [2.5, 2.7],
              "identical": "40/40"},
@@ -48,6 +49,7 @@ def test_a_row_has_a_column_per_set_and_part():
     assert row == {"variant": "wide", "overrides": "drafter.intermediate_size=3072",
                    "ran": "train, benchmark", "train records": 900, "tau": 3.312,
                    "replayed": 3.1, "chat dev": "2.610 [2.500, 2.700]",
-                   "code dev": "3.050 [2.900, 3.200]", "identical": "73/74", "speedup": 1.812}
+                   "code dev": "3.050 [2.900, 3.200]", "identical": "73/74", "speedup": 1.812,
+                   "drafter": "/runs/x/export/k/drafter"}
     page = comparison_markdown("smollm2: 1 variants", [row])
     assert "| variant | overrides | ran |" in page and "| wide |" in page

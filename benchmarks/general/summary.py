@@ -128,9 +128,10 @@ def main(argv: list[str] | None = None) -> None:
         report = json.loads(args.source.read_text())
     else:
         report = serve_and_measure(args.source, args)
-        kept = args.summary.parent / f"vllm_{args.drafter}.json"
-        atomic_write_json(kept, {**report, "seconds": round(time.monotonic() - started, 1),
-                                 "command": " ".join(sys.argv)})
+    # The raw report beside the summary, with the command that made the rows.
+    kept = args.summary.parent / f"{args.engine}_{args.drafter}.json"
+    atomic_write_json(kept, {**report, "seconds": round(time.monotonic() - started, 1),
+                             "command": " ".join(sys.argv), "source": str(args.source)})
     rows = rows_of(report, args.engine, meta)
     merge_rows(args.summary, rows)
     for row in rows:
