@@ -413,6 +413,7 @@ def inspect(
 ) -> None:
     """Show a drafter's layout, shapes, vocab sizes, layer ids and validation verdict."""
     from draftsmith.export.convert import describe
+    from draftsmith.model.kinds import kind_named
 
     info = describe(directory, family, num_layers)
     out = Console()
@@ -422,7 +423,7 @@ def inspect(
         raise typer.Exit(1)
     out.print(f"kind: {info['kind']}")
     kind_keys = ("block_size", "mask_token_id", "causal", "num_hidden_layers") \
-        if info["kind"] == "dflash" else ("norms", "sliding_window")
+        if kind_named(info["kind"]).drafting == "block" else ("norms", "sliding_window")
     for key in ("dtype", "vocab_size", "draft_vocab_size", "hidden_size", "target_hidden_size",
                 "max_position_embeddings", *kind_keys):
         out.print(f"{key}: {info[key]}")

@@ -79,13 +79,15 @@ def speculative_method(drafter_dir: str | Path, family: str = "llama") -> str:
 
 def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) -> int:
     """Check the drafter and the drafting settings for vLLM; returns num_speculative_tokens."""
+    from draftsmith.model.kinds import kind_named
+
     drafter = read_drafter(drafter_dir, family)  # a drafter vLLM would mis-load stops here
     if drafter.layout != "speculators":
         raise VLLMLaunchError(
             f"{drafter_dir}: a {drafter.layout}-layout drafter; vLLM loads EAGLE-3 drafters in "
             f"the speculators layout (set {EXPORT_FORMAT_SETTING}=speculators, or: draftsmith "
             "export DIR --to speculators --out NEW)")
-    if drafter.kind == "dflash" and cfg.num_steps is not None:
+    if kind_named(drafter.kind).drafting == "block" and cfg.num_steps is not None:
         block = drafter.config.block_size
         if cfg.eagle_topk != 1 or cfg.num_steps > block - 1:
             raise VLLMLaunchError(
