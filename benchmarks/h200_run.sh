@@ -19,9 +19,17 @@
 #   5...:             bash benchmarks/h200_run.sh wait WAIT_S
 #   last:             bash benchmarks/h200_run.sh collect
 #      brings back the exported drafter (a tar in <= 15 MiB parts, with its sha256), the
-#      stages' reports and logs, and the generated records (xz).
+#      stages' reports and the run's log.
 # A run that stopped (the machine kept) resumes with `start` again: the finished stages are
 # cached under the run root, generate's journals keep what was written.
+# Generate alone takes most of a lease (the full recipe needs about 25 minutes of device
+# time), so its journals can leave one machine and seed the next:
+#                     bash benchmarks/h200_run.sh journals
+#      brings back generate's journals (the prompts the target wrote and the answers it gave,
+#      xz, in <= 15 MiB parts); here, `mkdir -p .gpu/g && cp FILES_AT/journals.* .gpu/g/`.
+#   on a later lease, after `keep a/b/e`, carry .gpu/g:  bash benchmarks/h200_run.sh keep g
+#      and `start` restores them into the run root before the run: generate then asks only
+#      for what the journals lack.
 set -u
 cmd=${1:?keep, start, wait or collect}; shift
 KEEP=/tmp/keep
@@ -58,6 +66,10 @@ case "$cmd" in
   start)
     wait_s=${1:?seconds to wait}; config=${2:?config}; shift 2
     mkdir -p "$KEEP" "$RUN" && cp -r .gpu/w/. "$KEEP"/
+    if ls "$KEEP"/journals.tar.xz.part_* >/dev/null 2>&1 && [ ! -d "$RUN"/root/generate ]; then
+      mkdir -p "$RUN"/root && cat "$KEEP"/journals.tar.xz.part_* | xz -d | tar xf - -C "$RUN"/root
+      echo "generate's journals restored: $(find "$RUN"/root/generate -name '*.jsonl' | wc -l) files"
+    fi
     cat "$KEEP"/smollm2.part_* > /tmp/smollm2.gguf && sha256sum /tmp/smollm2.gguf
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       "$KEEP"/*.whl >/dev/null 2>&1 || echo "wheel install failed"
@@ -86,8 +98,12 @@ from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root 
       -o -name '*.md' -o -name '*.jsonl' -path '*train*' -size -2M -o -name '*.log' -size -4M \
       | tar czf "$OUT"/reports.tgz -T - 2>/dev/null
     tail -c 4000000 "$LOG" > "$OUT"/run.log
-    records=$(ls "$RUN"/root/generate/*/records.jsonl 2>/dev/null | head -1)
-    [ -n "$records" ] && xz -T0 -6 -c "$records" | split -b 15M - "$OUT"/records.jsonl.xz.part_
+    ls -la "$OUT"; progress
+    ;;
+  journals)
+    (cd "$RUN"/root && tar cf - generate/prompts generate/answers 2>/dev/null) \
+      | xz -T0 -6 | split -b 15M - "$OUT"/journals.tar.xz.part_
+    tail -c 2000000 "$LOG" > "$OUT"/run.log
     ls -la "$OUT"; progress
     ;;
 esac
