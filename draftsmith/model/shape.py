@@ -35,6 +35,12 @@ class TargetTiedShape(BaseModel):
     aux_layer_ids: list[int]  # canonical: output of decoder layer i
     hidden_act: str = "silu"
 
+    def rope_scaling_copy(self) -> dict | None:
+        """rope_scaling for transformers' LlamaConfig, which writes rope_theta into the dict it
+        is given: a copy, so that building a module leaves this config (and what is exported
+        from it) as it was."""
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
     @staticmethod
     def layer_fields(hf: dict[str, Any]) -> dict[str, Any]:
         """The layer-shape fields of a Hugging Face config, under the drafter's names."""

@@ -66,7 +66,7 @@ class DFlashConfig(TargetTiedShape):
                            num_attention_heads=self.num_attention_heads,
                            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                           rope_scaling=self.rope_scaling, hidden_act=self.hidden_act,
+                           rope_scaling=self.rope_scaling_copy(), hidden_act=self.hidden_act,
                            max_position_embeddings=self.max_position_embeddings,
                            vocab_size=self.vocab_size)
 

@@ -106,7 +106,7 @@ class Eagle3Config(TargetTiedShape):
 
     def llama_config(self) -> LlamaConfig:
         fields = {k: v for k, v in self.hf_fields().items() if k != "model_type"}
-        return LlamaConfig(**fields)
+        return LlamaConfig(**{**fields, "rope_scaling": self.rope_scaling_copy()})
 
 
 class Eagle3Attention(nn.Module):
