@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from draftsmith.model.eagle3 import Eagle3Drafter, flex_attention, ttt_block_masks
+from draftsmith.model.eagle3.model import Eagle3Drafter, flex_attention, ttt_block_masks
 from draftsmith.model.ttt_attention import document_segments, merged_ttt_attention
 from draftsmith.train.loss import fused_linear_soft_ce
 from draftsmith.train.optim import MasterWeightAdamW

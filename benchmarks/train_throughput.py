@@ -47,11 +47,11 @@ from pathlib import Path
 import torch
 
 from draftsmith.extract.store import Sample
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.eagle3.loss import row_loss_on_device
+from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.optim import MasterWeightAdamW
 from draftsmith.train.packing import PackedRow, RowPrefetcher, concat_row
-from draftsmith.train.row_loss import row_loss_on_device
 
 PEAK_FLOPS = 989.4e12  # H200 SXM, dense bf16
 

@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 from draftsmith.config import BenchmarkConfig, DataSource, PipelineConfig
 from draftsmith.errors import InputError
+from draftsmith.model.registry import kind_named
 
 FIRST_RECORDS = 20  # records read from each data file (the run's own checks, on a sample)
 
@@ -246,7 +247,7 @@ def check_vocab(checks: Checks, config: PipelineConfig, target: TargetShape) -> 
 
 
 def check_drafting(checks: Checks, config: PipelineConfig) -> None:
-    ttt, deploy = config.train.ttt_steps, config.deploy
+    deploy = config.deploy
     if deploy.engine == "sglang" and config.export.format != "sglang":
         checks.error("drafting", f"deploy.engine=sglang with export.format="
                                  f"{config.export.format}: SGLang loads the SGLang layout only; "
@@ -255,8 +256,7 @@ def check_drafting(checks: Checks, config: PipelineConfig) -> None:
         checks.warn("drafting", warning)
     if not any(f.check == "drafting" for f in checks.findings):
         steps = deploy.num_steps if deploy.num_steps is not None else "engine default"
-        trained = (f"a DFlash block of {config.drafter.dflash.block_size}"
-                   if config.drafter.kind == "dflash" else f"train.ttt_steps={ttt}")
+        trained = kind_named(config.drafter.kind).trained_for(config)
         checks.ok("drafting", f"{deploy.engine}: {steps} draft steps, trained with {trained}")
 
 

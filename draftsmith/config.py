@@ -16,6 +16,7 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from draftsmith.errors import InputError
+from draftsmith.model.registry import kind_named
 
 CACHE_KEY = "cache_key"
 OMIT_DEFAULT = "cache_key_omits_default"
@@ -548,7 +549,7 @@ class DFlashOptions(StrictModel):
 
 class DrafterConfig(StrictModel):
     """Which drafter is trained, and its shape options. Every stage that builds, exports,
-    serves or measures a drafter asks the registry for this kind (draftsmith/model/kinds.py)."""
+    serves or measures a drafter asks the registry for this kind (draftsmith/model/registry.py)."""
 
     kind: Literal["eagle3", "dflash"] = keyed("eagle3", description=(
         "eagle3: EAGLE-3, one decoder layer drafting a chain or a tree step by step (with the "
@@ -574,13 +575,8 @@ class DrafterConfig(StrictModel):
         "vLLM and SGLang build the drafter from that config."))
 
     @model_validator(mode="after")
-    def _norms_are_eagle3s(self) -> DrafterConfig:
-        norms = [n for n in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
-                 if getattr(self, n)]
-        if self.kind != "eagle3" and norms:
-            raise ValueError(f"drafter.{', drafter.'.join(norms)}: EAGLE-3.1 options, and "
-                             f"drafter.kind is {self.kind!r}; remove them or set "
-                             "drafter.kind=eagle3")
+    def _options_are_the_kinds(self) -> DrafterConfig:
+        kind_named(self.kind).check_settings(self)  # e.g. EAGLE-3.1's norms only for eagle3
         return self
 
 
@@ -1064,48 +1060,15 @@ class PipelineConfig(StrictModel):
         return self.export
 
     def warnings(self) -> list[str]:
-        """Settings that are valid but probably not what the user wants."""
-        out = []
-        if self.drafter.kind == "dflash":  # a block's drafts are all trained; more is refused
-            return out
-        trained = self.train.ttt_steps
-        drafting = [("deploy.num_steps", self.deploy.num_steps),
-                    ("export.speculative_tokens", self.export.speculative_tokens),
-                    *((f"benchmark.sweep[{i}].num_steps", p.num_steps)
-                      for i, p in enumerate(self.benchmark.sweep))]
-        for where, steps in drafting:
-            if steps is not None and steps > trained:
-                out.append(f"{where}={steps} exceeds train.ttt_steps={trained}: the drafter "
-                           f"was trained for {trained} drafting steps, and the later ones are "
-                           "rarely accepted; raise train.ttt_steps or draft fewer steps")
-        return out
+        """Settings that are valid but probably not what the user wants (the drafter kind's
+        drafting warnings, e.g. drafting more EAGLE-3 steps than were trained)."""
+        return kind_named(self.drafter.kind).drafting_warnings(self)
 
     @model_validator(mode="after")
-    def _dflash_runs_where_it_is_written(self) -> PipelineConfig:
-        """A DFlash drafter is written for vLLM and drafts one block, no tree and no more
-        tokens than its masks: what no stage could run is refused before any runs."""
-        if self.drafter.kind != "dflash":
-            return self
-        block = self.drafter.dflash.block_size
-        if self.export.format != "speculators":
-            raise ValueError(
-                f"drafter.kind=dflash with export.format={self.export.format!r}: draftsmith "
-                "writes DFlash drafters in the speculators layout vLLM 0.32 loads; set "
-                "export.format=speculators (and deploy.engine=vllm or embedded)")
-        if self.deploy.engine == "sglang":
-            raise ValueError("drafter.kind=dflash with deploy.engine=sglang: draftsmith serves "
-                             "DFlash drafters with vLLM or its embedded engine; set "
-                             "deploy.engine=vllm or embedded")
-        points = [("deploy", self.deploy.num_steps, self.deploy.eagle_topk),
-                  *((f"benchmark.sweep[{i}]", p.num_steps, p.eagle_topk)
-                    for i, p in enumerate(self.benchmark.sweep))]
-        for where, steps, topk in points:
-            if steps is not None and (steps > block - 1 or topk != 1):
-                raise ValueError(
-                    f"{where}.num_steps={steps}, eagle_topk={topk} with drafter.kind=dflash: "
-                    f"one block drafts at most block_size - 1 = {block - 1} tokens and no tree; "
-                    f"set num_steps <= {block - 1} (num_draft_tokens = num_steps + 1) and "
-                    "eagle_topk=1, or raise drafter.dflash.block_size")
+    def _kind_runs_where_it_is_written(self) -> PipelineConfig:
+        """What no stage could run with this drafter kind (e.g. a DFlash drafter for SGLang,
+        or drafting more than its block) is refused before any runs."""
+        kind_named(self.drafter.kind).check_pipeline(self)
         return self
 
     @model_validator(mode="after")

@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from draftsmith.extract.store import Sample, ShardSpec, shard_tensors, write_shard
-from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.eagle3.loss import row_loss_on_device
+from draftsmith.model.eagle3.model import Eagle3Drafter
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.metrics import StepCounts
 from draftsmith.train.packing import PackedRow, concat_row, plan_rows
-from draftsmith.train.row_loss import row_loss_on_device
 
 
 def forward_ttt(drafter: Eagle3Drafter, input_ids, aux, position_ids, document_ids,

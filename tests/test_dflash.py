@@ -13,7 +13,8 @@ import torch
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.export.convert import export_drafter, import_drafter, read_drafter
 from draftsmith.export.formats import ExportError
-from draftsmith.model.dflash import (
+from draftsmith.model.dflash.loss import anchors_of, block_row_loss_on_device
+from draftsmith.model.dflash.model import (
     DFlashConfig,
     DFlashDrafter,
     anchored_dense_mask,
@@ -21,7 +22,6 @@ from draftsmith.model.dflash import (
 )
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Sampling, plain_generate
 from draftsmith.target import load_target_head_and_embedding, load_target_model
-from draftsmith.train.block_loss import anchors_of, block_row_loss_on_device
 from tests.test_eagle3 import vocab_map
 
 AUX_IDS = [1, 3, 4]
@@ -355,7 +355,7 @@ def test_block_drafting_sampled_keeps_the_target_distribution_machinery(
 
 def test_the_engine_refuses_what_a_block_cannot_draft(dflash_engine):
     drafter, engine = dflash_engine
-    with pytest.raises(ValueError, match="at most 3 tokens"):
+    with pytest.raises(ValueError, match="at most block_size - 1 = 3 tokens"):
         EmbeddedSpeculativeEngine(engine.runner.model, drafter, num_steps=BLOCK)
     with pytest.raises(ValueError, match="no tree"):
         EmbeddedSpeculativeEngine(engine.runner.model, drafter, num_steps=2, topk=2)

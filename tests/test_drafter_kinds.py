@@ -83,7 +83,7 @@ def raw_config(**sections) -> dict:
 def test_every_kind_is_one_registry_entry():
     assert set(KINDS) == {"eagle3", "dflash"}
     for name, kind in KINDS.items():
-        assert kind.name == name and callable(kind.part(kind.loss))
+        assert kind.name == name and callable(kind.row_loss())
         assert kind_named(name) is kind
     assert (kind_named("eagle3").vllm_method, kind_named("dflash").vllm_method) == \
         ("eagle3", "dflash")

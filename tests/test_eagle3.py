@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from draftsmith.data.vocab import build_vocab_map
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter, ttt_masks
+from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter, ttt_masks
 from tests.engine_helpers import forward_ttt
 
 AUX_IDS = [1, 3, 4]
@@ -280,7 +280,7 @@ def test_forward_ttt_differs_from_full_attention_over_later_steps(random_target_
                                                                  monkeypatch):
     """Sanity of the comparison above: attending to all step-1 keys instead of the diagonal
     gives different logits, so the diagonal mask matters."""
-    import draftsmith.model.eagle3 as eagle3
+    import draftsmith.model.eagle3.model as eagle3
 
     drafter = make_drafter(random_target_dir)
     T = 8
@@ -341,7 +341,7 @@ def per_step_ttt(drafter: Eagle3Drafter, ids, aux, pos, docs, steps: int) -> lis
     """TTT as written in the paper's terms: at every step the embeddings of tokens t+j+1 are
     looked up and concatenated with the hidden input, and the whole [T, 2H] goes through q, k
     and v (no projection shared between steps)."""
-    from draftsmith.model.eagle3 import shift_left
+    from draftsmith.model.eagle3.model import shift_left
 
     masks = ttt_masks(docs, steps)
     hidden = drafter.project_aux(aux)  # [1, T, H]
@@ -362,7 +362,7 @@ def test_embedding_projections_shared_by_the_steps_give_the_per_step_outputs_and
     """Training projects the embedding half of q, k and v once a row and gives step j its
     window j: outputs and every parameter's gradient equal per-step projection. A window one
     step off is caught."""
-    import draftsmith.model.eagle3 as eagle3
+    import draftsmith.model.eagle3.model as eagle3
 
     drafter = make_drafter(random_target_dir).train()
     T, steps = 23, 3
@@ -433,7 +433,7 @@ def hand_built_ttt_mask(docs: list[int], steps: int) -> list[torch.Tensor]:
 def test_flex_mask_matches_a_hand_built_dense_mask_for_steps_0_to_k():
     from torch.nn.attention.flex_attention import create_mask
 
-    from draftsmith.model.eagle3 import ttt_block_masks, ttt_mask_mod
+    from draftsmith.model.eagle3.model import ttt_block_masks, ttt_mask_mod
 
     docs = [0, 0, 0, 1, 1, 2, 2, 2, -1, -1]  # three documents and two padding tokens
     T, steps = len(docs), 4
@@ -464,7 +464,7 @@ def test_flex_path_gives_the_sdpa_outputs_on_a_packed_row():
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_flex_and_sdpa_differ_when_the_mask_is_wrong(monkeypatch):
     """The comparison above can fail: a mask_mod without the document condition differs."""
-    import draftsmith.model.eagle3 as eagle3
+    import draftsmith.model.eagle3.model as eagle3
     from draftsmith.model.attention_check import compare_attention_paths
 
     def leaky(document_ids, T, window=None):

@@ -13,7 +13,7 @@ from transformers import DynamicCache
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.export.convert import export_drafter
 from draftsmith.extract.capture import HiddenStateCapture
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter
 from draftsmith.serve.embedded import (
     DraftTree,
     EmbeddedSpeculativeEngine,

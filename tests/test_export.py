@@ -24,7 +24,7 @@ from draftsmith.export.formats import SGLANG, ExportError
 from draftsmith.export.layer_ids import LayerIdError, canonical_layer_ids, engine_layer_ids
 from draftsmith.export.native import META_FILE, load_native, save_native
 from draftsmith.export.native import WEIGHTS_FILE as NATIVE_WEIGHTS
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter
 from tests.engine_helpers import forward_ttt
 from tests.test_eagle3 import ALL_NORMS, SGLANG_KEYS
 
@@ -603,7 +603,7 @@ def test_import_lists_missing_and_unexpected_keys(exported, tmp_path):
 
 
 def test_exported_drafter_loaded_back_gives_the_trained_logits(exported, random_target_dir):
-    from draftsmith.model.eagle3 import Eagle3Drafter
+    from draftsmith.model.eagle3.model import Eagle3Drafter
 
     drafter, embed, out, _ = exported
     checkpoint = read_drafter(out)

@@ -74,3 +74,62 @@ def test_a_planted_import_is_caught(tmp_path):
         "draftsmith/cli.py:1 imports flows.pipeline",
         "tasks/stages.py:1 imports flows",
     ]
+
+
+# Drafter kinds differ by methods of their kind objects (draftsmith/model/registry.py): only the
+# kind packages themselves may compare a string with a kind's name.
+KIND_NAMES = ("eagle3", "dflash")
+KIND_OWNER = "draftsmith/model/"
+
+
+def names_a_kind(node: ast.AST) -> bool:
+    """A kind's name as a literal, or a tuple, list or set literal holding one."""
+    if isinstance(node, ast.Tuple | ast.List | ast.Set):
+        return any(names_a_kind(element) for element in node.elts)
+    return isinstance(node, ast.Constant) and node.value in KIND_NAMES
+
+
+def dispatches_on_a_kind_name(node: ast.AST) -> bool:
+    if isinstance(node, ast.Dict):
+        return any(key is not None and names_a_kind(key) for key in node.keys)
+    if isinstance(node, ast.Compare):
+        tests = any(isinstance(op, ast.Eq | ast.NotEq | ast.In | ast.NotIn) for op in node.ops)
+        return tests and any(names_a_kind(o) for o in [node.left, *node.comparators])
+    return False
+
+
+def kind_name_comparisons(root: Path) -> list[str]:
+    """Every `==`, `!=`, `in` or `not in` test against a kind's name, and every dict keyed by
+    one (dispatch on the name), outside draftsmith/model/ (engine, flows and tasks), as
+    `path:line`."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        if relative.split("/", 1)[0] not in ("draftsmith", "flows", "tasks") \
+                or relative.startswith(KIND_OWNER):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if dispatches_on_a_kind_name(node):
+                out.append(f"{relative}:{node.lineno}")
+    return out
+
+
+def test_no_module_outside_the_kinds_compares_a_kind_name():
+    assert kind_name_comparisons(REPO) == []
+
+
+def test_a_planted_kind_name_comparison_is_caught(tmp_path):
+    for relative, text in {
+        "draftsmith/train/bad.py": "def f(kind):\n    return kind.name == 'dflash'\n",
+        "draftsmith/also_bad.py": "def f(cfg):\n    if 'eagle3' != cfg.kind:\n        pass\n",
+        "tasks/bad.py": "x = 1\nok = x in ('dflash',) or x == 2\n",
+        "flows/bad.py": "layouts = {'eagle3': 1, 'dflash': 2}\n",
+        "draftsmith/model/dflash/layouts.py": "ok = {}.get('type') == 'dflash'\n",
+        "draftsmith/ok.py": "KIND = 'eagle3'\nok = KIND == 'other'\n",
+        "tests/test_x.py": "assert 'dflash' == 'dflash'\n",
+    }.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    assert kind_name_comparisons(tmp_path) == [
+        "draftsmith/also_bad.py:2", "draftsmith/train/bad.py:2", "flows/bad.py:1",
+        "tasks/bad.py:2"]

@@ -10,7 +10,7 @@ import torch
 
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.export.convert import export_drafter
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter
 from draftsmith.serve.embedded import (
     DraftTree,
     EmbeddedSpeculativeEngine,

@@ -510,7 +510,7 @@ def test_a_failing_compiled_path_falls_back_with_a_warning(inputs, tmp_path, mon
                                                            caplog):
     """As on a GPU whose Triton build fails to compile the kernels (the seeds' Blackwell
     shared-memory error): the run warns, drops to the eager layer and finishes."""
-    from draftsmith.model.eagle3 import Eagle3Drafter
+    from draftsmith.model.eagle3.model import Eagle3Drafter
 
     def compile_that_fails(self, enabled=True):
         def broken(*args, **kwargs):

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.extract.store import Sample
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter
 from draftsmith.train.metrics import StepCounts
 from draftsmith.train.packing import PackedRow
 from tests.engine_helpers import count_step, forward_ttt, pack, row_loss
@@ -209,7 +209,7 @@ def test_row_loss_mask_hand_count(random_target_dir):
     loss.backward()
     assert drafter.fc.weight.grad.abs().sum() > 0
     # The trainer sums counts across steps on the device: they must hold no autograd graph.
-    from draftsmith.train.row_loss import row_loss_on_device
+    from draftsmith.model.eagle3.loss import row_loss_on_device
 
     _, on_device = row_loss_on_device(drafter, row, head, 3, 0.8, "cpu")
     assert not on_device.requires_grad

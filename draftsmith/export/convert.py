@@ -20,8 +20,6 @@ from safetensors.torch import save_file
 from draftsmith.artifacts import atomic_path, atomic_write_json, tensor_bytes
 from draftsmith.export import native
 from draftsmith.export.formats import (
-    DFLASH_SPECULATORS,
-    LAYOUTS_BY_KIND,
     OPTIONAL_TENSORS,
     SGLANG,
     ExportError,
@@ -50,7 +48,7 @@ class DrafterCheckpoint:
 
     @property
     def kind(self) -> str:
-        """The drafter kind (draftsmith/model/kinds.py): eagle3 or dflash."""
+        """The drafter kind (draftsmith/model/registry.py): eagle3 or dflash."""
         return kind_of(self.config).name
 
 
@@ -118,7 +116,7 @@ def read_drafter(directory: str | Path, family: str = "llama",
         raw = native.read_native_meta(directory)
         cfg = native.config_of(raw, directory / native.META_FILE)
         # Native tensor names: EAGLE-3's are SGLang's, DFlash's vLLM's.
-        layout = SGLANG if kind_of(cfg).name == "eagle3" else DFLASH_SPECULATORS
+        layout = kind_of(cfg).native_layout()
     else:
         layout = _layout_in(directory)
         raw = native.read_json_file(directory / "config.json", REFETCH)
@@ -235,12 +233,7 @@ def describe(directory: str | Path, family: str = "llama",
         info["problems"] = str(err)
         return info
     cfg = checkpoint.config
-    info.update(kind=checkpoint.kind)
-    if checkpoint.kind == "dflash":
-        info.update(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
-                    causal=cfg.causal, num_hidden_layers=cfg.num_hidden_layers)
-    else:
-        info.update(norms=cfg.norm_flags, sliding_window=cfg.sliding_window)
+    info.update(kind=checkpoint.kind, **kind_of(cfg).describe(cfg))
     info.update(
         valid=True,
         shapes={n: list(t.shape) for n, t in sorted(checkpoint.tensors.items())},
@@ -250,7 +243,7 @@ def describe(directory: str | Path, family: str = "llama",
         max_position_embeddings=cfg.max_position_embeddings,
         canonical_aux_layer_ids=cfg.aux_layer_ids,
     )
-    for layout in LAYOUTS_BY_KIND[checkpoint.kind].values():
+    for layout in kind_of(cfg).layouts().values():
         key = f"{layout.name}_aux_layer_ids"
         try:
             info[key] = engine_layer_ids(cfg.aux_layer_ids, family, layout.engine)

@@ -14,7 +14,7 @@ import json
 
 import torch
 
-from draftsmith.model.eagle3 import Eagle3Config, Eagle3Drafter
+from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter
 
 
 def small_drafter(seed: int = 0, hidden: int = 256, heads: int = 4, kv_heads: int = 2,

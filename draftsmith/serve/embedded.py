@@ -155,7 +155,7 @@ class DraftTree:
 
 
 class EmbeddedSpeculativeEngine:
-    """How a round drafts follows the drafter's kind (draftsmith/model/kinds.py): EAGLE-3
+    """How a round drafts follows the drafter's kind (draftsmith/model/registry.py): EAGLE-3
     step by step (`_draft`, or `_draft_tree` with topk > 1), DFlash a whole block in one
     forward (`_draft_block`); verification is the same for both."""
 
@@ -164,13 +164,11 @@ class EmbeddedSpeculativeEngine:
         if topk < 1 or num_steps < 1:
             raise ValueError(f"num_steps={num_steps} and topk={topk} must be at least 1")
         self.kind = kind_of(drafter)
+        problem = self.kind.drafting_problem(drafter.config, num_steps, topk)
+        if problem:
+            raise ValueError(f"num_steps={num_steps}, topk={topk}: a {self.kind.name} drafter: "
+                             f"{problem}")
         if self.kind.drafting == "block":
-            block = drafter.config.block_size
-            if topk != 1 or num_steps > block - 1:
-                raise ValueError(
-                    f"num_steps={num_steps}, topk={topk}: a {self.kind.name} drafter drafts one "
-                    f"block of at most {block - 1} tokens (block_size {block}), no tree; set "
-                    f"eagle_topk=1 and num_steps <= {block - 1}")
             self._draft = self._draft_block
         budget = draft_token_budget(num_steps, topk)
         num_draft_tokens = num_draft_tokens or (num_steps + 1 if topk == 1 else budget + 1)

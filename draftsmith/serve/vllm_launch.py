@@ -87,14 +87,12 @@ def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) 
             f"{drafter_dir}: a {drafter.layout}-layout drafter; vLLM loads EAGLE-3 drafters in "
             f"the speculators layout (set {EXPORT_FORMAT_SETTING}=speculators, or: draftsmith "
             "export DIR --to speculators --out NEW)")
-    if kind_named(drafter.kind).drafting == "block" and cfg.num_steps is not None:
-        block = drafter.config.block_size
-        if cfg.eagle_topk != 1 or cfg.num_steps > block - 1:
-            raise VLLMLaunchError(
-                f"deploy.num_steps={cfg.num_steps}, eagle_topk={cfg.eagle_topk}: this DFlash "
-                f"drafter drafts one block of at most {block - 1} tokens (block_size {block}); "
-                f"set deploy.num_steps <= {block - 1}, eagle_topk=1 and num_draft_tokens = "
-                "num_steps + 1")
+    kind = kind_named(drafter.kind)
+    if kind.drafting == "block" and cfg.num_steps is not None:
+        problem = kind.drafting_problem(drafter.config, cfg.num_steps, cfg.eagle_topk)
+        if problem:
+            raise VLLMLaunchError(f"deploy.num_steps={cfg.num_steps}, eagle_topk="
+                                  f"{cfg.eagle_topk}: this {kind.name} drafter: {problem}")
         return cfg.num_steps
     if cfg.num_steps is None:
         config = json.loads((Path(drafter_dir) / "config.json").read_text())

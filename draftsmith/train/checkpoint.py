@@ -21,7 +21,7 @@ import torch
 from draftsmith.artifacts import atomic_path, tensor_bytes
 from draftsmith.distributed import Dist
 from draftsmith.errors import CheckpointError, ConfigValueError
-from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.kinds import Drafter
 from draftsmith.train.optim import MasterWeightAdamW
 from draftsmith.train.state import MetricsWindow, TrainState, restore_rng, rng_state
 
@@ -37,7 +37,7 @@ class Checkpointer:
 
     parallel: str
 
-    def __init__(self, out: Path, dist: Dist, drafter: Eagle3Drafter,
+    def __init__(self, out: Path, dist: Dist, drafter: Drafter,
                  optimizer: MasterWeightAdamW, scheduler: Any):
         self.path = out / RESUME_DIR / STATE_FILE
         self.dist, self.drafter = dist, drafter
@@ -136,7 +136,7 @@ class FSDPCheckpointer(Checkpointer):
         fsdp.load_local_optimizer_state(self.optimizer.optimizer, shard["optimizer"])
 
 
-def checkpointer_for(parallel: str, out: Path, dist: Dist, drafter: Eagle3Drafter,
+def checkpointer_for(parallel: str, out: Path, dist: Dist, drafter: Drafter,
                      optimizer: MasterWeightAdamW, scheduler: Any) -> Checkpointer:
     cls = FSDPCheckpointer if parallel == "fsdp" else DDPCheckpointer
     return cls(out, dist, drafter, optimizer, scheduler)

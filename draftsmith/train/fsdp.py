@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.kinds import Drafter
 
 FORWARD_METHOD = "in_forward"
 # The decoder layer's methods that the TTT row calls in place of its forward (the embedding
@@ -38,7 +38,7 @@ LAYER_FORWARD_METHODS = ("embedding_qkv", "forward_projected",  # EAGLE-3's
                          "context_kv")  # DFlash's: the context's keys and values per layer
 
 
-def shard_drafter(drafter: Eagle3Drafter, compute_dtype: torch.dtype, mesh: Any) -> None:
+def shard_drafter(drafter: Drafter, compute_dtype: torch.dtype, mesh: Any) -> None:
     """fully_shard the drafter in place over a 1-D device mesh (`Dist.device_mesh`): float32
     shards, `compute_dtype` for the all-gathered parameters, float32 reductions."""
     from torch.distributed.fsdp import (

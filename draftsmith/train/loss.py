@@ -144,3 +144,14 @@ def fused_linear_soft_ce(x: torch.Tensor, weight: torch.Tensor, probs: torch.Ten
     into x and weight), the per-position CE [T] and the drafter's argmax [T] (no grad).
     compiled: fuse the per-chunk float32 math with torch.compile (CUDA)."""
     return _LinearSoftCE.apply(x, weight, probs, weights.float(), chunk, compiled)
+
+
+def noisy_aux(aux: torch.Tensor, std: float, seed: int, device) -> torch.Tensor:
+    """aux [T, K*Ht] plus Gaussian noise of `std` times each position's RMS, seeded (train
+    rows only: std 0 returns aux as it is)."""
+    if std <= 0:
+        return aux
+    g = torch.Generator(device=device).manual_seed(seed)
+    rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()  # [T, 1]
+    noise = torch.randn(aux.shape, generator=g, device=device)  # [T, K*Ht]
+    return (aux.float() + std * rms * noise).to(aux.dtype)  # [T, K*Ht]

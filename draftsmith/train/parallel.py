@@ -17,7 +17,7 @@ import torch
 
 from draftsmith.distributed import Dist
 from draftsmith.errors import ConfigValueError
-from draftsmith.model.eagle3 import Eagle3Drafter
+from draftsmith.model.kinds import Drafter
 
 
 class DDP:
@@ -27,7 +27,7 @@ class DDP:
     def __init__(self, dist: Dist):
         self.dist = dist
 
-    def place(self, drafter: Eagle3Drafter, dtype: torch.dtype, device: torch.device) -> None:
+    def place(self, drafter: Drafter, dtype: torch.dtype, device: torch.device) -> None:
         with torch.no_grad():  # parameters only: RoPE's inv_freq buffer stays float32
             for p in drafter.parameters():
                 p.data = p.data.to(dtype)
@@ -54,12 +54,12 @@ class DDP:
         """This rank's copy, summed (equal on every rank when gradients were averaged right)."""
         return sum(p.detach().double().sum().item() for p in params)
 
-    def whole_state(self, drafter: Eagle3Drafter, dtype: torch.dtype
+    def whole_state(self, drafter: Drafter, dtype: torch.dtype
                     ) -> dict[str, torch.Tensor] | None:
         """The tensors to save as the best drafter; None: the drafter's own state_dict."""
         return None
 
-    def reset_after_failure(self, drafter: Eagle3Drafter) -> None:
+    def reset_after_failure(self, drafter: Drafter) -> None:
         pass
 
 
@@ -67,7 +67,7 @@ class FSDP(DDP):
     name = "fsdp"
     sharded = True
 
-    def place(self, drafter: Eagle3Drafter, dtype: torch.dtype, device: torch.device) -> None:
+    def place(self, drafter: Drafter, dtype: torch.dtype, device: torch.device) -> None:
         from draftsmith.train import fsdp
 
         fsdp.shard_drafter(drafter, dtype, self.dist.device_mesh(device.type))  # float32 shards
@@ -84,7 +84,7 @@ class FSDP(DDP):
         mine = sum(local(p).detach().double().sum().item() for p in params)
         return self.dist.sum_tensor(torch.tensor([mine], dtype=torch.float64)).item()  # [1]
 
-    def whole_state(self, drafter: Eagle3Drafter, dtype: torch.dtype
+    def whole_state(self, drafter: Drafter, dtype: torch.dtype
                     ) -> dict[str, torch.Tensor] | None:
         """Gathered whole: a collective every rank joins."""
         from draftsmith.export.native import NOT_STORED
@@ -92,7 +92,7 @@ class FSDP(DDP):
 
         return full_state(drafter, dtype, skip=NOT_STORED)
 
-    def reset_after_failure(self, drafter: Eagle3Drafter) -> None:
+    def reset_after_failure(self, drafter: Drafter) -> None:
         from draftsmith.train import fsdp
 
         fsdp.reset_after_failure(drafter)

@@ -13,8 +13,8 @@ import torch
 from draftsmith.config import DrafterConfig, TrainConfig
 from draftsmith.errors import ConfigValueError
 from draftsmith.extract.store import Sample
-from draftsmith.model.eagle3 import MERGED_ATTENTION
-from draftsmith.model.kinds import Drafter, kind_of
+from draftsmith.model.eagle3.model import MERGED_ATTENTION
+from draftsmith.model.kinds import Drafter, DrafterKind, kind_of
 from draftsmith.train.loss import TargetHead
 from draftsmith.train.metrics import StepCounts, replay_chain_decoding
 from draftsmith.train.packing import PackedRow, concat_row, padding_row
@@ -29,11 +29,12 @@ def step_weights_of(cfg: TrainConfig) -> list[float]:
     return [cfg.step_weight_decay**j for j in range(cfg.ttt_steps)]
 
 
-def resolve_attention(cfg: TrainConfig, kind: str = "eagle3") -> str:
-    if kind != "eagle3" and cfg.attention in MERGED_ATTENTION:
+def resolve_attention(cfg: TrainConfig, kind: DrafterKind | None = None) -> str:
+    """The attention path rows run with (`kind`: the drafter's, when it is known)."""
+    if kind is not None and not kind.merged_attention and cfg.attention in MERGED_ATTENTION:
         raise ConfigValueError(f"train.attention={cfg.attention} merges EAGLE-3's TTT steps per "
-                               f"document; a {kind} drafter trains with flex (CUDA) or sdpa: "
-                               "set train.attention=auto")
+                               f"document; a {kind.name} drafter trains with flex (CUDA) or "
+                               "sdpa: set train.attention=auto")
     if cfg.attention in MERGED_ATTENTION and not cfg.device.startswith("cuda"):
         raise ConfigValueError(f"train.attention={cfg.attention} runs cuDNN / FlashAttention "
                                f"kernels, which need a CUDA device (train.device="
@@ -51,7 +52,7 @@ def resolve_attention(cfg: TrainConfig, kind: str = "eagle3") -> str:
 class RowRunner:
     """attention and compiled say how rows run now; `fallback` moves them down one rung.
     Rows are padded to batch_tokens on the flex and merged paths (compiled kernels see one
-    shape). The drafter's kind decides the loss (draftsmith/model/kinds.py) and how many
+    shape). The drafter's kind decides the loss (draftsmith/model/registry.py) and how many
     positions its counts have (`positions`: TTT steps, or a DFlash block's drafts)."""
 
     def __init__(self, cfg: TrainConfig, drafter: Drafter, target_head: TargetHead,
@@ -63,20 +64,13 @@ class RowRunner:
         self.device, self.mode = device, mode
         self.attention, self.compiled = attention, compiled
         self.kind = kind_of(drafter)
-        self.settings = settings or DrafterConfig(kind=self.kind.name)
-        if self.kind.name == "dflash":  # the checkpoint's block, whatever the settings say
-            self.settings = self.settings.model_copy(update={"dflash": self.settings.dflash
-                                                             .model_copy(update={
-                                                                 "block_size":
-                                                                 drafter.config.block_size})})
-        self._loss = self.kind.part(self.kind.loss)
+        self.settings = self.kind.settings_for(settings or DrafterConfig(kind=self.kind.name),
+                                               drafter.config)
+        self._loss = self.kind.row_loss()
         drafter.compile_layer(compiled)
         self.pad_to = cfg.batch_tokens if attention != "sdpa" else None  # static shapes
         self.positions = self.kind.positions(self.settings, cfg)
         self.step_weights = self.kind.position_weights(self.settings, cfg)
-        if self.kind.name == "eagle3" and len(self.step_weights) != cfg.ttt_steps:
-            raise ConfigValueError(f"train.step_weights has {len(self.step_weights)} entries, "
-                                   f"ttt_steps is {cfg.ttt_steps}: give one weight per step")
         # FSDP: what a rank without a row runs, so that it joins every collective (made when
         # needed: an 8192-token row of an 8B-shaped target is ~270 MB of zeros).
         self._padding_like = padding_like if mode.sharded else None
@@ -103,10 +97,7 @@ class RowRunner:
     def loss(self, row: PackedRow, noise_seed: int = 0, train: bool = True,
              with_runs: bool = False):
         """The kind's row loss with this run's settings (aux noise only in training)."""
-        extra = {}
-        if self.kind.name == "dflash":
-            extra = {"max_anchors": self.settings.dflash.max_anchors,
-                     "pad_anchors": self.pad_to is not None}
+        extra = self.kind.loss_options(self.settings, padded=self.pad_to is not None)
         return self._loss(self.drafter, row, self.target_head, self.positions,
                           self.step_weights, self.device, self.attention,
                           self.cfg.aux_noise_std if train else 0.0, noise_seed,

@@ -1,5 +1,5 @@
 """Stage `train`: fit the drafter to the target's distribution: EAGLE-3 (and EAGLE-3.1) with
-test-time training, DFlash on anchored blocks (`drafter.kind`, draftsmith/model/kinds.py: the
+test-time training, DFlash on anchored blocks (`drafter.kind`, draftsmith/model/registry.py: the
 kind decides the model, the row loss and how many positions the counts have; the rest is
 shared).
 
@@ -89,7 +89,7 @@ def row_runner(cfg: TrainConfig, drafter: Drafter, head: torch.Tensor,
     mode.place(drafter, dtype, device)
     target_head = TargetHead(head, drafter.draft_to_target_ids().cpu(), dtype, device)
     return RowRunner(cfg, drafter, target_head, device, mode,
-                     resolve_attention(cfg, kind_of(drafter).name),
+                     resolve_attention(cfg, kind_of(drafter)),
                      compile_enabled(cfg, device), padding_like, prepare_samples, settings)
 
 

@@ -1,4 +1,4 @@
-"""The EAGLE-3 drafter, as SGLang's `LlamaForCausalLMEagle3` runs it (REFERENCE.md section 2),
+"""The EAGLE-3 drafter, as SGLang's `LlamaForCausalLMEagle3` runs it (docs/drafter-kinds.md),
 with EAGLE-3.1's norms as options (their names are speculators' and vLLM's).
 
     h      = fc(cat(aux_1, aux_2, aux_3))                        # [B, T, H]  step 0 only
@@ -29,11 +29,9 @@ document and merge the diagonals in by log-sum-exp (`draftsmith/model/ttt_attent
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -43,33 +41,22 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from draftsmith.compiling import compiled_once
 from draftsmith.model import ttt_attention
+from draftsmith.model.drafter import (
+    BlockMask,
+    TargetTiedDrafter,
+    create_block_mask,
+    flex_attention_fn,
+)
+from draftsmith.model.eagle3.options import NORM_OPTIONS
+from draftsmith.model.shape import TargetTiedShape
 
 MERGED_ATTENTION = tuple(ttt_attention.KERNELS)  # attention paths that merge per document
-# EAGLE-3.1's options, under the names speculators and vLLM use.
-NORM_OPTIONS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
 
 
-class Eagle3Config(BaseModel):
+class Eagle3Config(TargetTiedShape):
     """Shape of the drafter. Attention and MLP sizes follow the target's unless set."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int
-    vocab_size: int  # the target's vocab (embedding rows)
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # canonical: output of decoder layer i
-    hidden_act: str = "silu"
     # EAGLE-3.1's norms (module docstring); all off is plain EAGLE-3.
     norm_before_residual: bool = False
     norm_before_fc: bool = False
@@ -87,38 +74,15 @@ class Eagle3Config(BaseModel):
     @classmethod
     def from_hf(cls, hf: dict, **rest) -> Eagle3Config:
         """The shape fields of a Hugging Face Llama-style config (a target's, or the one layer
-        of an exported drafter); `rest` gives the EAGLE-3 fields. The one place HF names map
-        to the drafter's."""
-        heads = hf["num_attention_heads"]
-        # transformers 5 keeps RoPE settings under rope_parameters; older configs at top level.
-        rope = hf.get("rope_parameters") or {}
-        rope_scaling = hf.get("rope_scaling")
-        if rope_scaling is None and rope.get("rope_type", "default") != "default":
-            rope_scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
-        return cls(
-            hidden_size=hf["hidden_size"],
-            intermediate_size=hf["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=hf.get("num_key_value_heads") or heads,
-            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=hf.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=hf.get("max_position_embeddings", 4096),
-            vocab_size=hf["vocab_size"],
-            hidden_act=hf.get("hidden_act", "silu"),
-            **rest,
-        )
+        of an exported drafter); `rest` gives the EAGLE-3 fields."""
+        return cls(**cls.layer_fields(hf), **rest)
 
     @classmethod
     def from_target(cls, target_config: dict, aux_layer_ids: list[int],
                     draft_vocab_size: int, **options) -> Eagle3Config:
         """A drafter for this target; options: EAGLE-3.1's norms (NORM_OPTIONS)."""
-        # The drafter's MLP is Llama's SiLU MLP whatever the target's activation.
-        return cls.from_hf({**target_config, "hidden_act": "silu"},
-                           draft_vocab_size=draft_vocab_size,
-                           target_hidden_size=target_config["hidden_size"],
-                           aux_layer_ids=aux_layer_ids, **options)
+        return cls(**cls.target_fields(target_config, aux_layer_ids, draft_vocab_size),
+                   **options)
 
     def hf_fields(self) -> dict:
         """The drafter's one decoder layer as Hugging Face Llama config fields (what exported
@@ -142,7 +106,7 @@ class Eagle3Config(BaseModel):
 
     def llama_config(self) -> LlamaConfig:
         fields = {k: v for k, v in self.hf_fields().items() if k != "model_type"}
-        return LlamaConfig(**fields)
+        return LlamaConfig(**{**fields, "rope_scaling": self.rope_scaling_copy()})
 
 
 class Eagle3Attention(nn.Module):
@@ -228,50 +192,6 @@ class Eagle3DecoderLayer(nn.Module):
     def _residual_and_mlp(self, hidden, attn):
         hidden = hidden + attn  # [B, T, H]
         return hidden + self.mlp(self.post_attention_layernorm(hidden))  # [B, T, H]
-
-
-class TargetTiedDrafter(nn.Module):
-    """What every drafter kind (draftsmith/model/kinds.py) shares: the target's embedding,
-    copied in before use, and the draft vocab map (d2t: offsets, target id = draft id +
-    d2t; t2d: whether a target id is in the draft vocab). A subclass makes embed_tokens,
-    lm_head and its layers, calls register_vocab_map, then reset_parameters."""
-
-    def register_vocab_map(self, cfg) -> None:
-        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))  # [D]
-        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))  # [V]
-
-    def reset_parameters(self) -> None:
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                nn.init.normal_(module.weight, std=1 / math.sqrt(module.in_features))
-        # Copied from the target before use: NaN makes a forgotten copy fail loudly.
-        nn.init.constant_(self.embed_tokens.weight, float("nan"))
-        with torch.no_grad():
-            self.d2t.fill_(0)
-            self.t2d.fill_(False)
-
-    def load_target_parts(self, embed: torch.Tensor, d2t: torch.Tensor, t2d: torch.Tensor,
-                          target_head: torch.Tensor | None = None) -> None:
-        """Copy the target's embedding and the vocab map; optionally start lm_head from the
-        target head's rows for the draft vocab."""
-        with torch.no_grad():
-            self.embed_tokens.weight.copy_(embed)
-            self.d2t.copy_(d2t)
-            self.t2d.copy_(t2d)
-            if target_head is not None:
-                self.lm_head.weight.copy_(target_head[self.draft_to_target_ids()])
-
-    def in_forward(self, fn, *args, **kwargs):
-        """fn(self, *args, **kwargs), run as a forward pass of this module. Under FSDP2 a
-        parameter is whole only inside a forward of the module that owns it, and the trainer's
-        row (the kind's forward, then the loss fused with lm_head, which reads lm_head.weight
-        itself) is more than one forward: the trainer registers this method as a forward
-        (`register_fsdp_forward_method`), so the whole row runs with whole parameters.
-        Without FSDP it is a plain call."""
-        return fn(self, *args, **kwargs)
-
-    def draft_to_target_ids(self) -> torch.Tensor:
-        return self.d2t + torch.arange(self.d2t.numel(), device=self.d2t.device)  # [D]
 
 
 class Eagle3Drafter(TargetTiedDrafter):
@@ -460,24 +380,6 @@ def ttt_masks(document_ids: torch.Tensor, steps: int,
             blocks.append(diagonal)
         masks.append(torch.cat(blocks, dim=-1)[:, None])  # [B, 1, T, (j+1)T]
     return masks
-
-
-# --------------------------------------------------------------------------- flex attention
-
-try:  # flex_attention exists from torch 2.5; the SDPA path needs nothing of it
-    from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
-except ImportError:  # pragma: no cover - old torch
-    BlockMask = type("BlockMask", (), {})
-    create_block_mask = flex_attention = None
-
-
-def flex_attention_fn():
-    """flex_attention, compiled on CUDA (eager flex is a dense reference implementation, far
-    slower than SDPA). The trainer falls back to the SDPA path, with a warning, when
-    compiling fails (the seeds hit a Triton shared-memory limit on Blackwell)."""
-    if torch.cuda.is_available():
-        return compiled_once(flex_attention, dynamic=False)
-    return flex_attention
 
 
 def ttt_mask_mod(document_ids: torch.Tensor, T: int, window: int | None = None):

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import (
@@ -35,33 +35,18 @@ from transformers.models.llama.modeling_llama import (
     apply_rotary_pos_emb,
 )
 
-from draftsmith.model.eagle3 import (
+from draftsmith.model.drafter import (
     BlockMask,
     TargetTiedDrafter,
     create_block_mask,
     flex_attention_fn,
 )
+from draftsmith.model.shape import TargetTiedShape
 
 
-class DFlashConfig(BaseModel):
+class DFlashConfig(TargetTiedShape):
     """Shape of the DFlash drafter. Attention and MLP sizes follow the target's."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    hidden_size: int
-    intermediate_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-6
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int
-    vocab_size: int  # the target's vocab (embedding rows)
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # canonical: output of decoder layer i
-    hidden_act: str = "silu"
     num_hidden_layers: int = Field(ge=1)  # the drafter's own decoder layers
     block_size: int = Field(ge=2)  # trained block: the known token + block_size - 1 masks
     mask_token_id: int = Field(ge=0)
@@ -72,23 +57,8 @@ class DFlashConfig(BaseModel):
                     **options) -> DFlashConfig:
         """A drafter for this target; options: num_hidden_layers, block_size, mask_token_id,
         causal."""
-        heads = target_config["num_attention_heads"]
-        rope = target_config.get("rope_parameters") or {}
-        return cls(
-            hidden_size=target_config["hidden_size"],
-            intermediate_size=target_config["intermediate_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=target_config.get("num_key_value_heads") or heads,
-            head_dim=target_config.get("head_dim") or target_config["hidden_size"] // heads,
-            rms_norm_eps=target_config.get("rms_norm_eps", 1e-6),
-            rope_theta=target_config.get("rope_theta", rope.get("rope_theta", 10000.0)),
-            max_position_embeddings=target_config.get("max_position_embeddings", 4096),
-            vocab_size=target_config["vocab_size"],
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=target_config["hidden_size"],
-            aux_layer_ids=aux_layer_ids,
-            **options,
-        )
+        return cls(**cls.target_fields(target_config, aux_layer_ids, draft_vocab_size),
+                   **options)
 
     def llama_config(self) -> LlamaConfig:
         """The sizes transformers' Llama parts (MLP, RoPE) are built from."""
@@ -96,7 +66,7 @@ class DFlashConfig(BaseModel):
                            num_attention_heads=self.num_attention_heads,
                            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
                            rms_norm_eps=self.rms_norm_eps, rope_theta=self.rope_theta,
-                           rope_scaling=self.rope_scaling, hidden_act=self.hidden_act,
+                           rope_scaling=self.rope_scaling_copy(), hidden_act=self.hidden_act,
                            max_position_embeddings=self.max_position_embeddings,
                            vocab_size=self.vocab_size)
 

@@ -1,7 +1,7 @@
 """The TTT loss of one packed row, and its metric counts, as the trainer and validation run it.
 
-At TTT step j, anchor t predicts token t+j+2 (`draftsmith/model/eagle3.py`). A position carries
-a loss when that token exists in the anchor's document, is assistant text (loss-masked) and
+At TTT step j, anchor t predicts token t+j+2 (`draftsmith/model/eagle3/model.py`). A position
+carries a loss when that token exists in the anchor's document, is assistant text (loss-masked) and
 the target's argmax is in the draft vocab; accuracy counts every loss-masked position, since a
 target token outside the draft vocab is a real miss. Targets come from the stored final hidden
 states through the frozen target head (`draftsmith/train/loss.py`); lm_head is fused with the
@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.model.eagle3 import Eagle3Drafter, shift_left
-from draftsmith.train.loss import TargetHead, fused_linear_soft_ce
+from draftsmith.model.eagle3.model import Eagle3Drafter, shift_left
+from draftsmith.train.loss import TargetHead, fused_linear_soft_ce, noisy_aux
 from draftsmith.train.packing import PackedRow
 
 
@@ -36,17 +36,6 @@ def row_loss_on_device(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead 
         head = TargetHead(head, drafter.draft_to_target_ids(), torch.float32, device)
     return drafter.in_forward(_row_loss, row, head, steps, step_weights, device, attention,
                               aux_noise_std, noise_seed, chunk_tokens, with_runs)
-
-
-def noisy_aux(aux: torch.Tensor, std: float, seed: int, device) -> torch.Tensor:
-    """aux [T, K*Ht] plus Gaussian noise of `std` times each position's RMS, seeded (train
-    rows only: std 0 returns aux as it is)."""
-    if std <= 0:
-        return aux
-    g = torch.Generator(device=device).manual_seed(seed)
-    rms = aux.float().pow(2).mean(-1, keepdim=True).sqrt()  # [T, 1]
-    noise = torch.randn(aux.shape, generator=g, device=device)  # [T, K*Ht]
-    return (aux.float() + std * rms * noise).to(aux.dtype)  # [T, K*Ht]
 
 
 def _row_loss(drafter: Eagle3Drafter, row: PackedRow, head: TargetHead, steps: int,

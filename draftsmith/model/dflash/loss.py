@@ -1,5 +1,5 @@
 """The DFlash loss of one packed row, and its metric counts: the same rows (store or online),
-targets and counts as EAGLE-3's (`draftsmith/train/row_loss.py`), over anchored blocks.
+targets and counts as EAGLE-3's (`draftsmith/model/eagle3/loss.py`), over anchored blocks.
 
 An anchor a is a position whose token is known: its block is [x_a, MASK, ..., MASK] at positions
 a..a+B-1, and block position k predicts token a+k (speculators 0.9.0's anchored blocks; vLLM
@@ -21,10 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from draftsmith.model.dflash import DFlashDrafter
-from draftsmith.train.loss import TargetHead, fused_linear_soft_ce
+from draftsmith.model.dflash.model import DFlashDrafter
+from draftsmith.train.loss import TargetHead, fused_linear_soft_ce, noisy_aux
 from draftsmith.train.packing import PackedRow
-from draftsmith.train.row_loss import noisy_aux
 
 
 def block_row_loss_on_device(drafter: DFlashDrafter, row: PackedRow,
