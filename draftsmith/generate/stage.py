@@ -31,15 +31,11 @@ from draftsmith.config import (
 )
 from draftsmith.data.formats import Message, Record, SourceStats, load_source
 from draftsmith.errors import ConfigValueError, WorkerCrashError
+from draftsmith.generate.journal import ERRORS_FILE, Answer, Journal, Request, RunTotals
 from draftsmith.generate.openai_client import (
-    ERRORS_FILE,
-    Answer,
     EndpointError,
     GenerateInputError,
-    Journal,
     OpenAIRegenerator,
-    Request,
-    RunTotals,
     cost_usd,
     resolve_api_key,
 )
