@@ -1,6 +1,7 @@
-"""Imports point down only (DESIGN.md): the engine never imports Prefect or the orchestration
-layer, tasks never import flows, blocks import neither. Checked on every module's syntax tree,
-so an import inside a function counts too."""
+"""Imports point down only: the engine never imports Prefect or the orchestration layer, tasks
+never import flows, blocks import neither; inside the engine, a lower floor never imports a
+higher one (LOWER_FLOORS). Checked on every module's syntax tree, so an import inside a
+function counts too."""
 
 from __future__ import annotations
 
@@ -14,6 +15,12 @@ ORCHESTRATION = ("prefect", "flows", "tasks", "blocks", "deployments")
 # that need them (run, demo, prefect ...), never at import time and never Prefect itself.
 CLI = "draftsmith/cli.py"
 CLI_MAY_IMPORT_LAZILY = ("flows", "deployments")
+# Inside the engine: (a file, or a package ending in "/") -> the modules it must not import.
+LOWER_FLOORS = (
+    ("draftsmith/data/", "draftsmith.generate"),  # generate's records: data/records.py
+    ("draftsmith/serve/", "draftsmith.extract"),  # the aux-layer hooks: model/aux_hooks.py
+    ("draftsmith/fingerprints.py", "draftsmith.data"),  # the data's: data/source_fingerprints.py
+)
 
 
 def imports(path: Path) -> list[tuple[str, int, bool]]:
@@ -27,6 +34,35 @@ def imports(path: Path) -> list[tuple[str, int, bool]]:
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append((node.module, node.lineno, id(node) in top))
     return found
+
+
+def loaded_modules(path: Path) -> list[tuple[list[str], int]]:
+    """(the modules an import statement may load, line) for every import statement in a file:
+    `from a import b` may load a and a.b."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [([alias.name], node.lineno) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append(([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)],
+                          node.lineno))
+    return found
+
+
+def floor_violations(root: Path) -> list[str]:
+    """Every engine import under `root` (a checkout) that reaches up a floor."""
+    out = []
+    for path in sorted((root / "draftsmith").rglob("*.py")):
+        relative = path.relative_to(root).as_posix()
+        refused = [module for where, module in LOWER_FLOORS
+                   if relative == where or (where.endswith("/") and relative.startswith(where))]
+        for modules, line in loaded_modules(path) if refused else []:
+            hit = next((m for m in modules for r in refused if m == r or m.startswith(r + ".")),
+                       None)
+            if hit is not None:
+                out.append(f"{relative}:{line} imports {hit}")
+    return out
 
 
 def violations(root: Path) -> list[str]:
@@ -51,6 +87,36 @@ def violations(root: Path) -> list[str]:
 
 def test_the_engine_imports_nothing_above_it():
     assert violations(REPO) == []
+
+
+def test_no_engine_module_imports_a_higher_floor():
+    assert floor_violations(REPO) == []
+
+
+def test_a_planted_import_up_a_floor_is_caught(tmp_path):
+    """The floor check fails when it should, for each refused direction, in each spelling of an
+    import (inside a function too), and passes the same imports pointing down."""
+    for relative, text in {
+        "draftsmith/data/merge.py": "from draftsmith.data.records import read_records\n"
+                                    "from draftsmith.generate.stage import read_records\n",
+        "draftsmith/data/tokenize.py": "def f():\n    import draftsmith.generate.journal\n",
+        "draftsmith/serve/embedded.py": "from draftsmith.model.aux_hooks import decoder_of\n"
+                                        "from draftsmith.extract import capture\n",
+        "draftsmith/fingerprints.py": "def f():\n    from draftsmith import data\n",
+        "draftsmith/generate/stage.py": "from draftsmith.data.records import write_records\n",
+        "draftsmith/extract/capture.py": "from draftsmith.model.aux_hooks import AuxLayerHooks\n",
+        "draftsmith/data/source_fingerprints.py": "from draftsmith.fingerprints import identity\n"
+                                                  "from draftsmith.data.packaged import rows\n",
+        "draftsmith/database.py": "from draftsmith.generate import stage\n",
+    }.items():
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / relative).write_text(text)
+    assert floor_violations(tmp_path) == [
+        "draftsmith/data/merge.py:2 imports draftsmith.generate.stage",
+        "draftsmith/data/tokenize.py:2 imports draftsmith.generate.journal",
+        "draftsmith/fingerprints.py:2 imports draftsmith.data",
+        "draftsmith/serve/embedded.py:2 imports draftsmith.extract",
+    ]
 
 
 def test_a_planted_import_is_caught(tmp_path):
