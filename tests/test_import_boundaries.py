@@ -85,6 +85,13 @@ def violations(root: Path) -> list[str]:
     return out
 
 
+def plant(root: Path, files: dict[str, str]) -> None:
+    """A checkout under `root` made of these files (path -> text)."""
+    for relative, text in files.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+
+
 def test_the_engine_imports_nothing_above_it():
     assert violations(REPO) == []
 
@@ -96,7 +103,7 @@ def test_no_engine_module_imports_a_higher_floor():
 def test_a_planted_import_up_a_floor_is_caught(tmp_path):
     """The floor check fails when it should, for each refused direction, in each spelling of an
     import (inside a function too), and passes the same imports pointing down."""
-    for relative, text in {
+    plant(tmp_path, {
         "draftsmith/data/merge.py": "from draftsmith.data.records import read_records\n"
                                     "from draftsmith.generate.stage import read_records\n",
         "draftsmith/data/tokenize.py": "def f():\n    import draftsmith.generate.journal\n",
@@ -108,9 +115,7 @@ def test_a_planted_import_up_a_floor_is_caught(tmp_path):
         "draftsmith/data/source_fingerprints.py": "from draftsmith.fingerprints import identity\n"
                                                   "from draftsmith.data.packaged import rows\n",
         "draftsmith/database.py": "from draftsmith.generate import stage\n",
-    }.items():
-        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / relative).write_text(text)
+    })
     assert floor_violations(tmp_path) == [
         "draftsmith/data/merge.py:2 imports draftsmith.generate.stage",
         "draftsmith/data/tokenize.py:2 imports draftsmith.generate.journal",
@@ -122,7 +127,7 @@ def test_a_planted_import_up_a_floor_is_caught(tmp_path):
 def test_a_planted_import_is_caught(tmp_path):
     """The check fails when it should: an engine module that imports Prefect (even inside a
     function), a task that imports a flow, the CLI importing a flow at import time."""
-    for relative, text in {
+    plant(tmp_path, {
         "draftsmith/__init__.py": "",
         "draftsmith/ok.py": "import torch\nfrom draftsmith.config import PipelineConfig\n",
         "draftsmith/bad.py": "def f():\n    from prefect import task\n",
@@ -131,9 +136,7 @@ def test_a_planted_import_is_caught(tmp_path):
                              "def run():\n    from deployments.setup import setup\n",
         "tasks/stages.py": "from flows import dispatch\n",
         "flows/pipeline.py": "from prefect import flow\nfrom tasks import stages\n",
-    }.items():
-        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / relative).write_text(text)
+    })
     assert violations(tmp_path) == [
         "draftsmith/also_bad.py:1 imports flows.pipeline",
         "draftsmith/bad.py:2 imports prefect",
