@@ -23,30 +23,18 @@ LOWER_FLOORS = (
 )
 
 
-def imports(path: Path) -> list[tuple[str, int, bool]]:
-    """(module, line, at module level) for every import statement in a file."""
+def imports(path: Path) -> list[tuple[list[str], int, bool]]:
+    """(the modules it may load, line, at module level) for every import statement in a file:
+    `import a` loads a, `from a import b` loads a and, where b is a module, a.b."""
     tree = ast.parse(path.read_text(), filename=str(path))
     top = {id(node) for node in tree.body}
     found = []
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
-            found += [(alias.name, node.lineno, id(node) in top) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.append((node.module, node.lineno, id(node) in top))
-    return found
-
-
-def loaded_modules(path: Path) -> list[tuple[list[str], int]]:
-    """(the modules an import statement may load, line) for every import statement in a file:
-    `from a import b` may load a and a.b."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found += [([alias.name], node.lineno) for alias in node.names]
+            found += [([alias.name], node.lineno, id(node) in top) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
             found.append(([node.module, *(f"{node.module}.{alias.name}" for alias in node.names)],
-                          node.lineno))
+                          node.lineno, id(node) in top))
     return found
 
 
@@ -57,7 +45,7 @@ def floor_violations(root: Path) -> list[str]:
         relative = path.relative_to(root).as_posix()
         refused = [module for where, module in LOWER_FLOORS
                    if relative == where or (where.endswith("/") and relative.startswith(where))]
-        for modules, line in loaded_modules(path) if refused else []:
+        for modules, line, _top_level in imports(path) if refused else []:
             hit = next((m for m in modules for r in refused if m == r or m.startswith(r + ".")),
                        None)
             if hit is not None:
@@ -75,7 +63,7 @@ def violations(root: Path) -> list[str]:
             continue
         forbidden = {"draftsmith": ORCHESTRATION, "tasks": ("flows", "deployments"),
                      "blocks": ("flows", "tasks", "deployments")}[layer]
-        for module, line, top_level in imports(path):
+        for (module, *_submodules), line, top_level in imports(path):
             root_name = module.split(".", 1)[0]
             if root_name not in forbidden:
                 continue
