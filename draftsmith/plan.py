@@ -29,7 +29,7 @@ from draftsmith.artifacts import (
     read_descriptor,
 )
 from draftsmith.config import ConfigError, PipelineConfig, key_settings
-from draftsmith.fingerprints import data_descriptors
+from draftsmith.data.source_fingerprints import data_descriptors
 from draftsmith.stages import DATA, Inputs, Stage
 
 log = logging.getLogger(__name__)

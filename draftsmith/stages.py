@@ -5,31 +5,32 @@
 Each entry says what a stage is: its config section, what it reads, whether it needs a GPU,
 the engine function that runs it, what enters its cache key beyond the section's `keyed`
 settings, what it checks before it starts, how its result reads in a summary and in
-reports, and how it spreads over several GPU hosts (`Spread`, draftsmith/hosts.py). The
-run plan (draftsmith/plan.py), the Prefect flow and tasks (flows/, tasks/), the GPU stage
-flows and their deployments, and the CLI all read this table. Adding a stage is one entry here
-plus the module that does the work.
+reports (formatted by the stage's own report module, draftsmith/<package>/report.py), and how
+it spreads over several GPU hosts (`Spread`, draftsmith/hosts.py). The run plan
+(draftsmith/plan.py), the Prefect flow and tasks (flows/, tasks/), the GPU stage flows and
+their deployments, and the CLI all read this table. Adding a stage is one entry here plus the
+module that does the work and its report module.
 
 Engine modules are imported when a stage runs, not when this table is read: `draftsmith --help`
-and `draftsmith plan` stay fast.
+and `draftsmith plan` stay fast. The report modules are read with the table, so they import
+nothing heavy.
 """
 
 from __future__ import annotations
 
-import base64
-import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from draftsmith import hosts
 from draftsmith.artifacts import Descriptor, StagePlan
+from draftsmith.bench import report as benchmark_report
 from draftsmith.config import ConfigError, DrafterConfig, PipelineConfig, key_settings, slug
+from draftsmith.data import report as merge_report
 from draftsmith.diskspace import writing_into
+from draftsmith.export import report as export_report
+from draftsmith.extract import report as extract_report
 from draftsmith.figures import (
-    MERGE_COVERAGE_FILE,
-    TRAIN_METRICS_FILE,
     BenchmarkFigures,
     DeployFigures,
     ExportFigures,
@@ -41,7 +42,11 @@ from draftsmith.figures import (
     TrainFigures,
 )
 from draftsmith.fingerprints import drafter_fingerprint, file_fingerprint
+from draftsmith.generate import report as generate_report
 from draftsmith.hosts import HostPart
+from draftsmith.reports import Report
+from draftsmith.serve import report as deploy_report
+from draftsmith.train import report as train_report
 
 Inputs = dict[str, Descriptor]  # what a stage reads, by name ("target": the resolved target)
 RunStage = Callable[[PipelineConfig, Inputs, StagePlan, "str | None"], Descriptor]
@@ -51,38 +56,10 @@ RunStage = Callable[[PipelineConfig, Inputs, StagePlan, "str | None"], Descripto
 TARGET, DATA = "target", "data"
 
 
-@dataclass(frozen=True)
-class Report:
-    """Something a stage shows about its output: a table or a markdown page (a Prefect
-    artifact under flows) and the lines it adds to the run log. `key` names it within its
-    pipeline; the artifact's key is scoped to the pipeline (artifact_key)."""
-
-    kind: Literal["table", "markdown", "log"]
-    description: str = ""
-    key: str | None = None
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    text: str = ""
-    log_lines: list[str] = field(default_factory=list)
-
-
 def artifact_key(config: PipelineConfig, key: str) -> str:
     """A report's artifact key, scoped to its pipeline (`draftsmith-tiny-train`): each
     pipeline's history accumulates under its own keys, and unrelated runs leave it alone."""
     return slug(f"draftsmith-{config.pipeline_name}-{key}")
-
-
-def rounded(value: Any, digits: int = 4) -> Any:
-    """Floats rounded for reading (4 decimals; 1 from 1000 on), anything else as it is."""
-    if isinstance(value, float):
-        return round(value, 1 if abs(value) >= 1000 else digits)
-    return value
-
-
-def embedded_image(path: Path, alt: str) -> str:
-    """A PNG as a markdown image with a data: URI: the chart travels inside the report, so the
-    Prefect UI shows it wherever it runs, not only on the machine that holds the file."""
-    data = base64.b64encode(path.read_bytes()).decode("ascii")
-    return f"![{alt}](data:image/png;base64,{data})"
 
 
 def _never(_config: PipelineConfig) -> bool:
@@ -230,51 +207,6 @@ def _generate_preflight(config: PipelineConfig, _inputs: Inputs, plan: StagePlan
         config.generate, [s.path for s in config.data.sources if s.path]))
 
 
-def _generate_reports(descriptor: Descriptor) -> list[Report]:
-    from draftsmith.generate.stage import GENERATION_FILE
-
-    sources = json.loads((descriptor.dir / "stats.json").read_text())
-    summary_file = descriptor.dir / GENERATION_FILE
-    # absent from outputs of a draftsmith before the HTTP backend
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-    per_source = summary.get("per_source", {})
-    rows = []
-    for s in sources:
-        cache = per_source.get(s["source"], {})
-        rows.append({
-            "source": s["source"], "read": s["read"], "kept": s["kept"],
-            "answered now": cache.get("answered_this_attempt", "-"),
-            "answers reused": cache.get("answered_before", "-"),
-            "dropped": sum(s["dropped"].values()),
-            "drop reasons": "; ".join(f"{r} ({n})" for r, n in s["dropped"].items()) or "-",
-            "notes": "; ".join(f"{r} ({n})" for r, n in s.get("notes", {}).items()) or "-"})
-    reports = [Report("table", "generate: records read, kept, answered now or reused from "
-                      "earlier runs, and dropped, per source", key="generate-sources",
-                      rows=rows, log_lines=[f"generate source {row}" for row in rows])]
-    if summary:
-        flat = {k: rounded(v) for k, v in summary.items() if k not in ("per_partition",
-                                                                       "per_source")}
-        reports.append(Report("table", "generate: requests, tokens, seconds, throughput, cost",
-                              key="generate-summary",
-                              rows=[{"figure": k, "value": "-" if v is None else str(v)}
-                                    for k, v in flat.items()],
-                              log_lines=[f"generate summary {flat}"]))
-    return reports
-
-
-def _describe_generate(descriptor: Descriptor) -> str:
-    counts, figures = descriptor.counts, GenerateFigures.of(descriptor)
-    text = f"{counts['records']} records, {counts['generated']} answered by the target"
-    if counts.get("failed"):
-        text += f", {counts['failed']} failed (errors.jsonl)"
-    if counts.get("with_reasoning"):
-        text += f", {counts['with_reasoning']} with reasoning"
-    if figures.cost_usd is not None:
-        cost = figures.cost_usd
-        text += f", cost ${cost:.2f}" if cost >= 1 else f", cost ${cost:.4f}"
-    return text
-
-
 def _ranges(config: PipelineConfig) -> int:
     """Extract and generate split into one range per GPU host, in distributed mode."""
     if config.orchestration.mode != "distributed":
@@ -398,64 +330,6 @@ def _merge_key(config: PipelineConfig) -> dict[str, Any]:
     return material
 
 
-def _merge_reports(descriptor: Descriptor) -> list[Report]:
-    stats = json.loads((descriptor.dir / "stats.json").read_text())
-    rows = [{"source": s, **c} for s, c in stats.items()]
-    rows = [{k: rounded(v) for k, v in row.items()} for row in rows]
-    reports = [Report("table", "merge: records, tokens, masked tokens, mean length, duplicates "
-                      "and truncations per source", key="merge-sources", rows=rows,
-                      log_lines=[f"merge source {row}" for row in rows])]
-    overlap = descriptor.figures.get("benchmark_overlap")
-    if overlap:
-        reports.append(Report("table", "merge: overlap with the benchmark's prompts (exact and "
-                              "near duplicates)", key="merge-overlap",
-                              rows=[{"figure": k, "value": str(rounded(v))}
-                                    for k, v in overlap.items()],
-                              log_lines=[f"merge benchmark overlap {overlap}"]))
-    contamination = descriptor.dir / "decontamination.json"
-    if contamination.is_file():
-        from draftsmith.data.overlap import CHECKS
-
-        reports_by_set = json.loads(contamination.read_text())
-        rows = [{"set": r["set"], "eval prompts": r["eval_prompts"],
-                 "records checked": r["records_checked"],
-                 **{check.replace("_", " "): r[check] for check in CHECKS},
-                 "records flagged": r["records_flagged"], "action": r["action"],
-                 "example": "; ".join(f"{e['record']} ~ {next(iter(e['matches'].values()))} "
-                                      f"({', '.join(e['matches'])})"
-                                      for e in r["examples"][:2]) or "-"}
-                for r in reports_by_set]
-        reports.append(Report("table", "merge: training records that resemble an evaluation "
-                              "set's prompts (same prompt, a shared 13-gram in the prompt or "
-                              "the answer, a function named like an entry point), per set",
-                              key="merge-decontamination", rows=rows,
-                              log_lines=[f"merge decontamination {row}" for row in rows]))
-    if (descriptor.dir / MERGE_COVERAGE_FILE).is_file():  # absent from older merge outputs
-        coverage = json.loads((descriptor.dir / MERGE_COVERAGE_FILE).read_text())
-        reports.append(Report("table", "merge: draft vocab coverage of loss-masked tokens",
-                              key="merge-vocab",
-                              rows=[{"figure": k, "value": str(rounded(v))}
-                                    for k, v in coverage.items()],
-                              log_lines=[f"merge draft vocab {coverage}"]))
-    return reports
-
-
-def _describe_merge(descriptor: Descriptor) -> str:
-    counts, figures = descriptor.counts, MergeFigures.of(descriptor)
-    text = (f"{counts['train_records']} train / {counts['validation_records']} validation "
-            f"records, {counts['train_tokens']} train tokens, draft vocab covers "
-            f"{100 * figures.draft_vocab_coverage:.1f}%")
-    overlap = descriptor.figures.get("benchmark_overlap")
-    if overlap:
-        text += (f", no overlap with {overlap['benchmark']} (0 exact, 0 near; largest "
-                 f"similarity {overlap['max_similarity']:.2f})")
-    suite = descriptor.figures.get("decontamination")
-    if suite:
-        text += ", decontaminated against " + ", ".join(
-            f"{r['set']} ({r['records_flagged']} left out)" for r in suite)
-    return text
-
-
 # --------------------------------------------------------------------------- extract
 
 
@@ -522,14 +396,6 @@ def _extract_join(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
     return join_extract(config.extract, inputs["merge"], inputs[TARGET], plan)
 
 
-def _describe_extract(descriptor: Descriptor) -> str:
-    figures = ExtractFigures.of(descriptor)
-    if descriptor.figures.get("mode") == "online":
-        return (f"skipped (train.mode: online): the trainer captures aux layers "
-                f"{figures.aux_layer_ids} of {descriptor.counts['tokens']} tokens itself")
-    return f"{descriptor.counts['tokens']} tokens, aux layers {figures.aux_layer_ids}"
-
-
 # --------------------------------------------------------------------------- train
 
 
@@ -592,57 +458,6 @@ def _train_preflight(config: PipelineConfig, inputs: Inputs, plan: StagePlan) ->
         inputs[TARGET], MergeFigures.of(inputs["merge"]).draft_vocab_size))
 
 
-def _train_rows(history: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Training and validation rows of the metrics log in one table: the columns every row
-    shares, tau and acceptance first, then per TTT position, then the rest; values rounded."""
-    first = ["split", "epoch", "step", "tau", "acceptance_replayed"]
-    per_position = sorted(
-        {k for row in history for k in row
-         if k.rsplit("_", 1)[-1].isdigit() and k.rsplit("_", 1)[0] in
-         ("full_acc", "cond_acc", "loss")},
-        key=lambda k: (("full_acc", "cond_acc", "loss").index(k.rsplit("_", 1)[0]),
-                       int(k.rsplit("_", 1)[1])))
-    rest = sorted({k for row in history for k in row} - set(first) - set(per_position))
-    columns = first + per_position + rest
-    return [{c: rounded(row.get(c)) for c in columns} for row in history]
-
-
-def _train_reports(descriptor: Descriptor) -> list[Report]:
-    figures = TrainFigures.of(descriptor)
-    history = [json.loads(line)
-               for line in (descriptor.dir / TRAIN_METRICS_FILE).read_text().splitlines()]
-    rows = _train_rows(history)
-    replayed = figures.acceptance_replayed
-    validation = [r for r in history if r["split"] == "validation"]
-    best = max(validation, key=lambda r: r["tau"]) if validation else {}
-    text = (f"# training\n\nbest validation tau **{figures.tau:.3f}** (epoch "
-            f"{best.get('epoch', '-')}), acceptance replayed over the validation answers "
-            f"(greedy chain decoding) "
-            f"**{replayed if replayed is not None else float('nan'):.3f}**\n\n"
-            + "".join(f"- TTT position {j}: full_acc {a:.3f}\n"
-                      for j, a in enumerate(figures.full_acc)))
-    chart = descriptor.dir / "training.png"
-    if chart.is_file():
-        text += ("\n## loss and accuracy per step, per TTT position\n\n"
-                 + embedded_image(chart, "training loss and accuracy per step") + "\n")
-    return [
-        Report("table", "train: tau, acceptance, accuracy and loss per TTT position, for the "
-               "logged training steps and each epoch's validation", key="train", rows=rows),
-        Report("markdown", "train: best tau and acceptance, and the training chart",
-               key="train-summary", text=text),
-    ]
-
-
-def _describe_train(descriptor: Descriptor) -> str:
-    figures = TrainFigures.of(descriptor)
-    accs = ", ".join(f"{a:.3f}" for a in figures.full_acc)
-    text = (f"validation full_acc per step [{accs}], loss_0 {figures.extra('loss_0'):.3f}, "
-            f"simulated tau {figures.tau:.2f}")
-    if figures.acceptance_replayed is not None:  # what greedy chain decoding would measure
-        text += f", acceptance replayed {figures.acceptance_replayed:.2f}"
-    return text
-
-
 # --------------------------------------------------------------------------- export
 
 
@@ -656,11 +471,6 @@ def _run_export(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
 def _export_key(config: PipelineConfig) -> dict[str, Any]:
     return {"context_length": config.target.context_length,
             "target_family": config.target.family}
-
-
-def _describe_export(descriptor: Descriptor) -> str:
-    figures = ExportFigures.of(descriptor)
-    return f"{figures.format} drafter validated: {figures.drafter_dir}"
 
 
 # --------------------------------------------------------------------------- deploy
@@ -691,14 +501,6 @@ def _embedded_preflight(config: PipelineConfig, _inputs: Inputs, plan: StagePlan
         preflight.check_stage(plan, config.target.device)
 
 
-def _describe_deploy(descriptor: Descriptor) -> str:
-    figures = DeployFigures.of(descriptor)
-    text = f"{figures.engine} engine, {figures.num_steps} draft steps"
-    if figures.url:
-        text += f", serving at {figures.url}"
-    return text
-
-
 # --------------------------------------------------------------------------- benchmark
 
 
@@ -727,93 +529,26 @@ def _benchmark_key(config: PipelineConfig) -> dict[str, Any]:
     return material
 
 
-def _benchmark_reports(descriptor: Descriptor) -> list[Report]:
-    report = json.loads((descriptor.dir / "report.json").read_text())
-    configs = report.get("configs") or []
-    first = ["config", "acceptance_length", "speedup", "tokens_per_s",
-             "speculative_tokens_per_s", "greedy_tokens_per_s", "lossless"]
-    present = {k for c in configs for k in c if k != "rows"}
-    columns = [c for c in first if c in present] + sorted(present - set(first))
-    rows = [{c: rounded(config.get(c)) for c in columns} for config in configs]
-    text = (descriptor.dir / "report.md").read_text()
-    chart = descriptor.dir / "benchmark.png"
-    if chart.is_file():
-        text = (f"{embedded_image(chart, 'benchmark tokens/s and acceptance per config')}"
-                f"\n\n{text}")
-    reports = [Report("markdown", "benchmark: tokens/s and acceptance per config (chart), and "
-                      "the report", key="benchmark", text=text)]
-    sets = report.get("sets") or []
-    if sets:
-        set_rows = [{"set": r["set"], "part": r["split"], "prompts": r["prompts"],
-                     "acceptance": r["acceptance"],
-                     "ci95": f"{r['ci95'][0]:.3f}-{r['ci95'][1]:.3f}",
-                     "per position": ", ".join(f"{a:.3f}" for a in r["per_position"]),
-                     "identical": r["identical"] or "-", "speedup": r.get("speedup", "-")}
-                    for r in sets]
-        reports.append(Report("table", "benchmark: acceptance per prompt set (dev or test "
-                              "part), with a 95% bootstrap interval over prompts and identity "
-                              "with greedy decoding", key="benchmark-sets", rows=set_rows,
-                              log_lines=[f"benchmark set {row}" for row in set_rows]))
-    if rows:
-        reports.append(Report("table", "benchmark: acceptance, speedup and tokens/s per "
-                              "drafting config", key="benchmark-configs", rows=rows,
-                              log_lines=[f"benchmark config {row}" for row in rows]))
-    return reports
-
-
-def _describe_benchmark(descriptor: Descriptor) -> str:
-    figures = BenchmarkFigures.of(descriptor)
-    if figures.engine != "embedded":
-        same = (f", identical to the baseline: {figures.identical_outputs}"
-                if figures.identical_outputs is not None else "")
-        guard = ""
-        if figures.guard:
-            guard = (f", {100 * figures.guard['ratio']:.0f}% of the acceptance replayed in "
-                     f"draftsmith's engine ({figures.guard['replayed_acceptance']:.2f})")
-        return (f"{figures.engine} at {figures.url}: measured acceptance length "
-                f"{figures.acceptance_length:.2f}{guard}, {figures.single_stream_tokens_per_s} "
-                f"tok/s single stream{same}{_per_set(descriptor)}\n{figures.verdict}\n"
-                f"report: {figures.report}")
-    identical = figures.identical_outputs if figures.identical_outputs is not None \
-        else figures.lossless
-    return (f"measured acceptance length {figures.acceptance_length:.2f}, "
-            f"{figures.speculative_tokens_per_s} vs {figures.greedy_tokens_per_s} tok/s, "
-            f"identical to greedy decoding: {identical}{_per_set(descriptor)}\n"
-            f"{figures.verdict}\nreport: {figures.report}")
-
-
-def _per_set(descriptor: Descriptor) -> str:
-    sets = descriptor.figures.get("sets") or []
-    return "".join(f"; {r['set']} {r['split']} {r['acceptance']:.2f}" for r in sets)
-
-
-def _benchmark_problem(descriptor: Descriptor) -> str | None:
-    figures = BenchmarkFigures.of(descriptor)
-    if figures.differs_from_greedy:
-        return "speculative outputs differ from greedy decoding: this is a bug"
-    return figures.guard_problem
-
-
 # --------------------------------------------------------------------------- the table
 
 
 STAGES: list[Stage] = [
     Stage("generate", "reads every data source and answers prompt-only records with the target",
           "draftsmith/generate/stage.py", _run_generate, inputs=(TARGET, DATA),
-          section="generate", figures=GenerateFigures, describe=_describe_generate,
+          section="generate", figures=GenerateFigures, describe=generate_report.describe,
           gpu=_generate_on_gpu, key_extras=_generate_key,
-          preflight=_generate_preflight, reports=_generate_reports, progress=True,
+          preflight=_generate_preflight, reports=generate_report.reports, progress=True,
           secret=_endpoint_secret,
           spread=Spread("range", _generate_ranges, _nothing_to_prepare, _generate_range,
                         _generate_join)),
     Stage("merge", "dedups, splits, tokenises with loss masks and builds the draft vocab",
           "draftsmith/data/merge.py", _run_merge, inputs=("generate", TARGET),
-          section="merge", figures=MergeFigures, describe=_describe_merge,
-          key_extras=_merge_key, reports=_merge_reports,
+          section="merge", figures=MergeFigures, describe=merge_report.describe,
+          key_extras=_merge_key, reports=merge_report.reports,
           retention=("generate", "delete_generations_after_merge")),
     Stage("extract", "captures the target's aux and final hidden states into shards",
           "draftsmith/extract/stage.py", _run_extract, inputs=("merge", TARGET),
-          section="extract", figures=ExtractFigures, describe=_describe_extract,
+          section="extract", figures=ExtractFigures, describe=extract_report.describe,
           gpu=lambda c: not _online(c), key_extras=_extract_key, preflight=_extract_preflight,
           progress=True,
           spread=Spread("range", _extract_ranges, _extract_prepare, _extract_range,
@@ -821,25 +556,25 @@ STAGES: list[Stage] = [
     Stage("train", "trains the drafter of drafter.kind (EAGLE-3 with test-time training, "
           "DFlash on anchored blocks)",
           "draftsmith/train/trainer.py", _run_train, inputs=("extract", "merge", TARGET),
-          section="train", figures=TrainFigures, describe=_describe_train, gpu=_always,
-          key_extras=_train_key, preflight=_train_preflight, reports=_train_reports,
+          section="train", figures=TrainFigures, describe=train_report.describe, gpu=_always,
+          key_extras=_train_key, preflight=_train_preflight, reports=train_report.reports,
           progress=True, retries=1,
           retention=("extract", "delete_hidden_states_after_train"),
           spread=Spread("node", _train_nodes, _train_prepare, _train_node, _train_join)),
     Stage("export", "writes the drafter in the serving engine's layout and validates it",
           "draftsmith/export/stage.py", _run_export, inputs=("train", TARGET),
-          section="export", figures=ExportFigures, describe=_describe_export,
+          section="export", figures=ExportFigures, describe=export_report.describe,
           key_extras=_export_key, aliases=("fix_keys", "fix-keys")),
     Stage("deploy", "serves the target with the exported drafter and proves it generates",
           "draftsmith/serve/deploy.py", _run_deploy, inputs=("export", "merge", TARGET),
-          section="deploy", figures=DeployFigures, describe=_describe_deploy, gpu=_always,
+          section="deploy", figures=DeployFigures, describe=deploy_report.describe, gpu=_always,
           key_extras=_target_dtype, preflight=_embedded_preflight, live=_served),
     Stage("benchmark", "measures acceptance and tokens/s with and without speculation",
           "draftsmith/bench/benchmark.py", _run_benchmark,
           inputs=("deploy", "merge", TARGET, "train"),
-          section="benchmark", figures=BenchmarkFigures, describe=_describe_benchmark,
+          section="benchmark", figures=BenchmarkFigures, describe=benchmark_report.describe,
           gpu=_always, key_extras=_benchmark_key, preflight=_embedded_preflight,
-          reports=_benchmark_reports, progress=True, problem=_benchmark_problem),
+          reports=benchmark_report.reports, progress=True, problem=benchmark_report.problem),
 ]
 
 

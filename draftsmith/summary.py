@@ -10,7 +10,7 @@ from typing import Any
 from draftsmith import stages
 from draftsmith.artifacts import Descriptor
 from draftsmith.figures import BenchmarkFigures, TrainFigures
-from draftsmith.stages import Report
+from draftsmith.reports import Report
 
 
 @dataclass

@@ -33,7 +33,7 @@ from draftsmith.config import (  # noqa: E402
     PipelineConfig,
     form_config,
 )
-from draftsmith.fingerprints import data_descriptors, data_version  # noqa: E402
+from draftsmith.data.source_fingerprints import data_descriptors, data_version  # noqa: E402
 from draftsmith.logs import configure_logging  # noqa: E402
 from draftsmith.plan import RunPlan, Step  # noqa: E402
 from draftsmith.serve import process as child_processes  # noqa: E402

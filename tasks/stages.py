@@ -27,7 +27,8 @@ from draftsmith.artifacts import Descriptor, StagePlan, hash_json, read_descript
 from draftsmith.config import PipelineConfig, TargetConfig
 from draftsmith.errors import worth_retrying
 from draftsmith.hosts import HostPart, check_shared
-from draftsmith.stages import Inputs, Report, Stage, artifact_key
+from draftsmith.reports import Report
+from draftsmith.stages import Inputs, Stage, artifact_key
 from tasks.api_outage import LatestOnly, api_call
 
 

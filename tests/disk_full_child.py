@@ -163,7 +163,7 @@ def main() -> None:
     from draftsmith.data import merge
     from draftsmith.export import stage as export
     from draftsmith.extract import store
-    from draftsmith.generate.openai_client import Journal
+    from draftsmith.generate.journal import Journal
     from draftsmith.train import charts, trainer
     from draftsmith.train.checkpoint import DDPCheckpointer
 

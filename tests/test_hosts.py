@@ -61,8 +61,9 @@ def test_generate_split_over_two_hosts_writes_what_one_host_writes(
         train_inputs, random_target, random_target_dir, tmp_path):
     """Each host answers whole batches of the one-host order into its own journal files; the
     join asks nothing and writes the same records, byte for byte."""
+    from draftsmith.data.records import RECORDS_FILE
     from draftsmith.errors import WorkerCrashError
-    from draftsmith.generate.stage import RECORDS_FILE, run_generate
+    from draftsmith.generate.stage import run_generate
 
     config = parse_config(two_host_config(random_target_dir, tmp_path))
     spread = _stage("generate").spread

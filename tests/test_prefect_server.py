@@ -31,7 +31,7 @@ import yaml
 
 from deployments.setup import LEASES_ON_DISK, lease_storage_warning
 from draftsmith.config import load_config
-from draftsmith.fingerprints import data_descriptors, data_version
+from draftsmith.data.source_fingerprints import data_descriptors, data_version
 from draftsmith.stages import STAGES as STAGE_TABLE
 from draftsmith.stages import names
 from tests import browser

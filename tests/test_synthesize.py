@@ -109,7 +109,8 @@ def test_a_resumed_journal_holds_what_an_uninterrupted_run_writes(tmp_path, rand
 def test_the_generate_stage_writes_then_answers_and_reuses_the_journal(
         tmp_path, tiny_target_cache, monkeypatch):
     """On the demo's trained tiny target, which ends its turns (a random one seldom does)."""
-    from draftsmith.generate.stage import read_records, run_generate
+    from draftsmith.data.records import read_records
+    from draftsmith.generate.stage import run_generate
     from draftsmith.target import resolve_target
 
     source = {"name": "self-written", "synthesize": {"prompts": 16, "max_prompt_tokens": 32}}

@@ -127,7 +127,7 @@ def test_vllms_dflash_model_class_proposes_the_drafts_draftsmith_computes(dflash
     (the trained native checkpoint) on the same tokens proposes the same drafts, and vLLM's
     greedy output equals draftsmith's plain greedy decoding."""
     from draftsmith.export.native import load_native
-    from draftsmith.extract.capture import decoder_of
+    from draftsmith.model.aux_hooks import decoder_of
     from draftsmith.serve.embedded import TargetRunner, plain_generate
     from draftsmith.target import load_target_model
     from tests.test_vllm import held_out

@@ -19,10 +19,10 @@ from draftsmith.config import MergeConfig
 from draftsmith.data.evalsets import EvalPrompt
 from draftsmith.data.formats import DataFormatError, Record
 from draftsmith.data.overlap import CHECKS, Prompt, check_overlap, decontaminate
+from draftsmith.data.records import read_records
 from draftsmith.data.tokenize import check_special_tokens, pool_workers, tokenize_records
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.figures import MERGE_COVERAGE_FILE, TargetFigures
-from draftsmith.generate.stage import read_records
 from draftsmith.target import load_tokenizer
 
 log = logging.getLogger(__name__)

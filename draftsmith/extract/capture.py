@@ -1,8 +1,9 @@
 """Capture the aux hidden states and the final (normed) hidden state of a transformers target.
 
 Canonical convention (REFERENCE.md section 1): aux id i is the OUTPUT of decoder layer i, which
-transformers returns as hidden_states[i + 1]. Forward hooks on exactly those layers capture
-them, so the other L+1 hidden states are never materialised.
+transformers returns as hidden_states[i + 1]. Forward hooks on exactly those layers
+(draftsmith/model/aux_hooks.py) capture them, so the other L+1 hidden states are never
+materialised.
 
 The target's greedy next token at each position (the argmax of lm_head(final) over the full
 vocab) is taken here too, a chunk of positions at a time: training needs it for every position
@@ -14,51 +15,7 @@ from __future__ import annotations
 
 import torch
 
-
-def decoder_of(model):
-    """The decoder stack (embeddings, layers, final norm) of a *ForCausalLM model."""
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TypeError(f"{type(model).__name__}: expected a decoder with .model.layers and "
-                        ".model.norm (Llama-style); this architecture is not supported yet")
-    return base
-
-
-class AuxLayerHooks:
-    """Forward hooks on exactly the aux layers of a decoder: after a forward pass, `take()`
-    returns their outputs side by side. The extract capture puts them on for one call; the
-    embedded speculative engine keeps them for the life of its runner."""
-
-    def __init__(self, decoder, aux_layer_ids: list[int]):
-        self.aux_layer_ids = list(aux_layer_ids)
-        self._captured: dict[int, torch.Tensor] = {}
-        self._handles = [decoder.layers[i].register_forward_hook(self._hook(i))
-                         for i in self.aux_layer_ids]
-
-    def _hook(self, layer_id: int):
-        def hook(_module, _inputs, output):
-            self._captured[layer_id] = output[0] if isinstance(output, tuple) else output
-        return hook
-
-    def take(self, device: torch.device | None = None) -> torch.Tensor:
-        """The last forward's aux outputs [B, T, K*H] (on `device`: with device_map the layers
-        live on several GPUs)."""
-        aux = torch.cat([self._captured[i].to(device) if device is not None else self._captured[i]
-                         for i in self.aux_layer_ids], dim=-1)  # [B, T, K*H]
-        self._captured.clear()
-        return aux
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-        self._captured.clear()
-
-    def __enter__(self) -> AuxLayerHooks:
-        return self
-
-    def __exit__(self, *_exc) -> None:
-        self.remove()
+from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
 
 
 class HiddenStateCapture:

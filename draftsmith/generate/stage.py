@@ -30,16 +30,13 @@ from draftsmith.config import (
     slug,
 )
 from draftsmith.data.formats import Message, Record, SourceStats, load_source
+from draftsmith.data.records import write_records
 from draftsmith.errors import ConfigValueError, WorkerCrashError
+from draftsmith.generate.journal import ERRORS_FILE, Answer, Journal, Request, RunTotals
 from draftsmith.generate.openai_client import (
-    ERRORS_FILE,
-    Answer,
     EndpointError,
     GenerateInputError,
-    Journal,
     OpenAIRegenerator,
-    Request,
-    RunTotals,
     cost_usd,
     resolve_api_key,
 )
@@ -49,7 +46,6 @@ from draftsmith.progress import Progress
 
 log = logging.getLogger(__name__)
 
-RECORDS_FILE = "records.jsonl"
 GENERATION_FILE = "generation.json"
 
 
@@ -393,9 +389,7 @@ def _generate(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
              if joined_run is None or k not in answered_by(journal, joined_run)}, answers),
     }
     with stage_output(plan) as out:
-        with open(out / RECORDS_FILE, "w") as f:
-            for record in kept:
-                f.write(record.model_dump_json(exclude_none=True) + "\n")
+        write_records(out, kept)
         (out / "stats.json").write_text(json.dumps([s.model_dump() for s in stats], indent=2))
         (out / GENERATION_FILE).write_text(json.dumps(summary, indent=2))
         if unanswered:
@@ -451,11 +445,6 @@ THINK_TAGS = ("<think>", "</think>", "\u25c1think\u25b7", "\u25c1/think\u25b7")
 def think_tags_without_reasoning(answers: list) -> list:
     return [a for a in answers
             if a.reasoning is None and any(tag in a.content for tag in THINK_TAGS)]
-
-
-def read_records(generated: Descriptor) -> list[Record]:
-    with open(generated.dir / RECORDS_FILE) as f:
-        return [Record.model_validate_json(line) for line in f]
 
 
 # --------------------------------------------------------------------------- several hosts

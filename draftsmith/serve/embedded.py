@@ -33,7 +33,7 @@ from transformers import DynamicCache
 
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
-from draftsmith.extract.capture import AuxLayerHooks, decoder_of
+from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
 from draftsmith.model.kinds import Drafter, build_drafter, kind_of
 
 
