@@ -1,6 +1,6 @@
-"""Imports point down only (DESIGN.md): the engine never imports Prefect or the orchestration
-layer, tasks never import flows, blocks import neither. Checked on every module's syntax tree,
-so an import inside a function counts too."""
+"""Imports point down only (docs/concepts.md, "Layout of the repository"): the engine never
+imports Prefect or the orchestration layer, tasks never import flows, blocks import neither.
+Checked on every module's syntax tree, so an import inside a function counts too."""
 
 from __future__ import annotations
 

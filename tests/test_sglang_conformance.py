@@ -348,7 +348,8 @@ def test_kimi_k25_wraps_deepseek_v3_and_calls_it_with_input_ids_none(sglang_env)
 
 
 def test_layer_id_rules_per_family(sglang_env):
-    """REFERENCE.md section 1, as export/layer_ids.py applies them."""
+    """The engines' id rules (docs/concepts.md, "Aux layer ids"), as export/layer_ids.py applies
+    them."""
     rules = {
         "srt/models/llama.py": ("LlamaForCausalLM",
                                 r"layers_to_capture = \[val \+ 1 for val in layer_ids\]"),
