@@ -89,7 +89,7 @@ from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root 
     wait_for "${1:?seconds}"; progress
     ;;
   collect)
-    drafter=$(ls -d "$RUN"/root/export/*/drafter 2>/dev/null | head -1)
+    drafter=$(ls -d "$RUN"/root/export/*/*drafter 2>/dev/null | head -1)
     if [ -n "$drafter" ]; then
       tar cf /tmp/drafter.tar -C "$drafter" . && sha256sum /tmp/drafter.tar | tee "$OUT"/drafter.sha256
       split -b 15M /tmp/drafter.tar "$OUT"/drafter.tar.part_

@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The README's test command (.ci/run) on a fresh clone, with CPU burners beside it the whole
 # time: the suite on a busy machine (issue 29). Raw output, headed by the commit, the burners
-# and the load: benchmarks/results/suite_time/busy_ci_<commit>_<run>.txt, and each test's
-# worker, time and CPU beside it (.timeline.jsonl; benchmarks/suite_timeline.py reads it). The
-# clone and its venv are deleted afterwards.
+# and the load: benchmarks/results/suite_time/busy_ci_<commit>_<run>.txt.xz, and each test's
+# worker, time and CPU beside it (.timeline.jsonl.xz, summed by worker and module by
+# benchmarks/suite_timeline.py into .timeline.summary.txt). The clone and its venv are deleted
+# afterwards.
 #
 # Usage: benchmarks/suite_busy.sh [RUNS] [BURNERS]   (default 2 runs in a row, 2 burners)
 set -euo pipefail
@@ -31,7 +32,7 @@ for run in $(seq "$runs"); do
   git clone -q "$here" "$clone"
   git -C "$clone" checkout -q "$commit"
   out=$results/busy_ci_${commit}_${run}.txt
-  rm -f "${out%.txt}.timeline.jsonl"
+  rm -f "${out%.txt}.timeline.jsonl" "${out%.txt}.timeline.jsonl.xz"
   export DRAFTSMITH_SUITE_TIMELINE=${out%.txt}.timeline.jsonl
   {
     echo "# .ci/run on a fresh clone of $commit ($clone), run $run of $runs in a row, $burners" \
@@ -45,6 +46,9 @@ for run in $(seq "$runs"); do
     echo "# exit code $rc; .ci/run took $(( $(date +%s) - started )) s (install, ruff, docs and the suite); load average after $(cut -d' ' -f1-3 /proc/loadavg)"
   } > "$out"
   tail -n 3 "$out"
+  timeline=${out%.txt}.timeline.jsonl
+  python3 "$here/benchmarks/suite_timeline.py" "$timeline" > "${timeline%.jsonl}.summary.txt"
+  xz -9 -f "$out" "$timeline"
   rm -rf "$clone"
   clone=""
 done

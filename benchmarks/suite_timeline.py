@@ -3,13 +3,16 @@ write (tests/conftest.py): each worker's busy span and its modules' wall and CPU
 CPU of a worker's children counts when they are reaped, so a module that stops a long-lived
 server is charged that server's CPU).
 
-    python benchmarks/suite_timeline.py benchmarks/results/suite_time/FILE.timeline.jsonl
+    python benchmarks/suite_timeline.py benchmarks/results/suite_time/FILE.timeline.jsonl.xz
+
+The kept timelines are xz-compressed, each with this summary beside it (.timeline.summary.txt).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import lzma
 from collections import defaultdict
 from pathlib import Path
 
@@ -39,7 +42,9 @@ def main() -> None:
     parser.add_argument("timeline", type=Path)
     parser.add_argument("--top", type=int, default=15)
     args = parser.parse_args()
-    lines = [json.loads(line) for line in args.timeline.read_text().splitlines() if line]
+    opener = lzma.open if args.timeline.suffix == ".xz" else open
+    with opener(args.timeline, "rt") as f:
+        lines = [json.loads(line) for line in f if line.strip()]
     print(summarize(lines, args.top))
 
 

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from typer.testing import CliRunner
@@ -27,6 +28,13 @@ def test_help_lists_every_command():
     assert result.exit_code == 0
     for command in ("demo", "run", "plan", "validate", "export", "import", "inspect"):
         assert command in result.output
+
+
+def test_help_names_every_drafter_kind_and_both_engines():
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0
+    for name in (r"EAGLE-3(?!\.)", r"EAGLE-3\.1", "DFlash", "SGLang", "vLLM"):
+        assert re.search(name, text(result)), f"`draftsmith --help` does not name {name}"
 
 
 def test_validate_accepts_the_demo_config():

@@ -195,7 +195,7 @@ def test_load_config_overrides_are_validated(tmp_path):
         load_config(path, ["train.lr"])
 
 
-# --- deploy constraints (REFERENCE.md section 4) -------------------------------------------------
+# --- deploy constraints: what SGLang refuses or crashes on (docs/engines/sglang.md) ------------
 
 
 def test_eagle_algorithm_refused_for_eagle3_drafters(tmp_path):

@@ -415,7 +415,7 @@ def test_forward_ttt_returns_one_logit_tensor_per_step(random_target_dir, steps)
 
 
 def hand_built_ttt_mask(docs: list[int], steps: int) -> list[torch.Tensor]:
-    """Written out pair by pair from REFERENCE.md section 2: a query at anchor q of step j may
+    """Written out pair by pair from EAGLE-3's test-time training: a query at anchor q of step j may
     see step-0 key k when k <= q in the same document, and key k of step i in 1..j only when
     k == q."""
     T = len(docs)

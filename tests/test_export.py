@@ -73,7 +73,7 @@ def read_weights(path: Path) -> dict[str, torch.Tensor]:
 
 def sglang_captured_inputs(written: list[int], family: str, num_layers: int) -> list[int]:
     """Which layers' INPUTS SGLang 0.5.23 captures for eagle_aux_hidden_state_layer_ids
-    (REFERENCE.md section 1)."""
+    (docs/concepts.md, "Aux layer ids")."""
     if family == "deepseek":
         return [i + 1 for i in written] if written[0] == 1 else list(written)
     if family == "gpt-oss":

@@ -1,7 +1,7 @@
-"""Imports point down only: the engine never imports Prefect or the orchestration layer, tasks
-never import flows, blocks import neither; inside the engine, a lower floor never imports a
-higher one (LOWER_FLOORS). Checked on every module's syntax tree, so an import inside a
-function counts too."""
+"""Imports point down only (docs/concepts.md, "Layout of the repository"): the engine never
+imports Prefect or the orchestration layer, tasks never import flows, blocks import neither;
+inside the engine, a lower floor never imports a higher one (LOWER_FLOORS). Checked on every
+module's syntax tree, so an import inside a function counts too."""
 
 from __future__ import annotations
 

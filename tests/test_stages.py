@@ -8,6 +8,7 @@ the next stage can read it.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -196,7 +197,8 @@ def test_export_to_speculators_serves_from_the_vllm_layout(chain, random_target,
                           plan_stage(tmp_path, "export", {}, [chain["train"]]))
     drafter_dir = exported.figures["drafter_dir"]
     assert detect_layout(drafter_dir) == "speculators"
-    config = json.loads((exported.dir / "drafter" / "config.json").read_text())
+    assert Path(drafter_dir) == exported.dir / "eagle3-drafter"  # vLLM 0.34 reads the method
+    config = json.loads((exported.dir / "eagle3-drafter" / "config.json").read_text())
     assert config["transformer_layer_config"]["max_position_embeddings"] == 4096
     assert exported.figures["written_aux_layer_ids"] == [2, 4, 5]  # vLLM: inputs of c+1
     engine = EmbeddedSpeculativeEngine.load(load_target_model(random_target.path), drafter_dir,

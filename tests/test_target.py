@@ -17,7 +17,7 @@ from draftsmith.target import (
     target_fingerprint,
 )
 
-# --- aux layer ids (REFERENCE.md section 1) ----------------------------------------------------
+# --- aux layer ids (docs/concepts.md, "Aux layer ids") -----------------------------------------
 
 
 def test_default_aux_layer_ids():

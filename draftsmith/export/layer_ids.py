@@ -3,7 +3,8 @@
 Canonical (everywhere inside draftsmith): id c is the OUTPUT of decoder layer c, which is the
 INPUT of layer c+1. Serving engines capture the input of some layer, and how they read the id
 list in the drafter's config depends on the engine and, for SGLang, on the target's family
-(docs/concepts.md, "Aux layer ids"):
+(docs/concepts.md, "Aux layer ids"; the rules are read from SGLang's and vLLM's source and pinned
+by tests/test_sglang_conformance.py):
 
 - SGLang, Llama / Qwen / most others: captures the input of id+1 -> write c.
 - SGLang, DeepSeek family (DeepSeek V2/V3/V3.2, Kimi-K2/K2.5, GLM MoE DSA, GLM-4.7 lite): adds 1

@@ -1,8 +1,8 @@
 """Capture the aux hidden states and the final (normed) hidden state of a transformers target.
 
-Canonical convention (REFERENCE.md section 1): aux id i is the OUTPUT of decoder layer i, which
-transformers returns as hidden_states[i + 1]. Forward hooks on exactly those layers
-(draftsmith/model/aux_hooks.py) capture them, so the other L+1 hidden states are never
+Canonical convention (docs/concepts.md, "Aux layer ids"): aux id i is the OUTPUT of decoder
+layer i, which transformers returns as hidden_states[i + 1]. Forward hooks on exactly those
+layers (draftsmith/model/aux_hooks.py) capture them, so the other L+1 hidden states are never
 materialised.
 
 The target's greedy next token at each position (the argmax of lm_head(final) over the full

@@ -7,9 +7,9 @@ architecture with a subclass of SGLang's own class whose only addition is `insta
 
 - it turns on SGLang's EAGLE-3 aux capture itself, with `layers_to_capture` = the canonical
   ids + 1 (SGLang appends the INPUT of each listed layer, i.e. the output of the layer before;
-  REFERENCE.md section 1). The family-specific id rules of `set_eagle3_layers_to_capture` are
-  bypassed on purpose: the draft config is not involved here, so canonical id i always means
-  the output of decoder layer i.
+  docs/concepts.md, "Aux layer ids"). The family-specific id rules of
+  `set_eagle3_layers_to_capture` are bypassed on purpose: the draft config is not involved
+  here, so canonical id i always means the output of decoder layer i.
 - it wraps the model's `logits_processor`, which SGLang calls with the full-length final hidden
   states (after the final norm) and the aux states of every token of the batch, before it
   prunes to the last token of each request. The aux states come in either of SGLang's two
