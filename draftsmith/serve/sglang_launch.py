@@ -1,12 +1,12 @@
 """The SGLang server for a target + EAGLE-3 drafter: the command, checks before launch, readiness.
 
 Every constraint SGLang checks late (or not at all) is checked here, before minutes of weight
-loading (docs/engines/sglang.md, "Serving"): EAGLE3 and never EAGLE for an
-EAGLE-3 drafter, a draft path, steps / topk / draft tokens given all together and consistent, a
-draft context no shorter than the served context. When sglang is importable, its own argument
-parser reads the list too, so a misspelt or renamed flag fails in a second, and the installed
-version must be one draftsmith supports (SUPPORTED_SGLANG; servers report theirs at readiness
-and are checked again there).
+loading (docs/engines/sglang.md, "Serving"): EAGLE3 and never EAGLE for an EAGLE-3 drafter, a
+draft path, steps / topk / draft tokens given all together and consistent, a draft context no
+shorter than the served context. When sglang is importable, its own argument parser reads the
+list too, so a misspelt or renamed flag fails in a second, and the installed version must be
+one draftsmith supports (SUPPORTED_SGLANG; servers report theirs at readiness and are checked
+again there).
 
 Readiness: the port is open, /health answers 200, /server_info reports a supported SGLang
 version and the speculative settings and drafter the server was launched with, and one real

