@@ -57,7 +57,7 @@ def prompt_ids(tokenizer, messages_json: str) -> list[int]:
 def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor,
                merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
     if cfg.engine in ("sglang", "vllm"):
-        return deploy_server(engine_adapter(cfg.engine), cfg, target_cfg,
+        return deploy_server(server_engine(cfg.engine), cfg, target_cfg,
                              ExportFigures.of(exported).drafter_dir, target.path,
                              TargetFigures.of(target).family, plan)
     spec = {"engine": "embedded", "target_path": target.path,
@@ -97,7 +97,7 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
         **spec, "smoke_acceptance_length": round(speculative.acceptance_length, 3)})
 
 
-def engine_adapter(engine: str) -> EngineAdapter:
+def server_engine(engine: str) -> EngineAdapter:
     """The adapter of a server engine (deploy.engine sglang or vllm)."""
     if engine == "sglang":
         from draftsmith.serve.sglang_launch import SGLANG
