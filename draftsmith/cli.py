@@ -259,11 +259,12 @@ def deploy(
 
     from draftsmith.figures import ExportFigures, TargetFigures
     from draftsmith.plan import finished_outputs
+    from draftsmith.serve.engine_adapter import LaunchError
     from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
     from draftsmith.serve.holders import PortBusyError, require_free_port
     from draftsmith.serve.process import ManagedProcess
-    from draftsmith.serve.readiness import ReadinessError, wait_until_ready
-    from draftsmith.serve.sglang_launch import LaunchError, build_launch
+    from draftsmith.serve.readiness import ReadinessError
+    from draftsmith.serve.sglang_launch import build_launch, wait_until_ready
     from draftsmith.target import resolve_target
 
     pipeline_config = _load(config, set_)
@@ -321,14 +322,15 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
                  dry_run: bool) -> None:
     """`draftsmith deploy` for deploy.engine=vllm: the same checks, `vllm serve` until Ctrl-C."""
 
+    from draftsmith.serve.engine_adapter import LaunchError
     from draftsmith.serve.holders import PortBusyError, require_free_port
     from draftsmith.serve.readiness import ReadinessError
-    from draftsmith.serve.vllm_launch import VLLMLaunchError, build_vllm_launch, start_vllm
+    from draftsmith.serve.vllm_launch import build_launch, start_vllm
 
     try:
-        launch = build_vllm_launch(pipeline_config.deploy, pipeline_config.target, drafter,
-                                   family, model_path)
-    except (VLLMLaunchError, ValueError) as err:
+        launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family,
+                              model_path)
+    except (LaunchError, ValueError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(2) from None
     if dry_run:
@@ -339,7 +341,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         require_free_port("deploy", pipeline_config.deploy.host, pipeline_config.deploy.port)
         process, _ = start_vllm(launch, log_file, "vllm",
                                 pipeline_config.deploy.startup_timeout_s)
-    except (VLLMLaunchError, ReadinessError, PortBusyError) as err:
+    except (LaunchError, ReadinessError, PortBusyError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     try:

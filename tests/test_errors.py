@@ -159,7 +159,8 @@ def engine_error_classes() -> list[type[BaseException]]:
                "draftsmith.export.layer_ids", "draftsmith.extract.store",
                "draftsmith.extract.preflight", "draftsmith.extract.sglang_backend",
                "draftsmith.generate.openai_client", "draftsmith.preflight",
-               "draftsmith.serve.gpus", "draftsmith.serve.readiness",
+               "draftsmith.serve.engine_adapter", "draftsmith.serve.gpus",
+               "draftsmith.serve.readiness",
                "draftsmith.serve.sglang_launch", "draftsmith.train.launch"]
     found = []
     for name in modules:

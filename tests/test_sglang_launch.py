@@ -13,16 +13,17 @@ import pytest
 from draftsmith.bench.acceptance import acceptance_length
 from draftsmith.config import ConfigError, DeployConfig, TargetConfig, parse_config
 from draftsmith.export.convert import export_drafter
+from draftsmith.serve.engine_adapter import LaunchError
 from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
 from draftsmith.serve.process import ManagedProcess
-from draftsmith.serve.readiness import ReadinessError, wait_until_ready
+from draftsmith.serve.readiness import ReadinessError
 from draftsmith.serve.sglang_launch import (
     ALLOW_LONGER_CONTEXT_ENV,
     SUPPORTED_SGLANG,
-    LaunchError,
     UnsupportedSGLangError,
     build_launch,
     check_sglang_version,
+    wait_until_ready,
 )
 from tests.conftest import REPO
 from tests.test_export import make_drafter
@@ -340,7 +341,8 @@ def test_client_measures_a_server_running_the_embedded_engine(random_target, ran
 def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, tmp_path):
     """Someone else's server on the port would pass every readiness check by accident."""
     from draftsmith.artifacts import Descriptor, plan_stage
-    from draftsmith.serve.deploy import run_deploy_sglang
+    from draftsmith.serve.deploy import deploy_server
+    from draftsmith.serve.sglang_launch import SGLANG
 
     exported = Descriptor(stage="export", path=str(tmp_path), key="k", fingerprint="f",
                           figures={"format": "sglang", "drafter_dir": str(drafter_dir)})
@@ -351,8 +353,8 @@ def test_deploy_refuses_a_port_another_server_holds(drafter_dir, random_target, 
         plan = plan_stage(tmp_path / "runs", "deploy", {}, [exported])
         with pytest.raises(RuntimeError, match=rf"already in use by a server this run did "
                                                rf"not start \(pid {os.getpid()}: "):
-            run_deploy_sglang(cfg, TargetConfig(model=random_target.path), exported,
-                              random_target, plan)
+            deploy_server(SGLANG, cfg, TargetConfig(model=random_target.path),
+                          str(drafter_dir), random_target.path, "llama", plan)
     assert not plan.is_complete()
 
 

@@ -15,10 +15,10 @@ import httpx
 import pytest
 
 from draftsmith.config import ConfigError, DeployConfig, parse_config
+from draftsmith.serve.engine_adapter import LaunchError
 from draftsmith.serve.vllm_launch import (
-    VLLMLaunchError,
     acceptance_from_counters,
-    build_vllm_launch,
+    build_launch,
     read_counters,
     vllm_program,
 )
@@ -39,9 +39,9 @@ def test_an_sglang_layout_drafter_is_refused_naming_the_export_setting(vllm_chai
                           vllm_chain.out["train"], vllm_chain.target,
                           vllm_chain.plan("export", vllm_chain.out["train"],
                                           material={"format": "sglang"}))
-    with pytest.raises(VLLMLaunchError, match=r"sglang-layout.*export\.format=speculators"):
-        build_vllm_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg,
-                          sglang.figures["drafter_dir"], "llama", vllm_chain.target.path)
+    with pytest.raises(LaunchError, match=r"sglang-layout.*export\.format=speculators"):
+        build_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg,
+                     sglang.figures["drafter_dir"], "llama", vllm_chain.target.path)
     # The same mistake in a config file stops at load time.
     raw = {"data": {"sources": [{"name": "d", "path": "x.jsonl"}]},
            "deploy": {"engine": "vllm"}, "export": {"format": "sglang"}}
@@ -62,8 +62,8 @@ def test_drafting_settings_vllm_cannot_run_are_refused_before_launch():
 
 
 def test_the_launch_command_carries_the_speculative_config(vllm_chain):
-    launch = build_vllm_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg,
-                               vllm_chain.drafter_dir, "llama", vllm_chain.target.path)
+    launch = build_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg,
+                          vllm_chain.drafter_dir, "llama", vllm_chain.target.path)
     spec = json.loads(launch.argv[launch.argv.index("--speculative-config") + 1])
     assert spec == {"method": "eagle3", "model": vllm_chain.drafter_dir,
                     "num_speculative_tokens": 3}
@@ -71,8 +71,8 @@ def test_the_launch_command_carries_the_speculative_config(vllm_chain):
     assert launch.argv[: len(program) + 1] == [*program, vllm_chain.target.path]
     assert launch.argv[launch.argv.index("--host") + 1] == "127.0.0.1"
     assert launch.env["VLLM_SERVER_DEV_MODE"] == "1"  # loopback only: /server_info
-    baseline = build_vllm_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg, None, "llama",
-                                 vllm_chain.target.path)
+    baseline = build_launch(vllm_chain.deploy_cfg, vllm_chain.target_cfg, None, "llama",
+                            vllm_chain.target.path)
     assert "--speculative-config" not in baseline.argv
 
 

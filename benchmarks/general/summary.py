@@ -72,7 +72,8 @@ def serve_and_measure(drafter: Path, args) -> dict:
     from draftsmith.bench.vllm_bench import run_vllm_benchmark
     from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
     from draftsmith.serve import servers
-    from draftsmith.serve.vllm_launch import run_deploy_vllm
+    from draftsmith.serve.deploy import deploy_server
+    from draftsmith.serve.vllm_launch import VLLM
     from draftsmith.target import load_tokenizer, resolve_target
 
     target_cfg = TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32")
@@ -87,9 +88,9 @@ def serve_and_measure(drafter: Path, args) -> dict:
                                 max_new_tokens=args.max_new_tokens,
                                 concurrency=[1, 4], baseline=True, repeats=args.repeats)
     key = {"drafter": str(drafter.resolve()), "time": time.time()}
-    deployment = run_deploy_vllm(deploy_cfg, target_cfg, str(drafter), target.path,
-                                 target.figures["family"],
-                                 plan_stage(args.work, "deploy", key, [target]))
+    deployment = deploy_server(VLLM, deploy_cfg, target_cfg, str(drafter), target.path,
+                               target.figures["family"],
+                               plan_stage(args.work, "deploy", key, [target]))
     try:
         prompts, suite = benchmark_prompts(bench_cfg, None, load_tokenizer(target))
         report = run_vllm_benchmark(bench_cfg, deploy_cfg, target_cfg, deployment, prompts,

@@ -272,8 +272,7 @@ def _serve_and_measure(deploy_cfg: DeployConfig, target_cfg: TargetConfig,
     """Launch a server (drafter_dir None: no speculation), wait for readiness, measure the
     concurrency sweep, stop it with its whole process group."""
     from draftsmith.serve.process import ManagedProcess
-    from draftsmith.serve.readiness import wait_until_ready
-    from draftsmith.serve.sglang_launch import build_launch
+    from draftsmith.serve.sglang_launch import build_launch, wait_until_ready
 
     launch = build_launch(deploy_cfg, target_cfg, drafter_dir, TargetFigures.of(target).family,
                           target.path)

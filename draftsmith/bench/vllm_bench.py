@@ -33,7 +33,7 @@ from draftsmith.serve.vllm_launch import (
     PER_POSITION,
     SPEC_COUNTERS,
     acceptance_from_counters,
-    build_vllm_launch,
+    build_launch,
     read_counters,
     start_vllm,
 )
@@ -121,8 +121,8 @@ def run_vllm_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cf
             servers.stop(url)
             log.info("benchmark: stopped the speculative vLLM server; serving the target alone "
                      "for the baseline")
-            launch = build_vllm_launch(deploy_cfg, target_cfg, None, target.figures["family"],
-                                       target.path)
+            launch = build_launch(deploy_cfg, target_cfg, None, target.figures["family"],
+                                  target.path)
             process, _ = start_vllm(launch, out / "baseline-server.log", "vllm-baseline",
                                     deploy_cfg.startup_timeout_s)
             try:
@@ -259,11 +259,10 @@ def repeated_pairs(cfg: BenchmarkConfig, deploy_cfg: DeployConfig, target_cfg: T
     whose load drifts does not favour one side. Only one server runs at a time: the engines
     take the same cores or GPUs."""
     family = target.figures["family"]
-    launches = {"speculative": build_vllm_launch(deploy_cfg, target_cfg,
-                                                 deployment.figures["drafter_dir"], family,
-                                                 target.path),
-                "baseline": build_vllm_launch(deploy_cfg, target_cfg, None, family,
-                                              target.path)}
+    launches = {"speculative": build_launch(deploy_cfg, target_cfg,
+                                            deployment.figures["drafter_dir"], family,
+                                            target.path),
+                "baseline": build_launch(deploy_cfg, target_cfg, None, family, target.path)}
     pairs = []
     for repeat in range(1, cfg.repeats):
         order = ("baseline", "speculative") if repeat % 2 else ("speculative", "baseline")

@@ -42,7 +42,7 @@ class TargetServer:
         """The `vllm serve` command: the target alone, without the access log's line per
         request (a run sends tens of thousands; vLLM's periodic stats line says the progress)."""
         from draftsmith.config import DeployConfig
-        from draftsmith.serve.vllm_launch import build_vllm_launch
+        from draftsmith.serve.vllm_launch import build_launch
 
         server = self.cfg.vllm
         extra_args = list(server.extra_args)
@@ -51,8 +51,8 @@ class TargetServer:
         deploy = DeployConfig(engine="vllm", host=server.host, port=server.port,
                               env=server.env, extra_args=extra_args,
                               startup_timeout_s=server.startup_timeout_s)
-        return build_vllm_launch(deploy, self.target_cfg, None,
-                                 self.target.figures["family"], self.target.path)
+        return build_launch(deploy, self.target_cfg, None, self.target.figures["family"],
+                            self.target.path)
 
     def endpoint(self) -> EndpointConfig:
         if self._endpoint is not None:

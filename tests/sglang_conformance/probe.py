@@ -30,8 +30,8 @@ STANDIN_MODELS = Path(__file__).resolve().parent / "standin_models"
 def parse() -> dict:
     from sglang.srt.server_args import prepare_server_args
 
+    from draftsmith.serve.engine_adapter import LaunchError
     from draftsmith.serve.sglang_launch import (
-        LaunchError,
         SGLangLaunch,
         check_with_sglang_parser,
         server_arguments,
