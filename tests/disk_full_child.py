@@ -30,13 +30,14 @@ from draftsmith import stages  # noqa: E402
 from draftsmith.artifacts import MANIFEST, read_descriptor  # noqa: E402
 from draftsmith.config import parse_config  # noqa: E402
 from draftsmith.diskspace import DiskFullError, free_bytes  # noqa: E402
+from draftsmith.export.stage import drafter_dir_name  # noqa: E402
 from draftsmith.plan import stage_plan  # noqa: E402
 from draftsmith.target import resolve_target  # noqa: E402
 from tests.conftest import REPO, TRAIN_INPUT_SECTIONS, TRAIN_INPUT_SOURCES  # noqa: E402
 
 # What each stage's output is compared on (timings, which differ run to run, left out).
 COMPARED = {"generate": ("records.jsonl",), "merge": None, "extract": (".safetensors",),
-            "train": ("drafter.safetensors",), "export": ("drafter/",)}
+            "train": ("drafter.safetensors",), "export": (drafter_dir_name("eagle3") + "/",)}
 FILLER = ".filler"
 
 
