@@ -219,6 +219,38 @@ def test_deploy_and_benchmark_are_lossless(chain):
     assert (chain["benchmark"].dir / "benchmark.svg").stat().st_size > 0
 
 
+def test_the_benchmark_says_where_decoding_time_goes(chain):
+    """A speculative round's drafting, verification and the rest add up to the decoding time
+    (prompts' forwards left out), and the limit is what the acceptance and the measured plain
+    and verify steps imply."""
+    report = json.loads((chain["benchmark"].dir / "report.json").read_text())
+    summary, per_prompt = report["summary"], report["per_prompt"]
+    rounds = sum(p["verify_rounds"] for p in per_prompt)
+    parts = summary["ms_per_round"]
+    assert parts["draft"] > 0 and parts["verify"] > 0 and parts["other"] >= 0
+    decoding_ms = 1000 * sum(p["speculative_s"] - p["prefill_s"] for p in per_prompt)
+    assert sum(parts.values()) * rounds == pytest.approx(decoding_ms, rel=1e-3)
+    plain_ms = 1000 * sum(p["greedy_decode_s"] for p in per_prompt) / sum(
+        p["plain_steps"] for p in per_prompt)
+    assert summary["ms_per_plain_token"] == pytest.approx(plain_ms, rel=1e-3)
+    assert summary["speedup_limit"] == pytest.approx(
+        summary["acceptance_length"] * plain_ms / parts["verify"], rel=1e-2)
+    assert all(p["prefill_s"] > 0 and p["greedy_prefill_s"] > 0 for p in per_prompt)
+
+
+def test_step_costs_of_rounds_and_plain_steps():
+    from draftsmith.bench.benchmark import step_costs
+
+    per_prompt = [{"verify_rounds": 4, "plain_steps": 10, "draft_s": 0.004, "verify_s": 0.02,
+                   "speculative_s": 0.03, "prefill_s": 0.002, "greedy_decode_s": 0.05}]
+    costs = step_costs(per_prompt, acceptance=2.5)
+    assert costs["ms_per_plain_token"] == 5.0
+    assert costs["ms_per_round"] == {"draft": 1.0, "verify": 5.0, "other": 1.0}
+    assert costs["speedup_limit"] == 2.5  # 2.5 tokens a round at the cost of one plain step
+    empty = step_costs([{**per_prompt[0], "verify_rounds": 0}], acceptance=1.0)
+    assert empty == {"ms_per_plain_token": None, "ms_per_round": None, "speedup_limit": None}
+
+
 @pytest.mark.parametrize(("dtype", "fails"), [("float32", True), ("bfloat16", False)])
 def test_deploy_smoke_demands_identical_tokens_only_in_float32(chain, random_target,
                                                                random_target_dir, tmp_path,

@@ -94,6 +94,27 @@ def accepted_by_position(round_tokens: list[int], num_steps: int) -> list[int]:
     return accepted
 
 
+def step_costs(per_prompt: list[dict], acceptance: float) -> dict:
+    """Where decoding time goes, prompts' forwards left out: a plain token's step, and a
+    speculative round's drafting, verification and the rest (bookkeeping, the aux states,
+    sampling), in ms. speedup_limit is acceptance x plain step / verify: the speedup if drafting
+    and bookkeeping cost nothing, which the measured speedup approaches as the engine does."""
+    rounds = sum(p["verify_rounds"] for p in per_prompt)
+    plain_steps = sum(p["plain_steps"] for p in per_prompt)
+    if not rounds or not plain_steps:
+        return {"ms_per_plain_token": None, "ms_per_round": None, "speedup_limit": None}
+    draft = sum(p["draft_s"] for p in per_prompt)
+    verify = sum(p["verify_s"] for p in per_prompt)
+    decoding = sum(p["speculative_s"] - p["prefill_s"] for p in per_prompt)
+    plain_ms = 1000 * sum(p["greedy_decode_s"] for p in per_prompt) / plain_steps
+    verify_ms = 1000 * verify / rounds
+    return {"ms_per_plain_token": round(plain_ms, 3),
+            "ms_per_round": {"draft": round(1000 * draft / rounds, 3),
+                             "verify": round(verify_ms, 3),
+                             "other": round(1000 * (decoding - draft - verify) / rounds, 3)},
+            "speedup_limit": round(acceptance * plain_ms / verify_ms, 3) if verify_ms else None}
+
+
 def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
                      eos: int | None, label: str,
                      plain: list[Generation]) -> tuple[dict, list[dict]]:
@@ -118,9 +139,13 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
             "accepted_by_position": accepted_by_position(speculative.round_tokens,
                                                          engine.num_steps),
             "speculative_s": speculative.seconds,
+            "prefill_s": speculative.prefill_seconds,
             "draft_s": speculative.draft_seconds,
             "verify_s": speculative.verify_seconds,
             "greedy_s": greedy.seconds,
+            "greedy_prefill_s": greedy.prefill_seconds,
+            "greedy_decode_s": greedy.verify_seconds,
+            "plain_steps": greedy.verify_rounds,
             "identical": None if sampled else speculative.tokens == greedy.tokens,
         })
         progress.update(1)
@@ -145,6 +170,7 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
         "speedup": round(spec_tps / greedy_tps, 3), "lossless": lossless,
         "identical_outputs": (f"n/a (sampled at temperature {cfg.temperature})" if sampled else
                               f"{sum(p['identical'] for p in per_prompt)}/{len(per_prompt)}"),
+        **step_costs(per_prompt, acceptance),
     }
     if lossless is False:
         bad = [i for i, p in enumerate(per_prompt) if not p["identical"]]

@@ -79,7 +79,9 @@ class Generation:
     tokens: list[int]
     seconds: float
     round_tokens: list[int] = field(default_factory=list)  # tokens kept per verify forward
-    # Wall time drafting and verifying (each phase ends in a host sync, so no extra ones).
+    # Wall time of the prompt's forward (to the first token), then drafting and verifying
+    # (each phase ends in a host sync, so no extra ones).
+    prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
 
@@ -376,17 +378,22 @@ class EmbeddedSpeculativeEngine:
         cache = DynamicCache()
         logits, aux = self.runner.forward(prompt, cache)
         tokens = [*prompt, sampling.pick(logits[-1])]
-        result = Generation(tokens=[], seconds=0.0)
+        result = Generation(tokens=[], seconds=0.0,
+                            prefill_seconds=time.perf_counter() - started)
         drafter_cache, drafted_upto = None, 0
         while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_id:
             n = len(tokens) - 1
             if self.is_tree:
+                began = time.perf_counter()
                 tree, drafter_cache = self._draft_tree(tokens, aux, drafted_upto, drafter_cache)
+                drafted = time.perf_counter()
                 positions = torch.tensor([[n] + [n + d for d in tree.depths]],
                                          device=self.device)  # [1, N+1]
                 logits, new_aux = self.runner.forward([tokens[n], *tree.tokens], cache,
                                                       positions, tree.attention(n, self.device))
                 path, next_token = self._verify_tree(tree, logits, sampling)
+                result.draft_seconds += drafted - began
+                result.verify_seconds += time.perf_counter() - drafted
                 kept = [0, *path]
                 _keep_cache_positions(cache, list(range(n)) + [n + i for i in kept])
                 accepted_tokens = [tree.tokens[i - 1] for i in path]
@@ -493,11 +500,14 @@ def plain_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
     cache = DynamicCache()
     logits, _ = runner.forward(prompt, cache)
     tokens = [sampling.pick(logits[-1])]
+    prefilled = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
         logits, _ = runner.forward([tokens[-1]], cache)
         tokens.append(sampling.pick(logits[-1]))
-    return Generation(tokens=_truncate(tokens, max_new_tokens, eos_id),
-                      seconds=time.perf_counter() - started, round_tokens=[1] * (len(tokens) - 1))
+    ended = time.perf_counter()
+    return Generation(tokens=_truncate(tokens, max_new_tokens, eos_id), seconds=ended - started,
+                      round_tokens=[1] * (len(tokens) - 1), prefill_seconds=prefilled - started,
+                      verify_seconds=ended - prefilled)
 
 
 def _truncate(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
