@@ -30,12 +30,19 @@
 #   on a later lease, after `keep a/b/e`, carry .gpu/g:  bash benchmarks/h200_run.sh keep g
 #      and `start` restores them into the run root before the run: generate then asks only
 #      for what the journals lack.
+# A fresh machine compiles generate's static-cache steps for about three minutes (inductor
+# and Triton kernels, cached in /tmp/torchinductor_root on that machine only); the cache can
+# travel the same way:
+#                     bash benchmarks/h200_run.sh compiled
+#      brings back inductor's cache (xz parts); here, `mkdir -p .gpu/c && cp FILES_AT/compiled.*
+#      .gpu/c/`; on a later lease `keep c` (carrying .gpu/c) before `start`.
 set -u
 cmd=${1:?keep, start, wait or collect}; shift
 KEEP=/tmp/keep
 DS=/tmp/ds
 RUN=/tmp/run
 LOG=$RUN/run.log
+INDUCTOR=/tmp/torchinductor_root  # torch.compile's cache on the machine (user root)
 
 progress() {
   echo "--- $(date -u +%T) run root:"
@@ -70,6 +77,10 @@ case "$cmd" in
       mkdir -p "$RUN"/root && cat "$KEEP"/journals.tar.xz.part_* | xz -d | tar xf - -C "$RUN"/root
       echo "generate's journals restored: $(find "$RUN"/root/generate -name '*.jsonl' | wc -l) files"
     fi
+    if ls "$KEEP"/compiled.tar.xz.part_* >/dev/null 2>&1 && [ ! -d "$INDUCTOR" ]; then
+      cat "$KEEP"/compiled.tar.xz.part_* | xz -d | tar xf - -C /tmp
+      echo "inductor's cache restored: $(du -sh "$INDUCTOR" | cut -f1)"
+    fi
     cat "$KEEP"/smollm2.part_* > /tmp/smollm2.gguf && sha256sum /tmp/smollm2.gguf
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       "$KEEP"/*.whl >/dev/null 2>&1 || echo "wheel install failed"
@@ -99,6 +110,10 @@ from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root 
       | tar czf "$OUT"/reports.tgz -T - 2>/dev/null
     tail -c 4000000 "$LOG" > "$OUT"/run.log
     ls -la "$OUT"; progress
+    ;;
+  compiled)
+    tar cf - -C /tmp "$(basename "$INDUCTOR")" | xz -T0 -6 | split -b 15M - "$OUT"/compiled.tar.xz.part_
+    ls -la "$OUT"
     ;;
   journals)
     (cd "$RUN"/root && tar cf - generate/prompts generate/answers 2>/dev/null) \
