@@ -596,3 +596,34 @@ def test_auto_keeps_the_dynamic_cache(target_model, exported_drafter):
         assert engine.cache == "auto" and type(engine.runner) is TargetRunner
     finally:
         engine.runner.close()
+
+
+def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported_drafter,
+                                                          prompts, monkeypatch):
+    """The 1-token and verify widths go through torch.compile (aot_eager here: dynamo's
+    tracing of the hooks and the cache's counter without inductor's slow CPU build), the
+    prompt eagerly; tokens and rounds are the dynamic cache's."""
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "compiled_once",
+                        lambda fn, **_options: torch.compile(fn, backend="aot_eager"))
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        static.runner.close()
+        static.runner = StaticTargetRunner(target_model, AUX_IDS, (1, NUM_STEPS + 1),
+                                           compile=True)
+        widths: list[int] = []
+        compiled = static.runner._compiled
+
+        def recorded(**inputs):
+            widths.append(inputs["input_ids"].shape[1])
+            return compiled(**inputs)
+
+        monkeypatch.setattr(static.runner, "_compiled", recorded)
+        for prompt in prompts[:2]:
+            expected = dynamic.generate(prompt, 12, None)
+            got = static.generate(prompt, 12, None)
+            assert got.tokens == expected.tokens
+            assert got.round_tokens == expected.round_tokens
+            assert plain_generate(static.runner, prompt, 6, None).tokens == \
+                plain_generate(dynamic.runner, prompt, 6, None).tokens
+        assert set(widths) == {1, NUM_STEPS + 1}
