@@ -610,7 +610,7 @@ def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported
     with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
         static.runner.close()
         static.runner = StaticTargetRunner(target_model, AUX_IDS, (1, NUM_STEPS + 1),
-                                           compile=True)
+                                           compile_steps=True)
         widths: list[int] = []
         compiled = static.runner._compiled
 

@@ -154,19 +154,20 @@ class StaticTargetRunner(TargetRunner):
     dropping rejected drafts is winding the counter back: their slots are overwritten by the
     next forward and, until then, lie past every query's position, where the mask hides them.
 
-    compile: torch.compile the forwards whose width is in `step_widths` (on CUDA with mode
-    "reduce-overhead": CUDA graphs); None compiles on CUDA only. Other widths (the prompt)
+    compile_steps: torch.compile the forwards whose width is in `step_widths` (on CUDA with
+    mode "reduce-overhead": CUDA graphs); None compiles on CUDA only. Other widths (the prompt)
     run eagerly. Chains only: a tree's verify forward takes its own positions and mask."""
 
     LENGTH_STEP = 256  # cache lengths are rounded up to this, so similar requests share one
 
     def __init__(self, model, aux_layer_ids: list[int], step_widths: tuple[int, ...] = (),
-                 compile: bool | None = None):
+                 compile_steps: bool | None = None):
         super().__init__(model, aux_layer_ids)
         self._kv: StaticCache | None = None
-        compile = model.device.type == "cuda" if compile is None else compile
+        if compile_steps is None:
+            compile_steps = model.device.type == "cuda"
         self._compiled = None
-        self._step_widths = set(step_widths) if compile else set()
+        self._step_widths = set(step_widths) if compile_steps else set()
         if self._step_widths:
             # One compiled forward per model: the benchmark's sweep makes an engine per point.
             options = {"mode": "reduce-overhead"} if model.device.type == "cuda" else {}
@@ -178,23 +179,24 @@ class StaticTargetRunner(TargetRunner):
         if self._kv is None or self._kv.layers[0].max_cache_len < capacity:
             self._kv = None  # the old cache's memory goes before the new one is made
             length = -(-capacity // self.LENGTH_STEP) * self.LENGTH_STEP
-            self._kv = StaticCache(config=self.model.config, max_cache_len=length)
-            if not all(hasattr(layer, "cumulative_length") for layer in self._kv.layers):
+            kv = StaticCache(config=self.model.config, max_cache_len=length)
+            if not all(hasattr(layer, "cumulative_length") for layer in kv.layers):
                 raise RuntimeError(
                     "deploy.embedded_cache=static needs a transformers whose StaticCache writes "
                     "at its own cumulative_length (5.x); set deploy.embedded_cache=dynamic")
-            if any(layer.is_sliding for layer in self._kv.layers):
+            if any(layer.is_sliding for layer in kv.layers):
                 raise ValueError(
                     "deploy.embedded_cache=static: this target has sliding-window layers, "
                     "whose static cache is a ring buffer that cannot drop rejected drafts; set "
                     "deploy.embedded_cache=dynamic")
             config = self.model.config
             # Allocated outside any compiled region, so its tensors get static addresses.
-            self._kv.early_initialization(
+            kv.early_initialization(
                 batch_size=1, num_heads=config.num_key_value_heads,
                 head_dim=getattr(config, "head_dim", None)
                 or config.hidden_size // config.num_attention_heads,
                 dtype=self.model.dtype, device=self.model.device)
+            self._kv = kv
         else:
             self._kv.reset()
         return StaticTargetCache(self._kv)
