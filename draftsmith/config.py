@@ -817,6 +817,12 @@ class DeployConfig(ServerConfig):
         "engine; vLLM drafts chains)."))
     num_draft_tokens: int | None = keyed(4, ge=2, description=(
         "Tokens verified per round, the root included: num_steps + 1 for a chain."))
+    embedded_cache: Literal["auto", "static", "dynamic"] = keyed("auto", added=True, description=(
+        "The embedded engine's target KV cache. dynamic: a DynamicCache, one eager forward at "
+        "a time; static: a StaticCache reused across generations, rejected drafts dropped by "
+        "winding its length back, the 1-token and verify forwards compiled on CUDA (CUDA "
+        "graphs), chains only (eagle_topk 1). auto: dynamic everywhere for now; static "
+        "becomes the CUDA default once it is measured on a GPU."))
     host: ServerHost = keyed("127.0.0.1")
     port: ServerPort = keyed(30000)
     mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0, description=(
@@ -856,6 +862,11 @@ class DeployConfig(ServerConfig):
             if flag in self.extra_args:
                 raise ValueError(f"deploy.extra_args: {flag} is set by draftsmith from deploy.* "
                                  "(and --num-speculative-tokens is not an SGLang flag)")
+        if self.embedded_cache == "static" and self.eagle_topk not in (None, 1):
+            raise ValueError(
+                f"deploy.embedded_cache=static with deploy.eagle_topk={self.eagle_topk}: the "
+                "static cache verifies chains only; set deploy.embedded_cache=dynamic (or auto) "
+                "for a tree, or deploy.eagle_topk=1")
         if self.engine == "vllm" and self.eagle_topk not in (None, 1):
             raise ValueError(
                 f"deploy.eagle_topk={self.eagle_topk} with deploy.engine=vllm: vLLM's EAGLE-3 "

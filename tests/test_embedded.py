@@ -1,5 +1,6 @@
 """The embedded speculative engine: lossless against greedy decoding, acceptance bookkeeping,
-eos, and drafts equal to what the exported drafter computes from scratch."""
+eos, drafts equal to what the exported drafter computes from scratch, and the static target
+cache giving what the dynamic one gives."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+from pydantic import ValidationError
 from transformers import DynamicCache
 
+from draftsmith.config import DeployConfig
 from draftsmith.data.vocab import build_vocab_map
 from draftsmith.export.convert import export_drafter
 from draftsmith.extract.capture import HiddenStateCapture
@@ -19,9 +22,12 @@ from draftsmith.serve.embedded import (
     EmbeddedSpeculativeEngine,
     Generation,
     Sampling,
+    StaticTargetRunner,
+    TargetRunner,
     plain_generate,
 )
 from draftsmith.target import load_target_head_and_embedding, load_target_model
+from tests.test_dflash import BLOCK, make_dflash
 
 AUX_IDS = [1, 3, 4]
 DRAFT_VOCAB = 256
@@ -399,3 +405,225 @@ def test_the_guard_judges_against_its_stated_threshold():
     assert not fired["ok"] and fired["ratio"] == pytest.approx(0.3755, abs=1e-4)
     assert all(cause in fired["problem"] for cause in LIKELY_CAUSES)
     assert not judge(1.9, 2.2)["ok"] and judge(1.9, 2.2, threshold=0.8)["ok"]
+
+
+# The static target cache (deploy.embedded_cache=static) ---------------------------------------
+# The same tokens, rounds and aux states as the dynamic cache, rejected drafts dropped by winding
+# the cache back, trees refused by name, and a cache that is too short refused, never overrun.
+
+@pytest.fixture(scope="module")
+def dflash_drafter_dir(random_target, random_target_dir, tmp_path_factory):
+    """A DFlash drafter drafting from the target's head (so some drafts are accepted)."""
+    embed, head = load_target_head_and_embedding(random_target)
+    vocab = json.loads((random_target_dir / "config.json").read_text())["vocab_size"]
+    d2t, t2d, _ = build_vocab_map(list(range(vocab)), vocab, vocab)
+    dflash = make_dflash(random_target_dir, draft_vocab=vocab, embed=embed)
+    dflash.load_target_parts(embed, d2t, t2d, target_head=head)
+    out = tmp_path_factory.mktemp("dflash-static")
+    export_drafter(dflash.state_dict(), dflash.config, "speculators", "llama", out)
+    return out
+
+
+@contextmanager
+def engines(target_model, drafter_dir, num_steps: int):
+    """The same drafter over a dynamic and a static target cache; hooks off afterwards."""
+    made = [EmbeddedSpeculativeEngine.load(target_model, drafter_dir, num_steps, cache=cache)
+            for cache in ("dynamic", "static")]
+    try:
+        yield made
+    finally:
+        for engine in made:
+            engine.runner.close()
+
+
+def assert_same_generations(dynamic, static, prompts, max_new_tokens: int) -> None:
+    for prompt in prompts:
+        plain = plain_generate(dynamic.runner, prompt, max_new_tokens, None)
+        assert plain_generate(static.runner, prompt, max_new_tokens, None).tokens == plain.tokens
+        expected = dynamic.generate(prompt, max_new_tokens, None)
+        got = static.generate(prompt, max_new_tokens, None)
+        assert expected.tokens == plain.tokens
+        assert got.tokens == plain.tokens
+        assert got.round_tokens == expected.round_tokens
+        check_bookkeeping(got, static.num_steps)
+
+
+@pytest.mark.parametrize("max_new_tokens", [1, 9, 24])
+def test_eagle3_chain_is_the_same_on_the_static_cache(target_model, exported_drafter, prompts,
+                                                      max_new_tokens):
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        assert isinstance(static.runner, StaticTargetRunner)
+        assert type(dynamic.runner) is TargetRunner
+        assert_same_generations(dynamic, static, prompts, max_new_tokens)
+
+
+def test_eagle31_chain_is_the_same_on_the_static_cache(target_model, eagle31_drafter, prompts):
+    with engines(target_model, eagle31_drafter[1], NUM_STEPS) as (dynamic, static):
+        assert_same_generations(dynamic, static, prompts, 20)
+
+
+def test_dflash_block_is_the_same_on_the_static_cache(target_model, dflash_drafter_dir,
+                                                      prompts):
+    with engines(target_model, dflash_drafter_dir, BLOCK - 1) as (dynamic, static):
+        assert_same_generations(dynamic, static, prompts, 20)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+@pytest.mark.parametrize("wrong_at", [None, 0, 1, 2])
+def test_partly_accepted_rounds_are_the_same_on_the_static_cache(
+        target_model, exported_drafter, dflash_drafter_dir, prompts, monkeypatch, kind,
+        wrong_at):
+    """Drafts that agree with the target up to `wrong_at`: every round winds the static
+    cache back by a different count (none, all drafts, some)."""
+    drafter_dir = exported_drafter if kind == "eagle3" else dflash_drafter_dir
+    prompt, max_new = prompts[1], 22
+    with engines(target_model, drafter_dir, NUM_STEPS) as (dynamic, static):
+        reference = plain_generate(dynamic.runner, prompt, max_new + NUM_STEPS, None).tokens
+        generated = []
+        for engine in (dynamic, static):
+            monkeypatch.setattr(engine, "_draft",
+                                oracle(engine, reference, len(prompt), wrong_at, []))
+            generated.append(engine.generate(prompt, max_new, None))
+        expected, got = generated
+        assert got.tokens == expected.tokens == reference[:max_new]
+        assert got.round_tokens == expected.round_tokens
+        per_round = NUM_STEPS + 1 if wrong_at is None else wrong_at + 1
+        assert got.round_tokens[:-1] == [per_round] * (len(got.round_tokens) - 1)
+
+
+def test_sampled_generation_is_the_same_on_the_static_cache(target_model, exported_drafter,
+                                                            prompts):
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        for i, prompt in enumerate(prompts):
+            expected = dynamic.generate(prompt, 16, None, Sampling(0.8, seed=i))
+            got = static.generate(prompt, 16, None, Sampling(0.8, seed=i))
+            assert got.tokens == expected.tokens
+            assert got.round_tokens == expected.round_tokens
+
+
+def test_a_wound_back_cache_continues_as_if_the_drafts_were_never_written(target_model,
+                                                                          prompts):
+    """Logits and aux states after dropping rejected positions equal a dynamic forward of
+    the kept tokens; the stale slots past the position are hidden, then overwritten."""
+    prompt = prompts[1]
+    static = StaticTargetRunner(target_model, AUX_IDS)
+    dynamic = TargetRunner(target_model, AUX_IDS)
+    try:
+        cache = static.new_cache(len(prompt) + 8)
+        static_logits, static_aux = static.forward(prompt, cache)
+        dynamic_cache = dynamic.new_cache(len(prompt) + 8)
+        logits, aux = dynamic.forward(prompt, dynamic_cache)
+        torch.testing.assert_close(static_aux, aux)  # [1, P, K*H]
+        torch.testing.assert_close(static_logits, logits)  # [P, V]
+        static.forward([11, 12, 13, 14], cache)  # a verify round keeping 11 and the bonus
+        static.drop_last(cache, 2)
+        assert cache.length == len(prompt) + 2
+        static_logits, static_aux = static.forward([15], cache)
+        logits, aux = dynamic.forward([11, 12, 15], dynamic_cache)
+        torch.testing.assert_close(static_aux, aux[:, -1:])  # [1, 1, K*H]
+        torch.testing.assert_close(static_logits, logits[-1:])  # [1, V]
+    finally:
+        static.close()
+        dynamic.close()
+
+
+def test_the_static_cache_is_reused_when_it_fits_and_grown_when_not(target_model, prompts):
+    runner = StaticTargetRunner(target_model, AUX_IDS)
+    try:
+        first = runner.new_cache(10)
+        assert first.capacity == StaticTargetRunner.LENGTH_STEP
+        assert runner.new_cache(StaticTargetRunner.LENGTH_STEP).kv is first.kv
+        longer = runner.new_cache(StaticTargetRunner.LENGTH_STEP + 1)
+        assert longer.kv is not first.kv
+        assert longer.capacity == 2 * StaticTargetRunner.LENGTH_STEP
+        # A reused cache starts empty: the same prompt gives the same logits as the first time.
+        expected, _ = runner.forward(prompts[0], runner.new_cache(10))
+        runner.forward(prompts[1], runner.new_cache(10))
+        torch.testing.assert_close(runner.forward(prompts[0], runner.new_cache(10))[0], expected)
+    finally:
+        runner.close()
+
+
+def test_a_generation_that_fills_the_cache_exactly_is_the_same(target_model, exported_drafter,
+                                                              prompts, monkeypatch):
+    """With no rounding up, the cache holds exactly prompt + max_new_tokens + num_steps
+    positions, which the last verify round reaches when it accepts nothing."""
+    monkeypatch.setattr(StaticTargetRunner, "LENGTH_STEP", 1)
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        writes: list[int] = []
+        forward = static.runner.forward
+
+        def recorded(input_ids, cache, *args):
+            out = forward(input_ids, cache, *args)
+            writes.append(cache.length - cache.capacity)
+            return out
+
+        monkeypatch.setattr(static.runner, "forward", recorded)
+        for prompt in prompts:
+            assert static.generate(prompt, 24, None).tokens == \
+                dynamic.generate(prompt, 24, None).tokens
+        assert max(writes) <= 0
+
+
+def test_a_forward_past_the_cache_end_is_refused_and_leaves_the_cache_as_it_was(target_model):
+    runner = StaticTargetRunner(target_model, AUX_IDS)
+    try:
+        cache = runner.new_cache(1)
+        runner.forward(list(range(cache.capacity - 2)), cache)
+        with pytest.raises(ValueError, match="do not fit"):
+            runner.forward([1, 2, 3], cache)
+        assert cache.length == cache.capacity - 2
+        runner.forward([1, 2], cache)  # the last two slots still take two tokens
+        assert cache.length == cache.capacity
+    finally:
+        runner.close()
+
+
+def test_a_tree_on_the_static_cache_is_refused_naming_the_setting(target_model,
+                                                                  exported_drafter):
+    with pytest.raises(ValueError, match="deploy.embedded_cache=dynamic"):
+        EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=3, topk=2,
+                                       num_draft_tokens=6, cache="static")
+    with pytest.raises(ValidationError, match="deploy.embedded_cache=dynamic"):
+        DeployConfig(embedded_cache="static", num_steps=3, eagle_topk=2, num_draft_tokens=6)
+    assert DeployConfig(embedded_cache="static").embedded_cache == "static"
+    assert DeployConfig().embedded_cache == "auto"
+
+
+def test_auto_keeps_the_dynamic_cache(target_model, exported_drafter):
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS)
+    try:
+        assert engine.cache == "auto" and type(engine.runner) is TargetRunner
+    finally:
+        engine.runner.close()
+
+
+def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported_drafter,
+                                                          prompts, monkeypatch):
+    """The 1-token and verify widths go through torch.compile (aot_eager here: dynamo's
+    tracing of the hooks and the cache's counter without inductor's slow CPU build), the
+    prompt eagerly; tokens and rounds are the dynamic cache's."""
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "compiled_once",
+                        lambda fn, **_options: torch.compile(fn, backend="aot_eager"))
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        static.runner.close()
+        static.runner = StaticTargetRunner(target_model, AUX_IDS, (1, NUM_STEPS + 1),
+                                           compile_steps=True)
+        widths: list[int] = []
+        compiled = static.runner._compiled
+
+        def recorded(**inputs):
+            widths.append(inputs["input_ids"].shape[1])
+            return compiled(**inputs)
+
+        monkeypatch.setattr(static.runner, "_compiled", recorded)
+        for prompt in prompts[:2]:
+            expected = dynamic.generate(prompt, 12, None)
+            got = static.generate(prompt, 12, None)
+            assert got.tokens == expected.tokens
+            assert got.round_tokens == expected.round_tokens
+            assert plain_generate(static.runner, prompt, 6, None).tokens == \
+                plain_generate(dynamic.runner, prompt, 6, None).tokens
+        assert set(widths) == {1, NUM_STEPS + 1}

@@ -274,6 +274,38 @@ def test_deploy_smoke_demands_identical_tokens_only_in_float32(chain, random_tar
         assert run().figures["engine"] == "embedded"
 
 
+def test_deploy_and_benchmark_run_the_static_cache_when_set(chain, random_target,
+                                                             random_target_dir, tmp_path,
+                                                             monkeypatch):
+    """deploy.embedded_cache=static reaches the deploy smoke, the benchmark's engine and its
+    chain sweep points; a tree point keeps the dynamic cache (the static one verifies chains)."""
+    from draftsmith.bench import benchmark as bench_module
+    from draftsmith.serve.deploy import run_deploy
+
+    runners: list[tuple[str, str]] = []
+    real = bench_module.measure_embedded
+
+    def recording(engine, prompts, cfg, eos, label, plain):
+        runners.append((label, type(engine.runner).__name__))
+        return real(engine, prompts, cfg, eos, label, plain)
+
+    monkeypatch.setattr(bench_module, "measure_embedded", recording)
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    deployed = run_deploy(DeployConfig(num_steps=2, num_draft_tokens=3, embedded_cache="static"),
+                          target_cfg, chain["export"], chain["merge"], random_target,
+                          plan_stage(tmp_path, "deploy", {}, [chain["export"]]))
+    assert json.loads((deployed.dir / "deployment.json").read_text())["embedded_cache"] == \
+        "static"
+    sweep = [{"num_steps": 2, "eagle_topk": 2, "num_draft_tokens": 5},
+             {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4}]
+    bench = bench_module.run_benchmark(
+        BenchmarkConfig(num_prompts=2, max_new_tokens=10, sweep=sweep), target_cfg, deployed,
+        chain["merge"], random_target, plan_stage(tmp_path, "benchmark", {}, [deployed]))
+    assert runners == [("chain, 2 steps", "StaticTargetRunner"),
+                       ("tree 2x2/5", "TargetRunner"), ("chain 3", "StaticTargetRunner")]
+    assert bench.figures["lossless"] is True
+
+
 def test_sampled_benchmark_compares_speed_without_demanding_identity(chain, random_target,
                                                                      random_target_dir,
                                                                      tmp_path):

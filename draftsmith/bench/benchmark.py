@@ -208,7 +208,7 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     def measure_point(point: DraftingPoint, _out: Path) -> dict:
         point_engine = EmbeddedSpeculativeEngine(
             engine.runner.model, engine.drafter, point.num_steps, point.eagle_topk,
-            point.num_draft_tokens)
+            point.num_draft_tokens, engine.cache if point.eagle_topk == 1 else "dynamic")
         try:
             return measure_embedded(point_engine, prompts, cfg, eos, point.label, plain)[0]
         finally:
@@ -216,6 +216,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
 
     material = {"engine": "embedded", "drafter_dir": spec["drafter_dir"],
                 "target_dtype": target_cfg.dtype}
+    if engine.cache != "auto":  # the timings differ; `auto` keeps the earlier runs' key
+        material["embedded_cache"] = engine.cache
     points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
     # The best config is chosen among runs at the benchmark's own temperature.
     best = max((c for c in [summary, *points] if c["lossless"] is not False),
@@ -352,7 +354,8 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
         if cfg.sweep and owned:
             material = {"engine": "sglang", "drafter_dir": drafter_dir,
                         "deploy": deploy_cfg.model_dump(mode="json", exclude={
-                            "num_steps", "eagle_topk", "num_draft_tokens", "keep_serving"})}
+                            "num_steps", "eagle_topk", "num_draft_tokens", "keep_serving",
+                            "embedded_cache"})}
             points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
         elif cfg.sweep:
             log.warning("benchmark: drafting sweep skipped: %s (let this run start the "

@@ -41,7 +41,8 @@ def load_embedded_engine(deployment: Descriptor, target_cfg: TargetConfig):
     model = load_target_model(spec["target_path"], target_cfg.device, target_cfg.dtype)
     engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], spec["num_steps"],
                                             spec["target_family"], spec["eagle_topk"],
-                                            spec["num_draft_tokens"])
+                                            spec["num_draft_tokens"],
+                                            spec.get("embedded_cache", "auto"))
     return engine, spec
 
 
@@ -63,11 +64,12 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
     spec = {"engine": "embedded", "target_path": target.path,
             "drafter_dir": ExportFigures.of(exported).drafter_dir, "num_steps": cfg.num_steps,
             "target_family": TargetFigures.of(target).family,
-            "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens}
+            "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens,
+            "embedded_cache": cfg.embedded_cache}
     model = load_target_model(target.path, target_cfg.device, target_cfg.dtype)
     engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], cfg.num_steps,
                                             spec["target_family"], cfg.eagle_topk,
-                                            cfg.num_draft_tokens)
+                                            cfg.num_draft_tokens, cfg.embedded_cache)
     tokenizer = load_tokenizer(target)
     rows = read_split(merged, "validation") or read_split(merged, "train")
     prompt = prompt_ids(tokenizer, rows[0]["messages"])

@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, StaticCache
 
+from draftsmith.compiling import compiled_once
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
 from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
@@ -125,6 +126,123 @@ class TargetRunner:
         aux = self._aux.take()  # [1, T, K*H]
         return logits[0], aux  # [T, V], [1, T, K*H]
 
+    def new_cache(self, capacity: int) -> DynamicCache:
+        """An empty cache for one generation of at most `capacity` positions (a dynamic cache
+        grows as it goes, so the capacity is only a promise)."""
+        return DynamicCache()
+
+    def drop_last(self, cache: DynamicCache, count: int) -> None:
+        """Forget the last `count` positions (rejected drafts)."""
+        cache.crop(-count)
+
+
+@dataclass
+class StaticTargetCache:
+    """A StaticCache and how many of its positions hold this generation's tokens."""
+
+    kv: StaticCache
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.kv.layers[0].max_cache_len
+
+
+class StaticTargetRunner(TargetRunner):
+    """The target over a StaticCache, allocated once and reused by every generation that fits
+    it, so each forward of one width has the same shapes and tensor addresses: what a compiled
+    step and its CUDA graph need. transformers (5.x) writes a forward's keys at the cache's
+    own counter (`cumulative_length`, one per layer) and builds the causal mask from it, so
+    dropping rejected drafts is winding the counter back: their slots are overwritten by the
+    next forward and, until then, lie past every query's position, where the mask hides them.
+
+    compile_steps: torch.compile the forwards whose width is in `step_widths` (on CUDA with
+    mode "reduce-overhead": CUDA graphs); None compiles on CUDA only. Other widths (the prompt)
+    run eagerly. Chains only: a tree's verify forward takes its own positions and mask."""
+
+    LENGTH_STEP = 256  # cache lengths are rounded up to this, so similar requests share one
+
+    def __init__(self, model, aux_layer_ids: list[int], step_widths: tuple[int, ...] = (),
+                 compile_steps: bool | None = None):
+        super().__init__(model, aux_layer_ids)
+        self._kv: StaticCache | None = None
+        if compile_steps is None:
+            compile_steps = model.device.type == "cuda"
+        self._compiled = None
+        self._step_widths = set(step_widths) if compile_steps else set()
+        if self._step_widths:
+            # One compiled forward per model: the benchmark's sweep makes an engine per point.
+            options = {"mode": "reduce-overhead"} if model.device.type == "cuda" else {}
+            self._compiled = compiled_once(model.forward, **options)
+
+    def new_cache(self, capacity: int) -> StaticTargetCache:
+        """The runner's StaticCache, emptied, when it holds `capacity` positions; a longer one
+        (rounded up to LENGTH_STEP) otherwise, which compiled steps record again."""
+        if self._kv is None or self._kv.layers[0].max_cache_len < capacity:
+            self._kv = None  # the old cache's memory goes before the new one is made
+            length = -(-capacity // self.LENGTH_STEP) * self.LENGTH_STEP
+            kv = StaticCache(config=self.model.config, max_cache_len=length)
+            if not all(hasattr(layer, "cumulative_length") for layer in kv.layers):
+                raise RuntimeError(
+                    "deploy.embedded_cache=static needs a transformers whose StaticCache writes "
+                    "at its own cumulative_length (5.x); set deploy.embedded_cache=dynamic")
+            if any(layer.is_sliding for layer in kv.layers):
+                raise ValueError(
+                    "deploy.embedded_cache=static: this target has sliding-window layers, "
+                    "whose static cache is a ring buffer that cannot drop rejected drafts; set "
+                    "deploy.embedded_cache=dynamic")
+            config = self.model.config
+            # Allocated outside any compiled region, so its tensors get static addresses.
+            kv.early_initialization(
+                batch_size=1, num_heads=config.num_key_value_heads,
+                head_dim=getattr(config, "head_dim", None)
+                or config.hidden_size // config.num_attention_heads,
+                dtype=self.model.dtype, device=self.model.device)
+            self._kv = kv
+        else:
+            self._kv.reset()
+        return StaticTargetCache(self._kv)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: list[int], cache: StaticTargetCache,
+                position_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None):
+        """As TargetRunner.forward, for the causal continuation of the cache only."""
+        if position_ids is not None or attention_mask is not None:
+            raise ValueError("deploy.embedded_cache=static verifies chains only; a tree "
+                             "(eagle_topk > 1) needs deploy.embedded_cache=dynamic")
+        if cache.length + len(input_ids) > cache.capacity:
+            raise ValueError(
+                f"the target's static cache holds {cache.capacity} positions; "
+                f"{cache.length} + {len(input_ids)} do not fit (new_cache was given too small "
+                "a capacity)")
+        step = self._compiled if len(input_ids) in self._step_widths else self.model.forward
+        ids = torch.tensor([input_ids], device=self.model.device)  # [1, T]
+        logits = step(input_ids=ids, use_cache=True, **{self._cache_kw: cache.kv}).logits
+        cache.length += len(input_ids)
+        aux = self._aux.take()  # [1, T, K*H]
+        return logits[0], aux  # [T, V], [1, T, K*H]
+
+    def drop_last(self, cache: StaticTargetCache, count: int) -> None:
+        """Wind the counters back; the slots are overwritten by the next forward."""
+        for layer in cache.kv.layers:
+            layer.cumulative_length.sub_(count)  # in place: the compiled steps read its address
+        cache.length -= count
+
+
+EMBEDDED_CACHES = ("auto", "static", "dynamic")
+
+
+def target_runner(model, aux_layer_ids: list[int], cache: str = "auto",
+                  step_widths: tuple[int, ...] = ()) -> TargetRunner:
+    """The runner deploy.embedded_cache picks: `auto` is the dynamic cache everywhere until
+    the static one is measured on a GPU; `static` runs StaticTargetRunner."""
+    if cache not in EMBEDDED_CACHES:
+        raise ValueError(f"embedded cache {cache!r}: one of {', '.join(EMBEDDED_CACHES)}")
+    if cache == "static":
+        return StaticTargetRunner(model, aux_layer_ids, step_widths)
+    return TargetRunner(model, aux_layer_ids)
+
 
 @dataclass
 class DraftTree:
@@ -162,7 +280,8 @@ class EmbeddedSpeculativeEngine:
     forward (`_draft_block`); verification is the same for both."""
 
     def __init__(self, target_model, drafter: Drafter, num_steps: int, topk: int = 1,
-                 num_draft_tokens: int | None = None):
+                 num_draft_tokens: int | None = None, cache: str = "auto"):
+        """cache: the target's KV cache, deploy.embedded_cache (`target_runner`)."""
         if topk < 1 or num_steps < 1:
             raise ValueError(f"num_steps={num_steps} and topk={topk} must be at least 1")
         self.kind = kind_of(drafter)
@@ -177,8 +296,14 @@ class EmbeddedSpeculativeEngine:
         if not 2 <= num_draft_tokens <= budget + 1:
             raise ValueError(f"num_draft_tokens={num_draft_tokens}: between 2 and {budget + 1} "
                              f"with num_steps={num_steps} and topk={topk}")
+        if cache == "static" and topk > 1:
+            raise ValueError(f"deploy.embedded_cache=static with eagle_topk={topk}: the static "
+                             "cache verifies chains only; set deploy.embedded_cache=dynamic (or "
+                             "auto) for a tree, or deploy.eagle_topk=1")
         self.drafter = drafter.eval()
-        self.runner = TargetRunner(target_model, drafter.config.aux_layer_ids)
+        self.cache = cache
+        self.runner = target_runner(target_model, drafter.config.aux_layer_ids, cache,
+                                    step_widths=(1, num_steps + 1))
         self.num_steps = num_steps
         self.topk = topk
         self.num_draft_tokens = num_draft_tokens
@@ -188,7 +313,7 @@ class EmbeddedSpeculativeEngine:
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
-             topk: int = 1, num_draft_tokens: int | None = None):
+             topk: int = 1, num_draft_tokens: int | None = None, cache: str = "auto"):
         """Load the drafter from exported files (any layout, validated on read); the
         embedding is the target's."""
         checkpoint = read_drafter(drafter_dir, family)
@@ -198,7 +323,7 @@ class EmbeddedSpeculativeEngine:
         drafter.load_state_dict(state, strict=True)
         dtype = next(target_model.parameters()).dtype
         return cls(target_model, drafter.to(target_model.device, dtype), num_steps, topk,
-                   num_draft_tokens)
+                   num_draft_tokens, cache)
 
     @property
     def is_tree(self) -> bool:
@@ -375,7 +500,8 @@ class EmbeddedSpeculativeEngine:
         distributed as the target's own sampling at that temperature)."""
         sampling = sampling or Sampling()
         started = time.perf_counter()
-        cache = DynamicCache()
+        # A verify round writes num_steps + 1 positions past its last known token.
+        cache = self.runner.new_cache(len(prompt) + max_new_tokens + self.num_steps)
         logits, aux = self.runner.forward(prompt, cache)
         tokens = [*prompt, sampling.pick(logits[-1])]
         result = Generation(tokens=[], seconds=0.0,
@@ -408,7 +534,7 @@ class EmbeddedSpeculativeEngine:
                 result.verify_seconds += time.perf_counter() - drafted
                 kept = list(range(accepted + 1))
                 if len(drafts) > accepted:
-                    cache.crop(accepted - len(drafts))  # negative: drop the rejected drafts
+                    self.runner.drop_last(cache, len(drafts) - accepted)
                 accepted_tokens = drafts[:accepted]
             drafted_upto = n
             produced = _truncate([*accepted_tokens, next_token],
@@ -431,7 +557,8 @@ class EmbeddedSpeculativeEngine:
         tokens = [*prompt, *output]
         result = Generation(tokens=list(output), seconds=0.0)
         if len(output) > 1:
-            _, aux = self.runner.forward(tokens[:-1], DynamicCache())  # [1, L-1, K*H]
+            _, aux = self.runner.forward(tokens[:-1],
+                                         self.runner.new_cache(len(tokens)))  # [1, L-1, K*H]
             known, drafter_cache, drafted_upto = len(prompt) + 1, None, 0
             while known < len(tokens):
                 n = known - 1
@@ -497,7 +624,7 @@ def plain_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
     without `sampling` (or at temperature 0), sampled at its temperature otherwise."""
     sampling = sampling or Sampling()
     started = time.perf_counter()
-    cache = DynamicCache()
+    cache = runner.new_cache(len(prompt) + max_new_tokens)
     logits, _ = runner.forward(prompt, cache)
     tokens = [sampling.pick(logits[-1])]
     prefilled = time.perf_counter()
