@@ -56,6 +56,15 @@ def sections(model: type[BaseModel] = PipelineConfig,
             yield from sections(nested, child_path(path, name, field))
 
 
+def fields_in_reading_order(model: type[BaseModel]) -> list[tuple[str, Any]]:
+    """The section's fields as its own class declares them, then those it inherits unchanged:
+    pydantic lists a base class's fields first, which would open deploy with the server's host
+    and port (ServerConfig) instead of its engine."""
+    own = [name for name in vars(model).get("__annotations__", {}) if name in model.model_fields]
+    rest = [name for name in model.model_fields if name not in own]
+    return [(name, model.model_fields[name]) for name in own + rest]
+
+
 def type_name(annotation: Any, section_link: str) -> str:
     """A field's type in words; a nested section is a link to its table."""
     origin, args = get_origin(annotation), get_args(annotation)
@@ -170,7 +179,7 @@ def config_reference() -> str:
         if docstring(model):
             lines += [docstring(model), ""]
         lines += ["| field | type | default | key | description |", "|---|---|---|---|---|"]
-        for name, field in model.model_fields.items():
+        for name, field in fields_in_reading_order(model):
             nested = child_path(path, name, field)
             noun = "entries" if nested.endswith("[]") else "section"
             kind = type_name(field.annotation, f"[{nested}](#{anchor(nested)}) {noun}")

@@ -513,3 +513,14 @@ def test_lists_are_set_apart_from_the_paragraph_before_them():
                     and not re.match(r"(\s+|- |\d+\. )", before)):
                 glued.append(f"{page.relative_to(REPO)}:{number}: {line[:50]}")
     assert glued == [], "put a blank line before each:\n" + "\n".join(glued)
+
+
+def test_a_section_lists_its_own_fields_before_the_server_fields_it_inherits():
+    """pydantic puts a base class's fields first; the reference opens deploy with its engine,
+    not with the host and port every server section shares."""
+    from draftsmith.config import DeployConfig, VLLMGenerateConfig
+
+    deploy = [name for name, _ in docs_reference.fields_in_reading_order(DeployConfig)]
+    assert deploy[0] == "engine" and sorted(deploy) == sorted(DeployConfig.model_fields)
+    served = [name for name, _ in docs_reference.fields_in_reading_order(VLLMGenerateConfig)]
+    assert served.index("concurrency") < served.index("host")
