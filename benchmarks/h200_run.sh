@@ -58,6 +58,17 @@ progress() {
   nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
 }
 
+bring() {  # bring NAME: a tar on stdin comes back as $OUT/NAME.tar.xz.part_* (<= 15 MiB each)
+  xz -T0 -6 | split -b 15M - "$OUT/$1.tar.xz.part_"
+}
+
+restore() {  # restore NAME MADE DEST: NAME's parts, carried into $KEEP, untarred into DEST,
+  # unless the folder MADE that they hold is there already
+  ls "$KEEP/$1".tar.xz.part_* >/dev/null 2>&1 && [ ! -d "$2" ] || return 0
+  mkdir -p "$3" && cat "$KEEP/$1".tar.xz.part_* | xz -d | tar xf - -C "$3" \
+    && echo "$1 restored: $(du -sh "$2" | cut -f1)"
+}
+
 wait_for() {  # until the run exits or $1 seconds pass
   local until=$(( $(date +%s) + $1 ))
   while [ "$(date +%s)" -lt "$until" ] && pgrep -f "draftsmith-h200-run" >/dev/null; do
@@ -73,14 +84,8 @@ case "$cmd" in
   start)
     wait_s=${1:?seconds to wait}; config=${2:?config}; shift 2
     mkdir -p "$KEEP" "$RUN" && cp -r .gpu/w/. "$KEEP"/
-    if ls "$KEEP"/journals.tar.xz.part_* >/dev/null 2>&1 && [ ! -d "$RUN"/root/generate ]; then
-      mkdir -p "$RUN"/root && cat "$KEEP"/journals.tar.xz.part_* | xz -d | tar xf - -C "$RUN"/root
-      echo "generate's journals restored: $(find "$RUN"/root/generate -name '*.jsonl' | wc -l) files"
-    fi
-    if ls "$KEEP"/compiled.tar.xz.part_* >/dev/null 2>&1 && [ ! -d "$INDUCTOR" ]; then
-      cat "$KEEP"/compiled.tar.xz.part_* | xz -d | tar xf - -C /tmp
-      echo "inductor's cache restored: $(du -sh "$INDUCTOR" | cut -f1)"
-    fi
+    restore journals "$RUN"/root/generate "$RUN"/root
+    restore compiled "$INDUCTOR" /tmp
     cat "$KEEP"/smollm2.part_* > /tmp/smollm2.gguf && sha256sum /tmp/smollm2.gguf
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       "$KEEP"/*.whl >/dev/null 2>&1 || echo "wheel install failed"
@@ -112,12 +117,12 @@ from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root 
     ls -la "$OUT"; progress
     ;;
   compiled)
-    tar cf - -C /tmp "$(basename "$INDUCTOR")" | xz -T0 -6 | split -b 15M - "$OUT"/compiled.tar.xz.part_
+    tar cf - -C /tmp "$(basename "$INDUCTOR")" | bring compiled
     ls -la "$OUT"
     ;;
   journals)
     (cd "$RUN"/root && tar cf - generate/prompts generate/answers 2>/dev/null) \
-      | xz -T0 -6 | split -b 15M - "$OUT"/journals.tar.xz.part_
+      | bring journals
     tail -c 2000000 "$LOG" > "$OUT"/run.log
     ls -la "$OUT"; progress
     ;;

@@ -60,7 +60,7 @@ def fields_in_reading_order(model: type[BaseModel]) -> list[tuple[str, Any]]:
     """The section's fields as its own class declares them, then those it inherits unchanged:
     pydantic lists a base class's fields first, which would open deploy with the server's host
     and port (ServerConfig) instead of its engine."""
-    own = [name for name in vars(model).get("__annotations__", {}) if name in model.model_fields]
+    own = [name for name in inspect.get_annotations(model) if name in model.model_fields]
     rest = [name for name in model.model_fields if name not in own]
     return [(name, model.model_fields[name]) for name in own + rest]
 
