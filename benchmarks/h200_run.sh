@@ -44,8 +44,8 @@ RUN=/tmp/run
 LOG=$RUN/run.log
 INDUCTOR=/tmp/torchinductor_root  # torch.compile's cache on the machine (user root)
 
-progress() {
-  echo "--- $(date -u +%T) run root:"
+progress() {  # also into $OUT: a call that returns no file has lost its machine before
+  { echo "--- $(date -u +%T) run root:"
   for stage in generate merge extract train export deploy benchmark; do
     for d in "$RUN"/root/$stage/*/; do
       [ -d "$d" ] || continue
@@ -55,7 +55,7 @@ progress() {
     done
   done
   grep -E "draftsmith.progress|Finished in state|Error|Traceback|rc=" "$LOG" 2>/dev/null | tail -12
-  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+  nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader; } | tee "$OUT"/progress.txt
 }
 
 bring() {  # bring NAME: a tar on stdin comes back as $OUT/NAME.tar.xz.part_* (<= 15 MiB each)
@@ -78,8 +78,8 @@ wait_for() {  # until the run exits or $1 seconds pass
 
 case "$cmd" in
   keep)
-    mkdir -p "$KEEP" && cp -r .gpu/"$1"/. "$KEEP"/ && ls -la "$KEEP"
-    nvidia-smi -L; df -h /tmp | tail -1; nproc
+    { mkdir -p "$KEEP" && cp -r .gpu/"$1"/. "$KEEP"/ && ls -la "$KEEP"
+      nvidia-smi -L; df -h /tmp | tail -1; nproc; } | tee "$OUT"/keep.txt
     ;;
   start)
     wait_s=${1:?seconds to wait}; config=${2:?config}; shift 2

@@ -207,6 +207,59 @@ def test_batches_share_one_static_cache_and_nothing_leaks_between_them(
     assert [c.token_ids for c in after_first] == [c.token_ids for c in alone]
 
 
+def test_a_batch_whose_cache_would_not_fit_runs_as_smaller_batches(
+        random_target_dir, random_target_tokenizer, caplog):
+    """An 80 GB H100 could not hold 2,048 rows of SmolLM2's cache at 1,536 positions
+    (2026-12-05): a batch over the cache budget runs as batches of the rows that fit, in
+    order, with the answers it gives whole."""
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    conversations = [[{"role": "user", "content": f"def f{i}(x):" + " return x" * i}]
+                     for i in range(1, 8)]
+
+    def generator(budget):
+        return TransformersGenerator(model, random_target_tokenizer, max_new_tokens=10,
+                                     temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                     batch_size=8, cache_lengths="batch",
+                                     cache_budget_bytes=budget)
+
+    whole = generator(None)
+    length = whole.batch_cache_length(max(len(p) for p in whole.prompt_tokens(conversations)))
+    assert whole.batch_rows(length) == 8
+    split = generator(3 * whole.cache_bytes_per_row(length))  # three rows' worth
+    with caplog.at_level("INFO", logger="draftsmith"):
+        answers = split.complete(conversations)
+    assert split.batch_rows(length) == 3
+    assert [c.token_ids for c in answers] == [c.token_ids for c in whole.complete(conversations)]
+    assert split._static_rows == 3  # the last of three batches: rows 7, padded to 3
+    assert f"8 rows of a {length}-position cache" in caplog.text
+    assert "3 rows a batch at this length" in caplog.text
+    config = model.config
+    assert whole.cache_bytes_per_row(length) == (  # keys and values, every layer, float32
+        length * config.num_hidden_layers * 2 * config.num_key_value_heads
+        * (config.hidden_size // config.num_attention_heads) * 4)
+
+
+def test_rows_below_the_batch_size_come_in_steps(random_target_dir, random_target_tokenizer):
+    from draftsmith.generate.transformers_backend import ROWS_STEP
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=4,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      batch_size=2048, cache_budget_bytes=0)
+    per_row = generator.cache_bytes_per_row(1536)
+    generator.cache_budget_bytes = 1000 * per_row
+    assert generator.batch_rows(1536) == 1000 // ROWS_STEP * ROWS_STEP
+    generator.cache_budget_bytes = 5 * per_row
+    assert generator.batch_rows(1536) == 5
+    generator.cache_budget_bytes = per_row // 2  # not even one row: one, and let it try
+    assert generator.batch_rows(1536) == 1
+    generator.cache_budget_bytes = 4096 * per_row
+    assert generator.batch_rows(1536) == 2048
+
+
 def test_cache_choice_and_length():
     assert resolve_cache("auto", torch.device("cpu")) == "dynamic"
     assert resolve_cache("auto", torch.device("cuda")) == "static"
@@ -317,3 +370,28 @@ def test_a_cache_length_per_batch_answers_as_one_length_for_the_stage(
     assert lengths == [cache_bucket(widths[0] + 100), cache_bucket(widths[1] + 100),
                        cache_bucket(widths[0] + 100)]
     assert lengths[0] < lengths[1] < cache_length(300, 100)
+
+
+def test_running_out_of_gpu_memory_names_the_batch_and_the_setting(
+        random_target_dir, random_target_tokenizer, monkeypatch):
+    """An out-of-memory batch fails the same way on every retry: an input error (no retry)
+    saying which batch and which setting to lower."""
+    from draftsmith.errors import worth_retrying
+    from draftsmith.generate.transformers_backend import GenerateMemoryError
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=10,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      batch_size=4, cache_lengths="batch")
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.50 GiB.")
+
+    monkeypatch.setattr(model, "generate", out_of_memory)
+    with pytest.raises(GenerateMemoryError) as caught:
+        generator.complete([[{"role": "user", "content": "def f(x): return x"}]])
+    message = str(caught.value)
+    assert "a batch of 4 rows, a 128-position static cache" in message
+    assert "generate.batch_size (now 4)" in message and "Tried to allocate 1.50 GiB" in message
+    assert not worth_retrying(caught.value)

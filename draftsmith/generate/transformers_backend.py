@@ -14,6 +14,10 @@ Two ways to run `generate` (`generate.cache`):
   the longest prompt needs (on python-functions prompts, 5 batches of 6 need at most 384
   positions where the stage needs 896). One cache is kept: a length met again after another
   gets a new cache, which the compiled step's CUDA graphs record again.
+  A batch whose cache would not fit CACHE_MEMORY_SHARE of the GPU's free memory is split into
+  batches of fewer rows (`batch_rows`): 2,048 rows of SmolLM2's bf16 cache take 94 MB a
+  position, so an 80 GB H100 holds them up to 512 positions, and at 768 it takes 576 rows a
+  batch (the H200's 141 GB held them all).
 
 Decode attention over a padded cache is most of a decode step's work on a small target.
 transformers' SDPA path repeats every KV head for its query heads whenever a mask is given
@@ -47,12 +51,23 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.errors import InputError
+
 log = logging.getLogger(__name__)
 
 GROUPED_DECODE = "draftsmith_grouped_decode"
 GROUPED_DECODE_MATMUL = "draftsmith_grouped_decode_matmul"
 GROUPED_DECODE_FLEX = "draftsmith_grouped_decode_flex"
 CACHE_LENGTH_STEP = 128
+# The static caches' share of the GPU memory free once the target is loaded; the rest is for
+# the prefill's and the decode step's activations and the CUDA graphs' pools.
+CACHE_MEMORY_SHARE = 0.7
+ROWS_STEP = 64  # rows below batch_size come in steps of this: few compiled shapes
+
+
+class GenerateMemoryError(InputError, RuntimeError):
+    """The GPU ran out of memory on a batch: the same batch fails the same way on a retry, so
+    it is not retried; the message names the batch's shape and generate.batch_size."""
 
 
 @dataclass
@@ -182,7 +197,8 @@ class TransformersGenerator:
     def __init__(self, model, tokenizer, *, max_new_tokens: int, temperature: float, top_p: float,
                  seed: int, cache: str = "dynamic", batch_size: int | None = None,
                  longest_prompt: int = 0, decode_attention: str = "matmul",
-                 compile_prefill: bool = False, cache_lengths: str = "stage"):
+                 compile_prefill: bool = False, cache_lengths: str = "stage",
+                 cache_budget_bytes: int | None = None):
         """cache: dynamic or static (resolve `auto` with resolve_cache first). With the
         static cache every batch is filled up to batch_size rows.
         cache_lengths: `stage`, the cache holds longest_prompt (the longest of all the
@@ -190,7 +206,10 @@ class TransformersGenerator:
         cache_bucket (see the module's docstring).
         decode_attention: how the static cache's decode steps attend (DECODE_ATTENTION).
         compile_prefill: the static cache is filled by a forward of its own, compiled on
-        CUDA (eager elsewhere), before generate (see the module's docstring)."""
+        CUDA (eager elsewhere), before generate (see the module's docstring).
+        cache_budget_bytes: the most one static cache may take; a batch that needs more is
+        split (`batch_rows`). None: on CUDA, CACHE_MEMORY_SHARE of the memory free now;
+        elsewhere no limit."""
         if cache not in ("dynamic", "static"):
             raise ValueError(f"cache={cache!r}: dynamic or static")
         if compile_prefill and cache != "static":
@@ -212,6 +231,11 @@ class TransformersGenerator:
         self._static_cache, self._static_rows = None, 0  # one cache for batches of one shape
         self.cache_lengths_made: list[int] = []  # each a shape that the decode step compiles
         self.compile_prefill, self._compiled_prefill = compile_prefill, None
+        if cache == "static" and cache_budget_bytes is None and model.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(model.device)
+            cache_budget_bytes = int(CACHE_MEMORY_SHARE * free)
+        self.cache_budget_bytes = cache_budget_bytes
+        self._rows_said: set[int] = set()  # cache lengths whose smaller batches were logged
         if cache == "static":
             register_grouped_decode()
             model.set_attn_implementation(DECODE_ATTENTION[decode_attention][0])
@@ -239,6 +263,34 @@ class TransformersGenerator:
         if self.cache_lengths == "stage":
             return cache_length(max(width, self.longest_prompt), self.max_new_tokens)
         return cache_bucket(width + self.max_new_tokens)
+
+    def cache_bytes_per_row(self, length: int) -> int:
+        """One row's static cache at this length: keys and values of every layer."""
+        config = self.model.config
+        head_dim = getattr(config, "head_dim", None) \
+            or config.hidden_size // config.num_attention_heads
+        return (length * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim
+                * self.model.dtype.itemsize)
+
+    def batch_rows(self, length: int) -> int:
+        """Rows of one static-cache batch at this cache length: batch_size, or fewer (a
+        multiple of ROWS_STEP where at least that many fit) where batch_size rows' cache would
+        take more than cache_budget_bytes."""
+        rows = self.batch_size or 1
+        if self.cache_budget_bytes is None:
+            return rows
+        per_row = self.cache_bytes_per_row(length)
+        fits = self.cache_budget_bytes // per_row
+        if fits >= rows:
+            return rows
+        fits = max(1, fits // ROWS_STEP * ROWS_STEP if fits >= ROWS_STEP else fits)
+        if length not in self._rows_said:
+            self._rows_said.add(length)
+            log.info("generate: %d rows of a %d-position cache would take %.1f GB, more than "
+                     "the %.1f GB the cache may use (%d%% of the GPU memory free at the start)"
+                     ": %d rows a batch at this length", rows, length, rows * per_row / 1e9,
+                     self.cache_budget_bytes / 1e9, round(100 * CACHE_MEMORY_SHARE), fits)
+        return fits
 
     def allocate_cache(self, cache, rows: int) -> bool:
         """Allocate the static cache's tensors now, outside any compiled region: the decode
@@ -284,12 +336,32 @@ class TransformersGenerator:
     def complete(self, conversations: list[list[dict[str, str]]]) -> list[Completion]:
         return self.complete_tokens(self.prompt_tokens(conversations))
 
-    @torch.inference_mode()
     def complete_tokens(self, prompts: list[list[int]]) -> list[Completion]:
+        try:
+            return self._complete_tokens(prompts)
+        except torch.OutOfMemoryError as err:
+            width = max(len(p) for p in prompts)
+            length = self.batch_cache_length(width) if self.cache == "static" else None
+            rows = self.batch_rows(length) if length else len(prompts)
+            shape = (f"{rows} rows, a {length}-position static cache "
+                     f"({rows * self.cache_bytes_per_row(length) / 1e9:.1f} GB)"
+                     if length else f"{rows} rows, a dynamic cache")
+            raise GenerateMemoryError(
+                f"generate: the GPU ran out of memory on a batch of {shape}, prompts of up to "
+                f"{width} tokens and {self.max_new_tokens} new tokens: lower "
+                f"generate.batch_size (now {self.batch_size}), generate.max_new_tokens or "
+                f"the longest prompts. ({str(err).splitlines()[0][:200]})") from err
+
+    @torch.inference_mode()
+    def _complete_tokens(self, prompts: list[list[int]]) -> list[Completion]:
         real = len(prompts)
-        if self.cache == "static" and self.batch_size and real < self.batch_size:
-            prompts = prompts + [prompts[-1]] * (self.batch_size - real)  # one shape per bucket
         width = max(len(p) for p in prompts)
+        if self.cache == "static" and self.batch_size:
+            rows = self.batch_rows(self.batch_cache_length(width))
+            if real > rows:  # the cache would not fit: batches of fewer rows, in order
+                return [completion for start in range(0, real, rows)
+                        for completion in self._complete_tokens(prompts[start:start + rows])]
+            prompts = prompts + [prompts[-1]] * (rows - real)  # one shape per bucket
         device = self.model.device
         input_ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)  # [B, P]
         attention_mask = torch.zeros_like(input_ids)  # [B, P]
