@@ -236,6 +236,35 @@ def test_the_benchmark_says_where_decoding_time_goes(chain):
     assert summary["speedup_limit"] == pytest.approx(
         summary["acceptance_length"] * plain_ms / parts["verify"], rel=1e-2)
     assert all(p["prefill_s"] > 0 and p["greedy_prefill_s"] > 0 for p in per_prompt)
+    import torch
+
+    assert summary["measured_on"] == {  # where the figures were taken, in the row
+        "device": f"cpu ({torch.get_num_threads()} threads)", "target_cache": "dynamic",
+        "alone": None, "other_gpu_processes": None}
+
+
+def test_a_gpu_measurement_says_whether_it_had_the_gpu_alone(monkeypatch):
+    import torch
+
+    from draftsmith.bench import benchmark
+    from draftsmith.serve import gpus
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
+    cuda = torch.device("cuda", 0)
+    assert benchmark.measured_on(cuda, "static", []) == {
+        "device": "NVIDIA H200", "target_cache": "static", "alone": True,
+        "other_gpu_processes": []}
+    assert benchmark.measured_on(cuda, "static", ["5120 python3"])["alone"] is False
+    assert benchmark.measured_on(cuda, "static", None)["alone"] is None  # no nvidia-smi
+    import os
+
+    monkeypatch.setattr(gpus, "gpu_processes", lambda: [
+        gpus.GpuProcess("0", os.getpid(), "python3", 900),  # this process: not another
+        gpus.GpuProcess("0", 5120, "python3", 70000), gpus.GpuProcess("1", 4242, "vllm", 10)])
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert benchmark.other_gpu_processes() == ["5120 python3", "4242 vllm"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert benchmark.other_gpu_processes() == ["4242 vllm"]
 
 
 def test_step_costs_of_rounds_and_plain_steps():

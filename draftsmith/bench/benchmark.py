@@ -94,6 +94,38 @@ def accepted_by_position(round_tokens: list[int], num_steps: int) -> list[int]:
     return accepted
 
 
+def other_gpu_processes() -> list[str] | None:
+    """The compute processes besides this one on the GPUs this process may use (all of the
+    host's, or those CUDA_VISIBLE_DEVICES names by index), as `pid name`; None without
+    nvidia-smi."""
+    import os
+
+    from draftsmith.serve.gpus import gpu_processes
+
+    processes = gpu_processes()
+    if processes is None:
+        return None
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    mine = None if visible is None else {g.strip() for g in visible.split(",")}
+    return [f"{p.pid} {p.name}" for p in processes
+            if p.pid != os.getpid() and (mine is None or p.gpu in mine)]
+
+
+def measured_on(device, cache: str, others: list[str] | None) -> dict:
+    """Where the timings were taken, for the row that quotes them: the device, the target's
+    cache, and whether anything else ran on the GPU (`alone`; None on a CPU, or where
+    nvidia-smi cannot tell)."""
+    import torch
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{device.type} ({torch.get_num_threads()} threads)"
+    return {"device": name, "target_cache": cache,
+            "alone": None if others is None or device.type != "cuda" else not others,
+            "other_gpu_processes": others if device.type == "cuda" else None}
+
+
 def step_costs(per_prompt: list[dict], acceptance: float) -> dict:
     """Where decoding time goes, prompts' forwards left out: a plain token's step, and a
     speculative round's drafting, verification and the rest (bookkeeping, the aux states,
@@ -197,6 +229,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)
     engine, spec = load_embedded_engine(deployment, target_cfg)
+    on_gpu = engine.device.type == "cuda"
+    others_before = other_gpu_processes() if on_gpu else None
     tokenizer = load_tokenizer(target)
     prompts, suite = benchmark_prompts(cfg, merged, tokenizer)
     eos = tokenizer.eos_token_id
@@ -230,9 +264,15 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
                                            f"{deployed} @ T={cfg.sampled_temperature}",
                                            sampled_plain)[0],
                         "temperature": cfg.sampled_temperature})
+    others = None
+    if on_gpu:  # anything seen on the GPU before or after the measurement
+        after = other_gpu_processes()
+        others = None if others_before is None or after is None else \
+            sorted(set(others_before) | set(after))
     summary = {"engine": spec["engine"], **summary, "temperature": cfg.temperature,
                # Token identity with one-token greedy decoding is exact only in float32.
-               "target_dtype": target_cfg.dtype}
+               "target_dtype": target_cfg.dtype,
+               "measured_on": measured_on(engine.device, engine.runner.cache_kind, others)}
     if points:
         summary["best_config"] = best["config"]
     if summary["lossless"] is not None:  # greedy: every greedy config must be identical

@@ -99,6 +99,8 @@ class Generation:
 class TargetRunner:
     """The target with a KV cache and forward hooks on the aux layers."""
 
+    cache_kind = "dynamic"  # as deploy.embedded_cache names it
+
     def __init__(self, model, aux_layer_ids: list[int]):
         self.model = model
         self.aux_layer_ids = aux_layer_ids
@@ -161,6 +163,7 @@ class StaticTargetRunner(TargetRunner):
     run eagerly. Chains only: a tree's verify forward takes its own positions and mask."""
 
     LENGTH_STEP = 256  # cache lengths are rounded up to this, so similar requests share one
+    cache_kind = "static"
 
     def __init__(self, model, aux_layer_ids: list[int], step_widths: tuple[int, ...] = (),
                  compile_steps: bool | None = None):
