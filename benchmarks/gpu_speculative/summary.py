@@ -1,0 +1,90 @@
+"""benchmarks/results/gpu_speculative/summary.json: one row per engine, drafter, target cache
+and batch, from the benchmark stage's reports (`report.json`), repeated runs folded into one
+row (the median speedup and its spread).
+
+    # the reports that benchmarks/embedded_cache_gpu.sh brought back
+    python benchmarks/gpu_speculative/summary.py FILES_AT/report-*.json --drafter general-92k
+
+Each report's `summary.measured_on` says where it ran (device, target cache, whether the GPU was
+the measurement's alone); rows keep it. The embedded engine decodes one sequence: batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from draftsmith.artifacts import atomic_write_json  # noqa: E402
+
+SUMMARY = Path(__file__).resolve().parents[1] / "results" / "gpu_speculative" / "summary.json"
+FIELDS = ("engine", "drafter", "batch", "dtype", "acceptance", "ms_per_plain_token",
+          "ms_per_round", "speedup", "speedup_limit", "identical")
+
+
+def median_of(values: list[float | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return round(statistics.median(known), 3) if known else None
+
+
+def rows_of(reports: list[dict], drafter: str) -> list[dict]:
+    """One row per (engine, target cache) among `reports`: medians over the repeats, the
+    speedup's spread, and every repeat's identity."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for report in reports:
+        summary = report["summary"]
+        where = summary.get("measured_on") or {}
+        groups.setdefault((summary["engine"], where.get("target_cache", "?")), []).append(summary)
+    rows = []
+    for (engine, cache), runs in groups.items():
+        rounds = [r["ms_per_round"] for r in runs if r.get("ms_per_round")]
+        speedups = [r["speedup"] for r in runs]
+        where = runs[0].get("measured_on") or {}
+        rows.append({
+            "engine": engine, "drafter": drafter, "batch": 1,
+            "dtype": runs[0].get("target_dtype"), "target_cache": cache,
+            "acceptance": median_of([r["acceptance_length"] for r in runs]),
+            "ms_per_plain_token": median_of([r.get("ms_per_plain_token") for r in runs]),
+            "ms_per_round": {part: median_of([r[part] for r in rounds])
+                             for part in ("draft", "verify", "other")} if rounds else None,
+            "speedup": median_of(speedups),
+            "speedup_spread": [min(speedups), max(speedups)],
+            "speedup_limit": median_of([r.get("speedup_limit") for r in runs]),
+            "identical": [r["identical_outputs"] for r in runs],
+            "repeats": len(runs), "device": where.get("device"),
+            "alone": all(r.get("measured_on", {}).get("alone") for r in runs)
+            if all(r.get("measured_on", {}).get("alone") is not None for r in runs) else None,
+        })
+    return rows
+
+
+def merge_rows(path: Path, new: list[dict]) -> list[dict]:
+    """The file's rows, those of the same engine, drafter, target cache and batch replaced."""
+    rows = json.loads(path.read_text()) if path.is_file() else []
+
+    def key(row: dict) -> tuple:
+        return row["engine"], row["drafter"], row["target_cache"], row["batch"]
+
+    replaced = {key(r) for r in new}
+    rows = [r for r in rows if key(r) not in replaced] + new
+    atomic_write_json(path, rows)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", type=Path, nargs="+", help="benchmark report.json files")
+    parser.add_argument("--drafter", required=True, help="the rows' drafter name")
+    parser.add_argument("--summary", type=Path, default=SUMMARY)
+    args = parser.parse_args(argv)
+    rows = rows_of([json.loads(p.read_text()) for p in args.reports], args.drafter)
+    merge_rows(args.summary, rows)
+    for row in rows:
+        print(json.dumps({k: row[k] for k in (*FIELDS, "target_cache", "speedup_spread")}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,57 @@
+"""benchmarks/gpu_speculative/summary.py: repeated benchmark reports of the two target caches
+fold into one row each, with the fields issue 46 names."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def summary_module():
+    spec = importlib.util.spec_from_file_location(
+        "gpu_summary", REPO / "benchmarks" / "gpu_speculative" / "summary.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def report(cache: str, speedup: float, plain_ms: float, alone: bool | None = True) -> dict:
+    return {"summary": {
+        "engine": "embedded", "acceptance_length": 3.1, "speedup": speedup,
+        "speedup_limit": 2.9, "ms_per_plain_token": plain_ms,
+        "ms_per_round": {"draft": 1.0, "verify": plain_ms * 1.1, "other": 0.2},
+        "identical_outputs": "30/30", "target_dtype": "float32",
+        "measured_on": {"device": "NVIDIA H200", "target_cache": cache, "alone": alone,
+                        "other_gpu_processes": [] if alone else ["5120 python3"]}}}
+
+
+def test_repeats_fold_into_one_row_per_cache_with_the_median_and_spread():
+    summary = summary_module()
+    rows = summary.rows_of([report("dynamic", 1.2, 30.0), report("static", 2.3, 4.0),
+                            report("dynamic", 1.4, 28.0), report("static", 2.5, 4.2),
+                            report("static", 2.4, 4.1)], drafter="general")
+    by_cache = {r["target_cache"]: r for r in rows}
+    assert set(by_cache) == {"dynamic", "static"}
+    static = by_cache["static"]
+    assert set(summary.FIELDS) <= set(static)
+    assert (static["speedup"], static["speedup_spread"], static["repeats"]) == (2.4, [2.3, 2.5], 3)
+    assert static["ms_per_plain_token"] == 4.1 and static["batch"] == 1
+    assert static["ms_per_round"]["verify"] == 4.51
+    assert static["identical"] == ["30/30"] * 3 and static["alone"] is True
+    assert by_cache["dynamic"]["speedup"] == 1.3  # the median of two
+
+
+def test_a_row_measured_beside_other_gpu_work_says_so(tmp_path):
+    summary = summary_module()
+    rows = summary.rows_of([report("static", 2.4, 4.0), report("static", 1.9, 5.0, False)],
+                           drafter="general")
+    assert rows[0]["alone"] is False
+    path = tmp_path / "summary.json"
+    summary.merge_rows(path, rows)
+    again = summary.rows_of([report("static", 2.5, 4.0)], drafter="general")
+    kept = summary.merge_rows(path, again)  # the same engine, drafter, cache and batch: replaced
+    assert len(kept) == 1 and kept[0]["speedup"] == 2.5
+    assert json.loads(path.read_text()) == kept
