@@ -627,3 +627,71 @@ def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported
             assert plain_generate(static.runner, prompt, 6, None).tokens == \
                 plain_generate(dynamic.runner, prompt, 6, None).tokens
         assert set(widths) == {1, NUM_STEPS + 1}
+
+
+# The drafter's static cache (deploy.embedded_cache=static, chains) ----------------------------
+
+@pytest.mark.parametrize("which", ["eagle3", "eagle31"])
+def test_the_static_drafter_cache_drafts_what_the_dynamic_one_drafts(
+        target_model, exported_drafter, eagle31_drafter, prompts, which):
+    """Round after round, with every number of new anchors from 1 to num_steps + 1 (the
+    padding's every width), the drafts over the drafter's static cache are the dynamic
+    cache's, and the buffers are the same ones every round and generation."""
+    from draftsmith.serve.embedded import StaticDraftCache
+
+    drafter_dir = exported_drafter if which == "eagle3" else eagle31_drafter[1]
+    with engines(target_model, drafter_dir, NUM_STEPS) as (dynamic, static):
+        assert static._draft == static._draft_static
+        for prompt in prompts[:2]:
+            tokens = plain_generate(dynamic.runner, prompt, 40, None).tokens
+            sequence = [*prompt, *tokens]
+            _, aux = dynamic.runner.forward(sequence, dynamic.runner.new_cache(len(sequence)))
+            cache = static._new_drafter_cache(len(sequence) + 2 * (NUM_STEPS + 1))
+            assert isinstance(cache, StaticDraftCache)
+            buffers = cache.k.data_ptr(), cache.v.data_ptr()
+            drafted_upto, dynamic_cache, known = 0, None, len(prompt) + 1
+            advances = [1, 2, 3, 4, 4, 1, 3, 2]  # new anchors: accepted drafts + 1
+            for advance in advances:
+                n = known - 1
+                want, _, dynamic_cache = dynamic._draft(sequence[:known], aux[:, :n],
+                                                        drafted_upto, dynamic_cache, Sampling())
+                got, _, cache = static._draft(sequence[:known], aux[:, :n], drafted_upto,
+                                              cache, Sampling())
+                assert got == want
+                drafted_upto, known = n, known + advance
+            assert (cache.k.data_ptr(), cache.v.data_ptr()) == buffers
+        assert static._new_drafter_cache(10) is cache  # reused while it fits
+
+
+def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_drafter, prompts,
+                                                      monkeypatch):
+    """The drafter's step 0 (padded to num_steps + 1 anchors) and chain steps (1 token) go
+    through torch.compile (aot_eager here) with one shape each after the prompt's step; the
+    tokens and rounds are the dynamic cache's."""
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "compiled_once",
+                        lambda fn, **_options: torch.compile(fn, backend="aot_eager"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        anchor_forward, chain_forward = (torch.compile(f, backend="aot_eager")
+                                         for f in (static._anchor_forward,
+                                                   static.drafter.step))
+        widths: list[tuple[str, int]] = []
+
+        def recording(name, forward):
+            def run(ids, *args):
+                widths.append((name, ids.shape[1]))
+                return forward(ids, *args)
+            return run
+
+        static._step_functions = (recording("anchor", anchor_forward),
+                                  recording("chain", chain_forward))
+        for prompt in prompts[:2]:
+            expected = dynamic.generate(prompt, 16, None)
+            got = static.generate(prompt, 16, None)
+            assert got.tokens == expected.tokens
+            assert got.round_tokens == expected.round_tokens
+        prompt_widths = {len(p) for p in prompts[:2]}
+        assert {w for name, w in widths if name == "anchor"} <= prompt_widths | {NUM_STEPS + 1}
+        assert {w for name, w in widths if name == "chain"} == {1}

@@ -247,6 +247,37 @@ def target_runner(model, aux_layer_ids: list[int], cache: str = "auto",
     return TargetRunner(model, aux_layer_ids)
 
 
+class StaticDraftCache:
+    """The drafter's keys and values in buffers of fixed size, reused across rounds and
+    generations, so a round's drafter steps have the same shapes and tensor addresses every
+    time (what a compiled step and its CUDA graph need). A key sits at the slot of its
+    position: step 0's anchors at 0..n-1, a round's chain steps after them (overwritten by the
+    next round's anchors). A step attends over every slot, masked to those written before it,
+    and its own keys are copied into their slots afterwards."""
+
+    LENGTH_STEP = 256
+
+    def __init__(self, n_kv: int, head_dim: int, capacity: int, dtype, device):
+        capacity = -(-capacity // self.LENGTH_STEP) * self.LENGTH_STEP
+        self.k = torch.zeros(1, n_kv, capacity, head_dim, dtype=dtype,
+                             device=device)  # [1, nkv, C, d]
+        self.v = torch.zeros_like(self.k)  # [1, nkv, C, d]
+        self.slots = torch.arange(capacity, device=device)  # [C]
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def write(self, start: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v [1, nkv, T, d] into slots start..start+T-1."""
+        end = start + k.shape[2]
+        if end > self.capacity:
+            raise ValueError(f"the drafter's static cache holds {self.capacity} slots; "
+                             f"{start} + {k.shape[2]} do not fit")
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+
+
 @dataclass
 class DraftTree:
     """Drafted nodes in verify order (parents before children). Node i sits at index i + 1 of
@@ -294,6 +325,9 @@ class EmbeddedSpeculativeEngine:
                              f"{problem}")
         if self.kind.drafting == "block":
             self._draft = self._draft_block
+        elif cache == "static":  # a chain over the drafter's own static cache
+            self._draft = self._draft_static
+            self._new_drafter_cache = self._new_static_drafter_cache
         budget = draft_token_budget(num_steps, topk)
         num_draft_tokens = num_draft_tokens or (num_steps + 1 if topk == 1 else budget + 1)
         if not 2 <= num_draft_tokens <= budget + 1:
@@ -313,6 +347,13 @@ class EmbeddedSpeculativeEngine:
         self.device = target_model.device
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
+        self._static_drafter_cache: StaticDraftCache | None = None
+        if self._draft == self._draft_static:
+            # The static chain's fixed-width drafter steps, compiled on CUDA (CUDA graphs).
+            self._step_functions = (self._anchor_forward, self.drafter.step)
+            if self.device.type == "cuda":
+                self._step_functions = tuple(compiled_once(f, mode="reduce-overhead")
+                                             for f in self._step_functions)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
@@ -372,17 +413,7 @@ class EmbeddedSpeculativeEngine:
         hidden, logits, cache = self._anchor_step(tokens, aux, drafted_upto, cache)
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
-
-        def choose(draft_logits: torch.Tensor) -> None:  # [D]
-            if sampling.greedy:
-                drafts.append(int(self.draft_to_target[draft_logits.argmax()]))
-                return
-            q = torch.zeros(self.vocab_size).index_copy_(  # [V]
-                0, self.draft_to_target.cpu(), sampling.probs(draft_logits))
-            draft_probs.append(q)
-            drafts.append(sampling.draw(q))
-
-        choose(logits)
+        self._choose(logits, sampling, drafts, draft_probs)
         chain_kv = cache
         for j in range(1, self.num_steps):
             position = torch.tensor([n - 1 + j], device=dev)  # [1]
@@ -391,9 +422,87 @@ class EmbeddedSpeculativeEngine:
                 torch.tensor([[drafts[-1]]], device=dev), hidden, position[None], chain_kv,
                 mask)
             chain_kv = (torch.cat([chain_kv[0], k], 2), torch.cat([chain_kv[1], v], 2))
-            choose(step_logits[0, -1])
+            self._choose(step_logits[0, -1], sampling, drafts, draft_probs)
             hidden = out
         return drafts, draft_probs, cache
+
+    def _new_drafter_cache(self, capacity: int):
+        """The drafter's cache for a new generation: built by the first round (dynamic)."""
+        return None
+
+    def _new_static_drafter_cache(self, capacity: int) -> StaticDraftCache:
+        """The engine's StaticDraftCache when it holds `capacity` slots, else a longer one."""
+        cache = self._static_drafter_cache
+        if cache is None or cache.capacity < capacity:
+            attention = self.drafter.midlayer.self_attn
+            self._static_drafter_cache = None  # the old buffers go before the new ones
+            cache = StaticDraftCache(attention.n_kv, attention.head_dim, capacity,
+                                     self.drafter.fc.weight.dtype, self.device)
+            self._static_drafter_cache = cache
+        return cache
+
+    def _anchor_forward(self, ids, aux, positions, past_kv, mask):
+        """Step 0 over anchors: fc over their aux states, then the drafter layer."""
+        hidden = self.drafter.project_aux(aux)  # [1, T, H]
+        return self.drafter.step(ids, hidden, positions, past_kv, mask)
+
+    def _static_mask(self, cache: StaticDraftCache, seen: int, positions: torch.Tensor):
+        """[1, 1, T, C+T]: the queries at `positions` [T] see the slots below `seen`, and the
+        step's own keys causally (less what the drafter's sliding window hides)."""
+        width = positions.shape[0]
+        past = (cache.slots < seen)[None].expand(width, -1)  # [T, C]
+        own = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()  # [T, T]
+        mask = torch.cat([past, own], dim=-1)[None, None]  # [1, 1, T, C+T]
+        return self._windowed(mask, positions, torch.cat([cache.slots, positions]))
+
+    @torch.inference_mode()
+    def _draft_static(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int,
+                      cache: StaticDraftCache, sampling: Sampling):
+        """`_draft` over a StaticDraftCache. A round's new anchors (accepted drafts and the
+        bonus token, at most num_steps + 1) are padded to num_steps + 1, so every round's
+        step 0 has one shape; the padding's outputs are dropped and its keys land past the
+        anchors, where the chain steps overwrite them and nothing reads them before. The
+        first step after the prompt, of the prompt's width, is not padded."""
+        n = len(tokens) - 1
+        dev = self.device
+        anchor_forward, chain_forward = self._step_functions
+        new = n - drafted_upto
+        width = self.num_steps + 1 if drafted_upto and new <= self.num_steps + 1 else new
+        ids = torch.tensor([tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)],
+                           device=dev)  # [1, W]
+        positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)  # [W]
+        anchors = aux[:, drafted_upto:n]  # [1, new, K*H]
+        if width > new:
+            anchors = torch.cat([anchors, anchors[:, -1:].expand(-1, width - new, -1)],
+                                dim=1)  # [1, W, K*H]
+        out, logits, (k, v) = anchor_forward(ids, anchors, positions[None], (cache.k, cache.v),
+                                             self._static_mask(cache, drafted_upto, positions))
+        cache.write(drafted_upto, k, v)
+        hidden = out[:, new - 1:new]  # [1, 1, H]: the last anchor's
+        drafts: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        self._choose(logits[0, new - 1], sampling, drafts, draft_probs)
+        for j in range(1, self.num_steps):
+            position = torch.tensor([n - 1 + j], device=dev)  # [1]
+            out, step_logits, (k, v) = chain_forward(
+                torch.tensor([[drafts[-1]]], device=dev), hidden, position[None],
+                (cache.k, cache.v), self._static_mask(cache, n - 1 + j, position))
+            cache.write(n - 1 + j, k, v)
+            self._choose(step_logits[0, -1], sampling, drafts, draft_probs)
+            hidden = out  # [1, 1, H]
+        return drafts, draft_probs, cache
+
+    def _choose(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
+                draft_probs: list[torch.Tensor]) -> None:
+        """The next draft from draft_logits [D]: the argmax, or drawn (its distribution over
+        the target vocab kept for verification)."""
+        if sampling.greedy:
+            drafts.append(int(self.draft_to_target[draft_logits.argmax()]))
+            return
+        q = torch.zeros(self.vocab_size).index_copy_(  # [V]
+            0, self.draft_to_target.cpu(), sampling.probs(draft_logits))
+        draft_probs.append(q)
+        drafts.append(sampling.draw(q))
 
     @torch.inference_mode()
     def _draft_block(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache,
@@ -509,7 +618,8 @@ class EmbeddedSpeculativeEngine:
         tokens = [*prompt, sampling.pick(logits[-1])]
         result = Generation(tokens=[], seconds=0.0,
                             prefill_seconds=time.perf_counter() - started)
-        drafter_cache, drafted_upto = None, 0
+        drafter_cache, drafted_upto = self._new_drafter_cache(
+            len(prompt) + max_new_tokens + 2 * (self.num_steps + 1)), 0
         while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_id:
             n = len(tokens) - 1
             if self.is_tree:
@@ -562,7 +672,8 @@ class EmbeddedSpeculativeEngine:
         if len(output) > 1:
             _, aux = self.runner.forward(tokens[:-1],
                                          self.runner.new_cache(len(tokens)))  # [1, L-1, K*H]
-            known, drafter_cache, drafted_upto = len(prompt) + 1, None, 0
+            drafter_cache = self._new_drafter_cache(len(tokens) + 2 * (self.num_steps + 1))
+            known, drafted_upto = len(prompt) + 1, 0
             while known < len(tokens):
                 n = known - 1
                 drafts, _, drafter_cache = self._draft(tokens[:known], aux[:, :n], drafted_upto,
