@@ -481,15 +481,26 @@ class EmbeddedSpeculativeEngine:
         hidden = out[:, new - 1:new]  # [1, 1, H]: the last anchor's
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
-        self._choose(logits[0, new - 1], sampling, drafts, draft_probs)
+        # Greedy drafts stay on the device until the round's last step: one wait for the GPU
+        # a round, not one a step.
+        chosen = [self.draft_to_target[logits[0, new - 1].argmax()].view(1, 1)] \
+            if sampling.greedy else None  # [1, 1] each
+        if not sampling.greedy:
+            self._choose(logits[0, new - 1], sampling, drafts, draft_probs)
         for j in range(1, self.num_steps):
-            position = torch.tensor([n - 1 + j], device=dev)  # [1]
+            position = cache.slots[n - 1 + j: n + j]  # [1]
+            last = chosen[-1] if chosen else torch.tensor([[drafts[-1]]], device=dev)  # [1, 1]
             out, step_logits, (k, v) = chain_forward(
-                torch.tensor([[drafts[-1]]], device=dev), hidden, position[None],
-                (cache.k, cache.v), self._static_mask(cache, n - 1 + j, position))
+                last, hidden, position[None], (cache.k, cache.v),
+                self._static_mask(cache, n - 1 + j, position))
             cache.write(n - 1 + j, k, v)
-            self._choose(step_logits[0, -1], sampling, drafts, draft_probs)
+            if chosen:
+                chosen.append(self.draft_to_target[step_logits[0, -1].argmax()].view(1, 1))
+            else:
+                self._choose(step_logits[0, -1], sampling, drafts, draft_probs)
             hidden = out  # [1, 1, H]
+        if chosen:
+            drafts = torch.cat(chosen, dim=1)[0].tolist()  # [num_steps]
         return drafts, draft_probs, cache
 
     def _choose(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
