@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from pathlib import Path
 
 from draftsmith.artifacts import (
@@ -98,8 +99,6 @@ def other_gpu_processes() -> list[str] | None:
     """The compute processes besides this one on the GPUs this process may use (all of the
     host's, or those CUDA_VISIBLE_DEVICES names by index), as `pid name`; None without
     nvidia-smi."""
-    import os
-
     from draftsmith.serve.gpus import gpu_processes
 
     processes = gpu_processes()

@@ -348,6 +348,7 @@ class EmbeddedSpeculativeEngine:
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
         self._static_drafter_cache: StaticDraftCache | None = None
+        self._causal: dict[int, torch.Tensor] = {}  # width -> [T, T] causal mask
         if self._draft == self._draft_static:
             # The static chain's fixed-width drafter steps, compiled on CUDA (CUDA graphs).
             self._step_functions = (self._anchor_forward, self.drafter.step)
@@ -397,8 +398,8 @@ class EmbeddedSpeculativeEngine:
         mask = torch.cat([torch.ones(new, drafted_upto, dtype=torch.bool, device=dev), causal],
                          dim=-1)[None, None]  # [1, 1, new, n]
         mask = self._windowed(mask, positions[0], torch.arange(n, device=dev))
-        hidden = self.drafter.project_aux(aux[:, drafted_upto:n])  # [1, new, H]
-        out, logits, (k, v) = self.drafter.step(ids, hidden, positions, cache, mask)
+        out, logits, (k, v) = self._anchor_forward(ids, aux[:, drafted_upto:n], positions,
+                                                   cache, mask)
         cache = (k, v) if cache is None else (torch.cat([cache[0], k], 2),
                                               torch.cat([cache[1], v], 2))
         return out[:, -1:], logits[0, -1], cache
@@ -451,8 +452,10 @@ class EmbeddedSpeculativeEngine:
         step's own keys causally (less what the drafter's sliding window hides)."""
         width = positions.shape[0]
         past = (cache.slots < seen)[None].expand(width, -1)  # [T, C]
-        own = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()  # [T, T]
-        mask = torch.cat([past, own], dim=-1)[None, None]  # [1, 1, T, C+T]
+        if width not in self._causal:  # two widths a round: made once, not every step
+            self._causal[width] = torch.ones(width, width, dtype=torch.bool,
+                                             device=self.device).tril()  # [T, T]
+        mask = torch.cat([past, self._causal[width]], dim=-1)[None, None]  # [1, 1, T, C+T]
         return self._windowed(mask, positions, torch.cat([cache.slots, positions]))
 
     @torch.inference_mode()
@@ -483,24 +486,26 @@ class EmbeddedSpeculativeEngine:
         draft_probs: list[torch.Tensor] = []
         # Greedy drafts stay on the device until the round's last step: one wait for the GPU
         # a round, not one a step.
-        chosen = [self.draft_to_target[logits[0, new - 1].argmax()].view(1, 1)] \
-            if sampling.greedy else None  # [1, 1] each
-        if not sampling.greedy:
-            self._choose(logits[0, new - 1], sampling, drafts, draft_probs)
+        on_device: list[torch.Tensor] = []  # [1, 1] each
+
+        def pick(draft_logits: torch.Tensor) -> torch.Tensor:  # [D] -> the draft [1, 1]
+            if sampling.greedy:
+                on_device.append(self.draft_to_target[draft_logits.argmax()].view(1, 1))
+                return on_device[-1]
+            self._choose(draft_logits, sampling, drafts, draft_probs)
+            return torch.tensor([[drafts[-1]]], device=dev)
+
+        last = pick(logits[0, new - 1])
         for j in range(1, self.num_steps):
             position = cache.slots[n - 1 + j: n + j]  # [1]
-            last = chosen[-1] if chosen else torch.tensor([[drafts[-1]]], device=dev)  # [1, 1]
             out, step_logits, (k, v) = chain_forward(
                 last, hidden, position[None], (cache.k, cache.v),
                 self._static_mask(cache, n - 1 + j, position))
             cache.write(n - 1 + j, k, v)
-            if chosen:
-                chosen.append(self.draft_to_target[step_logits[0, -1].argmax()].view(1, 1))
-            else:
-                self._choose(step_logits[0, -1], sampling, drafts, draft_probs)
+            last = pick(step_logits[0, -1])
             hidden = out  # [1, 1, H]
-        if chosen:
-            drafts = torch.cat(chosen, dim=1)[0].tolist()  # [num_steps]
+        if on_device:
+            drafts = torch.cat(on_device, dim=1)[0].tolist()  # [num_steps]
         return drafts, draft_probs, cache
 
     def _choose(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
@@ -539,13 +544,7 @@ class EmbeddedSpeculativeEngine:
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
         for row in logits:
-            if sampling.greedy:
-                drafts.append(int(self.draft_to_target[row.argmax()]))
-                continue
-            q = torch.zeros(self.vocab_size).index_copy_(  # [V]
-                0, self.draft_to_target.cpu(), sampling.probs(row))
-            draft_probs.append(q)
-            drafts.append(sampling.draw(q))
+            self._choose(row, sampling, drafts, draft_probs)
         return drafts, draft_probs, cache
 
     @torch.inference_mode()
