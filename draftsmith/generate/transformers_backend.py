@@ -15,9 +15,9 @@ Two ways to run `generate` (`generate.cache`):
   positions where the stage needs 896). One cache is kept: a length met again after another
   gets a new cache, which the compiled step's CUDA graphs record again.
   A batch whose cache would not fit CACHE_MEMORY_SHARE of the GPU's free memory is split into
-  batches of fewer rows (`batch_rows`): 2,048 rows of SmolLM2's bf16 cache take 94 MB a
-  position, so an 80 GB H100 holds them up to 512 positions, and at 768 it takes 576 rows a
-  batch (the H200's 141 GB held them all).
+  batches of fewer rows (`batch_rows`): 2,048 rows of SmolLM2's bf16 cache take 47 MB a
+  position, so on an 80 GB H100 they fit up to 1,024 positions, and at 1,536 a batch takes
+  1,536 rows (the H200's 141 GB held all 2,048).
 
 Decode attention over a padded cache is most of a decode step's work on a small target.
 transformers' SDPA path repeats every KV head for its query heads whenever a mask is given
