@@ -675,7 +675,7 @@ def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_dra
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
     with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
         anchor_forward, chain_forward = (torch.compile(f, backend="aot_eager")
-                                         for f in (static._anchor_forward,
+                                         for f in (static.anchor_forward,
                                                    static.drafter.step))
         widths: list[tuple[str, int]] = []
 
@@ -685,7 +685,7 @@ def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_dra
                 return forward(ids, *args)
             return run
 
-        static._step_functions = (recording("anchor", anchor_forward),
+        static.step_functions = (recording("anchor", anchor_forward),
                                   recording("chain", chain_forward))
         for prompt in prompts[:2]:
             expected = dynamic.generate(prompt, 16, None)

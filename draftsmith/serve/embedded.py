@@ -137,6 +137,27 @@ class TargetRunner:
         """Forget the last `count` positions (rejected drafts)."""
         cache.crop(-count)
 
+    def new_batch_cache(self, rows: int, capacity: int) -> DynamicCache:
+        """An empty cache for `rows` sequences decoded together (embedded_batch.py)."""
+        return DynamicCache()
+
+    def batch_step(self, width: int):
+        """The forward that runs a batch's steps of this many tokens."""
+        return self.model.forward
+
+    @torch.inference_mode()
+    def forward_batch(self, ids: torch.Tensor, cache, position_ids: torch.Tensor,
+                      attention_mask: torch.Tensor, last_only: bool = False):
+        """Several sequences at once: ids, position_ids [B, T]; attention_mask bool
+        [B, 1, T, K] over the cache's keys (a dynamic cache's earlier ones and these T; every
+        slot of a static one). Returns logits [B, T, V] ([B, 1, V] with last_only: the
+        prompts' forward, always eager) and aux states [B, T, K*H]."""
+        step = self.model.forward if last_only else self.batch_step(ids.shape[1])
+        extra = {"logits_to_keep": 1} if last_only else {}
+        logits = step(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask,
+                      use_cache=True, **{self._cache_kw: cache}, **extra).logits
+        return logits, self._aux.take()  # [B, T, V], [B, T, K*H]
+
 
 @dataclass
 class StaticTargetCache:
@@ -169,6 +190,7 @@ class StaticTargetRunner(TargetRunner):
                  compile_steps: bool | None = None):
         super().__init__(model, aux_layer_ids)
         self._kv: StaticCache | None = None
+        self._batch_kv: dict[int, StaticCache] = {}  # rows -> cache
         if compile_steps is None:
             compile_steps = model.device.type == "cuda"
         self._compiled = None
@@ -183,28 +205,46 @@ class StaticTargetRunner(TargetRunner):
         (rounded up to LENGTH_STEP) otherwise, which compiled steps record again."""
         if self._kv is None or self._kv.layers[0].max_cache_len < capacity:
             self._kv = None  # the old cache's memory goes before the new one is made
-            length = -(-capacity // self.LENGTH_STEP) * self.LENGTH_STEP
-            kv = StaticCache(config=self.model.config, max_cache_len=length)
-            if not all(hasattr(layer, "cumulative_length") for layer in kv.layers):
-                raise RuntimeError(
-                    "deploy.embedded_cache=static needs a transformers whose StaticCache writes "
-                    "at its own cumulative_length (5.x); set deploy.embedded_cache=dynamic")
-            if any(layer.is_sliding for layer in kv.layers):
-                raise ValueError(
-                    "deploy.embedded_cache=static: this target has sliding-window layers, "
-                    "whose static cache is a ring buffer that cannot drop rejected drafts; set "
-                    "deploy.embedded_cache=dynamic")
-            config = self.model.config
-            # Allocated outside any compiled region, so its tensors get static addresses.
-            kv.early_initialization(
-                batch_size=1, num_heads=config.num_key_value_heads,
-                head_dim=getattr(config, "head_dim", None)
-                or config.hidden_size // config.num_attention_heads,
-                dtype=self.model.dtype, device=self.model.device)
-            self._kv = kv
+            self._kv = self._static_cache(1, capacity)
         else:
             self._kv.reset()
         return StaticTargetCache(self._kv)
+
+    def new_batch_cache(self, rows: int, capacity: int) -> StaticCache:
+        """The runner's StaticCache for `rows` sequences, emptied, when it holds `capacity`
+        slots; a longer one otherwise (one per batch size, kept)."""
+        kv = self._batch_kv.get(rows)
+        if kv is None or kv.layers[0].max_cache_len < capacity:
+            self._batch_kv.pop(rows, None)
+            kv = self._batch_kv[rows] = self._static_cache(rows, capacity)
+        else:
+            kv.reset()
+        return kv
+
+    def batch_step(self, width: int):
+        return self._compiled if width in self._step_widths else self.model.forward
+
+    def _static_cache(self, rows: int, capacity: int) -> StaticCache:
+        """A StaticCache of `rows` x `capacity` (rounded up to LENGTH_STEP) positions."""
+        length = -(-capacity // self.LENGTH_STEP) * self.LENGTH_STEP
+        kv = StaticCache(config=self.model.config, max_cache_len=length)
+        if not all(hasattr(layer, "cumulative_length") for layer in kv.layers):
+            raise RuntimeError(
+                "deploy.embedded_cache=static needs a transformers whose StaticCache writes "
+                "at its own cumulative_length (5.x); set deploy.embedded_cache=dynamic")
+        if any(layer.is_sliding for layer in kv.layers):
+            raise ValueError(
+                "deploy.embedded_cache=static: this target has sliding-window layers, "
+                "whose static cache is a ring buffer that cannot drop rejected drafts; set "
+                "deploy.embedded_cache=dynamic")
+        config = self.model.config
+        # Allocated outside any compiled region, so its tensors get static addresses.
+        kv.early_initialization(
+            batch_size=rows, num_heads=config.num_key_value_heads,
+            head_dim=getattr(config, "head_dim", None)
+            or config.hidden_size // config.num_attention_heads,
+            dtype=self.model.dtype, device=self.model.device)
+        return kv
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int], cache: StaticTargetCache,
@@ -349,12 +389,13 @@ class EmbeddedSpeculativeEngine:
         self.vocab_size = drafter.config.vocab_size
         self._static_drafter_cache: StaticDraftCache | None = None
         self._causal: dict[int, torch.Tensor] = {}  # width -> [T, T] causal mask
-        if self._draft == self._draft_static:
-            # The static chain's fixed-width drafter steps, compiled on CUDA (CUDA graphs).
-            self._step_functions = (self._anchor_forward, self.drafter.step)
-            if self.device.type == "cuda":
-                self._step_functions = tuple(compiled_once(f, mode="reduce-overhead")
-                                             for f in self._step_functions)
+        # Step 0 over anchors and a chain step (none for a block drafter). Over the static
+        # drafter cache their shapes are fixed, so on CUDA they are compiled (CUDA graphs).
+        self.step_functions = () if self.kind.drafting == "block" else (self.anchor_forward,
+                                                                         self.drafter.step)
+        if cache == "static" and self.step_functions and self.device.type == "cuda":
+            self.step_functions = tuple(compiled_once(f, mode="reduce-overhead")
+                                        for f in self.step_functions)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
@@ -398,7 +439,7 @@ class EmbeddedSpeculativeEngine:
         mask = torch.cat([torch.ones(new, drafted_upto, dtype=torch.bool, device=dev), causal],
                          dim=-1)[None, None]  # [1, 1, new, n]
         mask = self._windowed(mask, positions[0], torch.arange(n, device=dev))
-        out, logits, (k, v) = self._anchor_forward(ids, aux[:, drafted_upto:n], positions,
+        out, logits, (k, v) = self.anchor_forward(ids, aux[:, drafted_upto:n], positions,
                                                    cache, mask)
         cache = (k, v) if cache is None else (torch.cat([cache[0], k], 2),
                                               torch.cat([cache[1], v], 2))
@@ -414,7 +455,7 @@ class EmbeddedSpeculativeEngine:
         hidden, logits, cache = self._anchor_step(tokens, aux, drafted_upto, cache)
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
-        self._choose(logits, sampling, drafts, draft_probs)
+        self.choose_draft(logits, sampling, drafts, draft_probs)
         chain_kv = cache
         for j in range(1, self.num_steps):
             position = torch.tensor([n - 1 + j], device=dev)  # [1]
@@ -423,7 +464,7 @@ class EmbeddedSpeculativeEngine:
                 torch.tensor([[drafts[-1]]], device=dev), hidden, position[None], chain_kv,
                 mask)
             chain_kv = (torch.cat([chain_kv[0], k], 2), torch.cat([chain_kv[1], v], 2))
-            self._choose(step_logits[0, -1], sampling, drafts, draft_probs)
+            self.choose_draft(step_logits[0, -1], sampling, drafts, draft_probs)
             hidden = out
         return drafts, draft_probs, cache
 
@@ -442,7 +483,7 @@ class EmbeddedSpeculativeEngine:
             self._static_drafter_cache = cache
         return cache
 
-    def _anchor_forward(self, ids, aux, positions, past_kv, mask):
+    def anchor_forward(self, ids, aux, positions, past_kv, mask):
         """Step 0 over anchors: fc over their aux states, then the drafter layer."""
         hidden = self.drafter.project_aux(aux)  # [1, T, H]
         return self.drafter.step(ids, hidden, positions, past_kv, mask)
@@ -468,7 +509,7 @@ class EmbeddedSpeculativeEngine:
         first step after the prompt, of the prompt's width, is not padded."""
         n = len(tokens) - 1
         dev = self.device
-        anchor_forward, chain_forward = self._step_functions
+        anchor_forward, chain_forward = self.step_functions
         new = n - drafted_upto
         width = self.num_steps + 1 if drafted_upto and new <= self.num_steps + 1 else new
         ids = torch.tensor([tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)],
@@ -492,7 +533,7 @@ class EmbeddedSpeculativeEngine:
             if sampling.greedy:
                 on_device.append(self.draft_to_target[draft_logits.argmax()].view(1, 1))
                 return on_device[-1]
-            self._choose(draft_logits, sampling, drafts, draft_probs)
+            self.choose_draft(draft_logits, sampling, drafts, draft_probs)
             return torch.tensor([[drafts[-1]]], device=dev)
 
         last = pick(logits[0, new - 1])
@@ -508,7 +549,7 @@ class EmbeddedSpeculativeEngine:
             drafts = torch.cat(on_device, dim=1)[0].tolist()  # [num_steps]
         return drafts, draft_probs, cache
 
-    def _choose(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
+    def choose_draft(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
                 draft_probs: list[torch.Tensor]) -> None:
         """The next draft from draft_logits [D]: the argmax, or drawn (its distribution over
         the target vocab kept for verification)."""
@@ -544,7 +585,7 @@ class EmbeddedSpeculativeEngine:
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
         for row in logits:
-            self._choose(row, sampling, drafts, draft_probs)
+            self.choose_draft(row, sampling, drafts, draft_probs)
         return drafts, draft_probs, cache
 
     @torch.inference_mode()
@@ -652,7 +693,7 @@ class EmbeddedSpeculativeEngine:
                                                                  drafter_cache, sampling)
                 drafted = time.perf_counter()
                 logits, new_aux = self.runner.forward([tokens[n], *drafts], cache)  # [k+1, V]
-                accepted, next_token = self._verify(drafts, draft_probs, logits, sampling)
+                accepted, next_token = self.verify_chain(drafts, draft_probs, logits, sampling)
                 result.draft_seconds += drafted - began
                 result.verify_seconds += time.perf_counter() - drafted
                 kept = list(range(accepted + 1))
@@ -660,12 +701,12 @@ class EmbeddedSpeculativeEngine:
                     self.runner.drop_last(cache, len(drafts) - accepted)
                 accepted_tokens = drafts[:accepted]
             drafted_upto = n
-            produced = _truncate([*accepted_tokens, next_token],
+            produced = truncate_output([*accepted_tokens, next_token],
                                  max_new_tokens - (len(tokens) - len(prompt)), eos_id)
             tokens += produced
             result.round_tokens.append(len(produced))
             aux = torch.cat([aux, new_aux[:, kept]], dim=1)  # [1, n+a+1, K*H]
-        result.tokens = _truncate(tokens[len(prompt):], max_new_tokens, eos_id)
+        result.tokens = truncate_output(tokens[len(prompt):], max_new_tokens, eos_id)
         result.seconds = time.perf_counter() - started
         return result
 
@@ -699,7 +740,7 @@ class EmbeddedSpeculativeEngine:
         return result
 
     @staticmethod
-    def _verify(drafts: list[int], draft_probs: list[torch.Tensor], logits: torch.Tensor,
+    def verify_chain(drafts: list[int], draft_probs: list[torch.Tensor], logits: torch.Tensor,
                 sampling: Sampling) -> tuple[int, int]:
         """(drafts accepted, the target's own next token). logits [k+1, V]: row i is the
         target's prediction for the position of draft i (row k: the bonus position)."""
@@ -756,12 +797,14 @@ def plain_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
         logits, _ = runner.forward([tokens[-1]], cache)
         tokens.append(sampling.pick(logits[-1]))
     ended = time.perf_counter()
-    return Generation(tokens=_truncate(tokens, max_new_tokens, eos_id), seconds=ended - started,
+    return Generation(tokens=truncate_output(tokens, max_new_tokens, eos_id),
+                      seconds=ended - started,
                       round_tokens=[1] * (len(tokens) - 1), prefill_seconds=prefilled - started,
                       verify_seconds=ended - prefilled)
 
 
-def _truncate(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+def truncate_output(tokens: list[int], max_new_tokens: int, eos_id: int | None) -> list[int]:
+    """At most max_new_tokens, up to and with the first EOS."""
     tokens = tokens[:max_new_tokens]
     if eos_id in tokens:
         tokens = tokens[: tokens.index(eos_id) + 1]

@@ -1,0 +1,200 @@
+"""Batched decoding in the embedded engine: every row of a batch is what decoding its prompt
+alone gives, token for token and round for round, whatever the other rows do (their prompts'
+lengths, their acceptance, when they stop), over the dynamic and the static target cache, for
+EAGLE-3, EAGLE-3.1 with a sliding window and DFlash."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Sampling, plain_generate
+from draftsmith.serve.embedded_batch import (
+    BatchedSpeculativeDecoder,
+    Slots,
+    plain_generate_batch,
+)
+from tests.test_dflash import BLOCK
+from tests.test_embedded import (  # noqa: F401 (fixtures)
+    NUM_STEPS,
+    oracle,
+    dflash_drafter_dir,
+    drafter,
+    eagle31_drafter,
+    exported_drafter,
+    target_model,
+)
+
+TEXTS = ["def add(a, b):\n", "Complete this function from os.py:\nclass Foo:", "x = [1, 2, 3]",
+         "Explain what a list comprehension is, in two sentences.", "hi"]
+
+
+@pytest.fixture(scope="module")
+def prompts(random_target_tokenizer):
+    ids = [random_target_tokenizer.encode(t) for t in TEXTS]
+    assert len({len(p) for p in ids}) == len(ids)  # every row pads differently
+    return ids
+
+
+@pytest.fixture(scope="module", params=["eagle3", "eagle3.1", "dflash"])
+def drafter_dir(request, exported_drafter, eagle31_drafter, dflash_drafter_dir):  # noqa: F811
+    return {"eagle3": exported_drafter, "eagle3.1": eagle31_drafter[1],
+            "dflash": dflash_drafter_dir}[request.param], request.param
+
+
+def loaded(target_model, drafter_dir, cache: str) -> EmbeddedSpeculativeEngine:  # noqa: F811
+    path, kind = drafter_dir
+    return EmbeddedSpeculativeEngine.load(target_model, path,
+                                          BLOCK - 1 if kind == "dflash" else NUM_STEPS,
+                                          cache=cache)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_every_row_is_its_prompt_decoded_alone(target_model, drafter_dir, prompts,  # noqa: F811
+                                               cache):
+    engine = loaded(target_model, drafter_dir, cache)
+    try:
+        alone = [engine.generate(p, 24, None) for p in prompts]
+        batch = BatchedSpeculativeDecoder(engine).generate(prompts, 24, None)
+        for prompt, one, row in zip(prompts, alone, batch.rows, strict=True):
+            assert one.tokens == plain_generate(engine.runner, prompt, 24, None).tokens
+            assert row.tokens == one.tokens
+            assert row.round_tokens == one.round_tokens  # the same drafts, accepted alike
+        assert batch.forwards == max(len(r.round_tokens) for r in batch.rows)
+    finally:
+        engine.runner.close()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_plain_batched_decoding_is_plain_decoding_per_prompt(target_model, exported_drafter,  # noqa: F811
+                                                             prompts, cache):
+    engine = loaded(target_model, (exported_drafter, "eagle3"), cache)
+    try:
+        batch = plain_generate_batch(engine.runner, prompts, 17, None)
+        for prompt, row in zip(prompts, batch.rows, strict=True):
+            assert row.tokens == plain_generate(engine.runner, prompt, 17, None).tokens
+        assert batch.forwards == 16  # one token for every row a forward, after the prompts'
+    finally:
+        engine.runner.close()
+
+
+def row_oracle(decoder, references: list[list[int]], prompts, wrong_at: list[int | None],
+               drafted: list[list[list[int]]]):
+    """Wrap the batch's drafting: run it (so the drafter's cache advances as usual, and each
+    running row's drafts go to drafted[row]) but propose each row's greedy continuation, wrong
+    from index wrong_at[row] on."""
+    real = decoder._draft
+
+    def draft(kv, token_at, aux_at, drafted_upto, last, running, samplings, first):
+        drafts, probs = real(kv, token_at, aux_at, drafted_upto, last, running, samplings,
+                             first)
+        for row, on in enumerate(running.tolist()):
+            if on:
+                drafted[row].append(drafts[row].tolist())
+        truths = []
+        for row, n in enumerate(last.tolist()):
+            done = n + 1 - len(prompts[row])
+            truth = (references[row][done:] + [0] * NUM_STEPS)[:NUM_STEPS]
+            truths.append([t if wrong_at[row] is None or i < wrong_at[row] else (t + 1) % 512
+                           for i, t in enumerate(truth)])
+        return torch.tensor(truths, device=drafts.device), probs
+
+    return draft
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_rows_accepting_different_counts_keep_to_their_own_tokens(
+        target_model, drafter_dir, prompts, monkeypatch, cache):  # noqa: F811
+    """Row r's drafts agree with its target up to index wrong_at[r]: every round each row
+    keeps a different number of its verify slots, and its next anchors differ in count. The
+    drafter still drafts what it drafts for the prompt alone."""
+    engine = loaded(target_model, drafter_dir, cache)
+    wrong_at = [None, 0, 1, 2, None]
+    max_new = 22
+    try:
+        references = [plain_generate(engine.runner, p, max_new + NUM_STEPS, None).tokens
+                      for p in prompts]
+        alone = []
+        real = engine._draft
+        for prompt, reference, wrong in zip(prompts, references, wrong_at, strict=True):
+            calls: list = []
+            monkeypatch.setattr(engine, "_draft", real)  # what the oracle wraps
+            monkeypatch.setattr(engine, "_draft", oracle(engine, reference, len(prompt), wrong,
+                                                         calls))
+            engine.generate(prompt, max_new, None)
+            alone.append([drafts for _, drafts in calls])
+        decoder = BatchedSpeculativeDecoder(engine)
+        drafted: list[list[list[int]]] = [[] for _ in prompts]
+        monkeypatch.setattr(decoder, "_draft", row_oracle(decoder, references, prompts,
+                                                          wrong_at, drafted))
+        batch = decoder.generate(prompts, max_new, None)
+        assert drafted == alone
+        for row, reference, wrong in zip(batch.rows, references, wrong_at, strict=True):
+            assert row.tokens == reference[:max_new]
+            per_round = NUM_STEPS + 1 if wrong is None else wrong + 1
+            assert row.round_tokens[:-1] == [per_round] * (len(row.round_tokens) - 1)
+    finally:
+        engine.runner.close()
+
+
+def test_rows_that_stop_early_leave_the_others_as_they_were(target_model, exported_drafter,  # noqa: F811
+                                                            prompts):
+    """An EOS that ends one row in its first rounds and others later or never."""
+    engine = loaded(target_model, (exported_drafter, "eagle3"), "static")
+    try:
+        reference = plain_generate(engine.runner, prompts[0], 24, None).tokens
+        eos = reference[3]
+        for max_new_tokens in (1, 2, 24):
+            alone = [engine.generate(p, max_new_tokens, eos) for p in prompts]
+            batch = BatchedSpeculativeDecoder(engine).generate(prompts, max_new_tokens, eos)
+            assert [r.tokens for r in batch.rows] == [a.tokens for a in alone]
+            assert [r.round_tokens for r in batch.rows] == [a.round_tokens for a in alone]
+        lengths = {len(a.tokens) for a in alone}
+        assert len(lengths) > 1  # rows did stop at different times
+        plain = plain_generate_batch(engine.runner, prompts, 24, eos)
+        assert [r.tokens for r in plain.rows] == [a.tokens for a in alone]
+    finally:
+        engine.runner.close()
+
+
+def test_sampled_rows_draw_what_they_draw_alone(target_model, exported_drafter, prompts):  # noqa: F811
+    """Each row has its own Sampling, drawn from in the order decoding alone draws."""
+    engine = loaded(target_model, (exported_drafter, "eagle3"), "dynamic")
+    try:
+        alone = [engine.generate(p, 20, None, Sampling(0.8, seed=i))
+                 for i, p in enumerate(prompts)]
+        batch = BatchedSpeculativeDecoder(engine).generate(
+            prompts, 20, None, [Sampling(0.8, seed=i) for i in range(len(prompts))])
+        assert [r.tokens for r in batch.rows] == [a.tokens for a in alone]
+        plain = plain_generate_batch(engine.runner, prompts, 20, None,
+                                     [Sampling(0.8, seed=i) for i in range(len(prompts))])
+        assert [r.tokens for r in plain.rows] == [
+            plain_generate(engine.runner, p, 20, None, Sampling(0.8, seed=i)).tokens
+            for i, p in enumerate(prompts)]
+    finally:
+        engine.runner.close()
+
+
+def test_a_tree_drafter_is_refused_naming_the_setting(target_model, exported_drafter):  # noqa: F811
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, 3, topk=2,
+                                            num_draft_tokens=6)
+    try:
+        with pytest.raises(ValueError, match="eagle_topk"):
+            BatchedSpeculativeDecoder(engine)
+    finally:
+        engine.runner.close()
+
+
+def test_a_query_sees_its_rows_live_keys_up_to_its_position():
+    slots = Slots(rows=2, capacity=8, device="cpu")
+    slots.append(torch.tensor([[0, 1, 2], [0, 0, 1]]), torch.tensor([[1, 1, 1], [0, 1, 1]],
+                                                                     dtype=torch.bool))
+    start = slots.append(torch.tensor([[3, 4], [2, 3]]), torch.ones(2, 2, dtype=torch.bool))
+    slots.keep(start, torch.tensor([[1, 0], [1, 1]], dtype=torch.bool))  # row 0's 4 rejected
+    mask = slots.mask(torch.tensor([[4], [3]]), slots.capacity)[:, 0, 0]  # [B, C]
+    assert mask[0].tolist() == [True, True, True, True, False, False, False, False]
+    assert mask[1].tolist() == [False, True, True, True, True, False, False, False]
+    slots.rewind(3)
+    assert not slots.live[:, 3:].any() and slots.used == 3
+    with pytest.raises(ValueError, match="holds 8 slots"):
+        slots.append(torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.bool))
