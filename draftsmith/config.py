@@ -948,6 +948,13 @@ class BenchmarkConfig(StrictModel):
     temperature: float = keyed(0.0, ge=0.0, description=(
         "0: greedy, and the embedded engine's outputs must equal plain greedy decoding; "
         ">0: sampled (speculative sampling keeps the target's distribution)."))
+    batch_sizes: list[Annotated[int, Field(ge=2)]] = keyed(
+        default_factory=list, added=True, description=(
+            "The embedded engine: also decode this many prompts at once (e.g. [4, 16]), "
+            "plain and speculative, at benchmark.temperature. Each size gets a row "
+            "(acceptance, ms a plain step and a round, speedup and its limit, identity with "
+            "greedy decoding one prompt at a time) in the report and in report.json's "
+            "`batched`. Chains only (eagle_topk 1). Served engines: see concurrency."))
     sampled_temperature: float | None = keyed(None, gt=0.0, description=(
         "Also measure the deployed config sampled at this temperature (e.g. 0.7), next to the "
         "greedy run: acceptance usually drops when sampling."))

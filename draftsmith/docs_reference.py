@@ -17,7 +17,7 @@ import sys
 import types
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, Union, get_args, get_origin
 
 import annotated_types
 import yaml
@@ -76,6 +76,11 @@ def type_name(annotation: Any, section_link: str) -> str:
         return "one of " + ", ".join(f"`{a}`" for a in args)
     if origin in (Union, types.UnionType):
         return " or ".join(type_name(a, section_link) for a in args)
+    if origin is Annotated:  # an item's own bounds, as in list[Annotated[int, Field(ge=2)]]
+        limits = [f"{sign} {getattr(meta, name)}" for item in args[1:]
+                  for meta in getattr(item, "metadata", [item])
+                  for kind, name, sign in BOUNDS if isinstance(meta, kind)]
+        return " ".join([type_name(args[0], section_link), *limits])
     if origin is list:
         return f"list of {type_name(args[0], section_link)}"
     if origin is dict:

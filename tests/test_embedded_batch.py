@@ -17,11 +17,11 @@ from draftsmith.serve.embedded_batch import (
 from tests.test_dflash import BLOCK
 from tests.test_embedded import (  # noqa: F401 (fixtures)
     NUM_STEPS,
-    oracle,
     dflash_drafter_dir,
     drafter,
     eagle31_drafter,
     exported_drafter,
+    oracle,
     target_model,
 )
 

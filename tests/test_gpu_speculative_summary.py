@@ -44,6 +44,20 @@ def test_repeats_fold_into_one_row_per_cache_with_the_median_and_spread():
     assert by_cache["dynamic"]["speedup"] == 1.3  # the median of two
 
 
+def test_each_batch_size_is_a_row_of_its_own_with_the_summarys_device():
+    summary = summary_module()
+    first, second = report("static", 2.4, 4.0), report("static", 2.2, 4.4)
+    for one, speedup in ((first, 1.9), (second, 2.1)):
+        one["batched"] = [{**one["summary"], "batch": 4, "speedup": speedup,
+                           "ms_per_plain_token": 5.0, "measured_on": None}]
+    rows = {r["batch"]: r for r in summary.rows_of([first, second], drafter="general")}
+    assert set(rows) == {1, 4}
+    four = rows[4]
+    assert (four["speedup"], four["speedup_spread"], four["repeats"]) == (2.0, [1.9, 2.1], 2)
+    assert rows[4]["device"] == "NVIDIA H200" and rows[4]["dtype"] == "float32"
+    assert rows[4]["alone"] is True and rows[1]["speedup"] == 2.3
+
+
 def test_a_row_measured_beside_other_gpu_work_says_so(tmp_path):
     summary = summary_module()
     rows = summary.rows_of([report("static", 2.4, 4.0), report("static", 1.9, 5.0, False)],

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 from safetensors.torch import load_file
 
 from draftsmith.artifacts import MANIFEST, plan_stage
@@ -333,6 +334,50 @@ def test_deploy_and_benchmark_run_the_static_cache_when_set(chain, random_target
     assert runners == [("chain, 2 steps", "StaticTargetRunner"),
                        ("tree 2x2/5", "TargetRunner"), ("chain 3", "StaticTargetRunner")]
     assert bench.figures["lossless"] is True
+
+
+def test_the_benchmark_measures_several_prompts_at_once(chain, random_target,
+                                                      random_target_dir, tmp_path):
+    """benchmark.batch_sizes: a row per size, whose rows decode as their prompts alone do (the
+    same outputs, so the same acceptance), with the batch's step costs; a group smaller than
+    the batch (3 prompts in 2s) is measured too."""
+    from draftsmith.bench.benchmark import run_benchmark
+
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    bench = run_benchmark(BenchmarkConfig(num_prompts=3, max_new_tokens=10, batch_sizes=[2, 4]),
+                          target_cfg, chain["deploy"], chain["merge"], random_target,
+                          plan_stage(tmp_path, "benchmark", {}, [chain["deploy"]]))
+    report = json.loads((bench.dir / "report.json").read_text())
+    summary, batched = report["summary"], report["batched"]
+    assert [b["batch"] for b in batched] == [2, 4]
+    for row in batched:
+        assert row["prompts"] == 3 and row["lossless"] is True
+        assert row["identical_outputs"] == row["plain_identical_outputs"] == "3/3"
+        assert row["acceptance_length"] == summary["acceptance_length"]
+        assert row["accepted_per_position"] == summary["accepted_per_position"]
+        assert row["completion_tokens"] == summary["completion_tokens"]
+        assert row["ms_per_plain_token"] > 0 and row["ms_per_round"]["verify"] > 0
+        assert row["speedup"] > 0 and row["speedup_limit"] > 0
+    assert bench.figures["batched"] == batched and bench.figures["lossless"] is True
+    assert "## Several prompts at once" in (bench.dir / "report.md").read_text()
+
+
+def test_batches_with_a_tree_are_refused_naming_both_settings(chain, random_target,
+                                                              random_target_dir, tmp_path):
+    from draftsmith.bench.benchmark import run_benchmark
+    from draftsmith.errors import InputError
+    from draftsmith.serve.deploy import run_deploy
+
+    target_cfg = TargetConfig(model=str(random_target_dir))
+    tree = run_deploy(DeployConfig(num_steps=2, eagle_topk=2, num_draft_tokens=4), target_cfg,
+                      chain["export"], chain["merge"], random_target,
+                      plan_stage(tmp_path, "deploy", {}, [chain["export"]]))
+    with pytest.raises(InputError, match=r"batch_sizes \[4\] with deploy.eagle_topk 2"):
+        run_benchmark(BenchmarkConfig(num_prompts=2, max_new_tokens=4, batch_sizes=[4]),
+                      target_cfg, tree, chain["merge"], random_target,
+                      plan_stage(tmp_path, "benchmark", {}, [tree]))
+    with pytest.raises(ValidationError, match="batch_sizes"):
+        BenchmarkConfig(batch_sizes=[1])
 
 
 def test_sampled_benchmark_compares_speed_without_demanding_identity(chain, random_target,

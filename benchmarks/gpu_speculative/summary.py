@@ -6,7 +6,8 @@ row (the median speedup and its spread).
     python benchmarks/gpu_speculative/summary.py FILES_AT/report-*.json --drafter general-92k
 
 Each report's `summary.measured_on` says where it ran (device, target cache, whether the GPU was
-the measurement's alone); rows keep it. The embedded engine decodes one sequence: batch 1.
+the measurement's alone); rows keep it. The summary is batch 1; each of the report's `batched`
+rows (benchmark.batch_sizes) is its batch's.
 """
 
 from __future__ import annotations
@@ -31,20 +32,24 @@ def median_of(values: list[float | None]) -> float | None:
 
 
 def rows_of(reports: list[dict], drafter: str) -> list[dict]:
-    """One row per (engine, target cache) among `reports`: medians over the repeats, the
-    speedup's spread, and every repeat's identity."""
-    groups: dict[tuple[str, str], list[dict]] = {}
+    """One row per (engine, target cache, batch) among `reports`: medians over the repeats,
+    the speedup's spread, and every repeat's identity."""
+    groups: dict[tuple[str, str, int], list[dict]] = {}
     for report in reports:
         summary = report["summary"]
         where = summary.get("measured_on") or {}
-        groups.setdefault((summary["engine"], where.get("target_cache", "?")), []).append(summary)
+        key = summary["engine"], where.get("target_cache", "?")
+        groups.setdefault((*key, 1), []).append(summary)
+        for batched in report.get("batched") or []:  # where and in what dtype: the summary's
+            groups.setdefault((*key, batched["batch"]), []).append(
+                {**batched, "target_dtype": summary.get("target_dtype"), "measured_on": where})
     rows = []
-    for (engine, cache), runs in groups.items():
+    for (engine, cache, batch), runs in groups.items():
         rounds = [r["ms_per_round"] for r in runs if r.get("ms_per_round")]
         speedups = [r["speedup"] for r in runs]
         where = runs[0].get("measured_on") or {}
         rows.append({
-            "engine": engine, "drafter": drafter, "batch": 1,
+            "engine": engine, "drafter": drafter, "batch": batch,
             "dtype": runs[0].get("target_dtype"), "target_cache": cache,
             "acceptance": median_of([r["acceptance_length"] for r in runs]),
             "ms_per_plain_token": median_of([r.get("ms_per_plain_token") for r in runs]),

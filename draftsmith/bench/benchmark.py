@@ -27,6 +27,7 @@ from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, Targ
 from draftsmith.data.evalsets import EvalPrompt
 from draftsmith.data.formats import load_source
 from draftsmith.data.merge import read_split
+from draftsmith.errors import InputError
 from draftsmith.figures import DeployFigures, TargetFigures, TrainFigures
 from draftsmith.progress import Progress
 from draftsmith.serve.deploy import drafting_label, load_embedded_engine, prompt_ids
@@ -35,6 +36,11 @@ from draftsmith.serve.embedded import (
     Generation,
     Sampling,
     plain_generate,
+)
+from draftsmith.serve.embedded_batch import (
+    BatchedSpeculativeDecoder,
+    BatchGeneration,
+    plain_generate_batch,
 )
 from draftsmith.target import load_tokenizer
 
@@ -209,6 +215,67 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     return summary, per_prompt
 
 
+def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
+                    batch: int, plain: list[Generation]) -> dict:
+    """`batch` prompts decoded at once, plain and then speculative for each group of prompts in
+    turn. Greedy: every row must equal plain decoding of its prompt alone (`plain`)."""
+    decoder = BatchedSpeculativeDecoder(engine)
+    groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+
+    def run(group: list[int]) -> tuple[BatchGeneration, BatchGeneration]:
+        chosen = [prompts[i] for i in group]
+        return (plain_generate_batch(engine.runner, chosen, cfg.max_new_tokens, eos,
+                                     [Sampling(cfg.temperature, seed=i) for i in group]),
+                decoder.generate(chosen, cfg.max_new_tokens, eos,
+                                 [Sampling(cfg.temperature, seed=i) for i in group]))
+
+    if cfg.warmup_prompts:  # each group size once: a new size compiles its steps on CUDA
+        for size in sorted({len(g) for g in groups}, reverse=True):
+            run(next(g for g in groups if len(g) == size))
+    progress = Progress(f"benchmark batch {batch}", total=len(prompts), unit="prompt")
+    runs = []
+    for group in groups:
+        runs.append(run(group))
+        progress.update(len(group))
+    progress.close()
+    plain_rows = [row for baseline, _ in runs for row in baseline.rows]
+    rows = [row for _, speculative in runs for row in speculative.rows]
+    rounds = sum(len(r.round_tokens) for r in rows)
+    acceptance = sum(sum(r.round_tokens) for r in rows) / max(rounds, 1)
+    accepted = [sum(col) for col in zip(*(accepted_by_position(r.round_tokens, engine.num_steps)
+                                          for r in rows), strict=True)]
+    tokens = sum(len(r.tokens) for r in rows)
+    spec_tps = tokens / sum(s.seconds for _, s in runs)
+    plain_tps = sum(len(r.tokens) for r in plain_rows) / sum(b.seconds for b, _ in runs)
+    sampled = cfg.temperature > 0
+    identical = [r.tokens == p.tokens for r, p in zip(rows, plain, strict=True)]
+    plain_identical = [r.tokens == p.tokens for r, p in zip(plain_rows, plain, strict=True)]
+    # A round (a step) of the batch: num_steps drafts and one verify for every sequence (one
+    # token for every sequence).
+    costs = step_costs([{"verify_rounds": s.forwards, "plain_steps": b.forwards,
+                         "draft_s": s.draft_seconds, "verify_s": s.verify_seconds,
+                         "speculative_s": s.seconds, "prefill_s": s.prefill_seconds,
+                         "greedy_decode_s": b.verify_seconds} for b, s in runs], acceptance)
+    summary = {
+        "batch": batch, "prompts": len(rows), "completion_tokens": tokens,
+        "acceptance_length": round(acceptance, 3),
+        "accepted_per_position": [round(a / max(rounds, 1), 4) for a in accepted],
+        "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(plain_tps, 1),
+        "speedup": round(spec_tps / plain_tps, 3),
+        "lossless": None if sampled else all(identical),
+        "identical_outputs": (f"n/a (sampled at temperature {cfg.temperature})" if sampled else
+                              f"{sum(identical)}/{len(identical)}"),
+        # Batched plain decoding against one prompt at a time: where float32 is exact, all.
+        "plain_identical_outputs": None if sampled else
+        f"{sum(plain_identical)}/{len(plain_identical)}",
+        **costs,
+    }
+    if summary["lossless"] is False:
+        log.error("benchmark batch %d: outputs differ from greedy decoding on prompts %s",
+                  batch, [i for i, same in enumerate(identical) if not same])
+    return summary
+
+
 def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
                   merged: Descriptor, target: Descriptor, plan: StagePlan,
                   deploy_cfg: DeployConfig | None = None,
@@ -216,6 +283,9 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     """trained: the train stage's descriptor, whose validation full_acc per TTT step sits next
     to the served engine's acceptance per position (optional)."""
     engine = DeployFigures.of(deployment).engine
+    if engine != "embedded" and cfg.batch_sizes:
+        log.warning("benchmark.batch_sizes %s: the embedded engine's setting; a served engine "
+                    "is measured at benchmark.concurrency", cfg.batch_sizes)
     if engine == "vllm":
         from draftsmith.bench.vllm_bench import run_vllm_benchmark
 
@@ -228,6 +298,10 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         return run_endpoint_benchmark(cfg, deploy_cfg or DeployConfig(engine="sglang"),
                                       target_cfg, deployment, merged, target, plan)
     engine, spec = load_embedded_engine(deployment, target_cfg)
+    if cfg.batch_sizes and engine.is_tree:
+        raise InputError(f"benchmark.batch_sizes {cfg.batch_sizes} with deploy.eagle_topk "
+                         f"{engine.topk}: batched decoding drafts chains; set "
+                         "deploy.eagle_topk: 1, or benchmark.batch_sizes: []")
     on_gpu = engine.device.type == "cuda"
     others_before = other_gpu_processes() if on_gpu else None
     tokenizer = load_tokenizer(target)
@@ -237,6 +311,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     plain = plain_decoding(engine.runner, prompts, cfg, eos)
     summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, deployed, plain)
     sets = with_sets(cfg, suite, per_prompt, engine.num_steps)
+    batched = [measure_batched(engine, prompts, cfg, eos, size, plain)
+               for size in cfg.batch_sizes]
 
     def measure_point(point: DraftingPoint, _out: Path) -> dict:
         point_engine = EmbeddedSpeculativeEngine(
@@ -275,7 +351,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     if points:
         summary["best_config"] = best["config"]
     if summary["lossless"] is not None:  # greedy: every greedy config must be identical
-        summary["lossless"] = all(c["lossless"] for c in configs if c["lossless"] is not None)
+        summary["lossless"] = all(c["lossless"] for c in [*configs, *batched]
+                                  if c["lossless"] is not None)
     verdict = (f"speculation is {best['speedup']:.2f}x plain greedy decoding ({best['config']})"
                if best["speedup"] >= 1 else
                f"WARNING: speculation is slower than plain decoding ({best['speedup']:.2f}x "
@@ -283,8 +360,9 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     with stage_output(plan) as out:
         atomic_write_json(out / "report.json", {"summary": summary, "verdict": verdict,
                                                 "sets": sets, "configs": configs,
-                                                "per_prompt": per_prompt})
-        (out / "report.md").write_text(markdown_report(summary, verdict, configs, sets))
+                                                "batched": batched, "per_prompt": per_prompt})
+        (out / "report.md").write_text(markdown_report(summary, verdict, configs, sets,
+                                                       batched))
         plot_benchmark(["greedy", *(c["config"] for c in configs)],
                        [configs[0]["greedy_tokens_per_s"],
                         *(c["speculative_tokens_per_s"] for c in configs)],
@@ -297,11 +375,11 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     return finish_stage(plan, counts={"prompts": len(per_prompt),
                                       "tokens": summary["completion_tokens"]},
                         figures={**summary, "verdict": verdict, "sets": sets,
-                                 "report": str(out / "report.md")})
+                                 "batched": batched, "report": str(out / "report.md")})
 
 
 def markdown_report(summary: dict, verdict: str, configs: list[dict] | None = None,
-                    sets: list[dict] | None = None) -> str:
+                    sets: list[dict] | None = None, batched: list[dict] | None = None) -> str:
     rows = "\n".join(f"| {k} | {v} |" for k, v in summary.items())
     text = f"# draftsmith benchmark\n\n| metric | value |\n|---|---|\n{rows}\n"
     if sets:
@@ -310,6 +388,10 @@ def markdown_report(summary: dict, verdict: str, configs: list[dict] | None = No
                  + sets_markdown(sets))
     if configs and len(configs) > 1:
         text += "\n## Drafting configs\n\n" + markdown_table(configs)
+    if batched:
+        text += ("\n## Several prompts at once\n\nPlain and speculative decoding of `batch` "
+                 "prompts together; ms per plain token and per round are a step of the whole "
+                 "batch.\n\n" + markdown_table(batched))
     return text + f"\n**{verdict}**\n"
 
 
