@@ -692,6 +692,7 @@ def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_dra
             got = static.generate(prompt, 16, None)
             assert got.tokens == expected.tokens
             assert got.round_tokens == expected.round_tokens
-        prompt_widths = {len(p) for p in prompts[:2]}
-        assert {w for name, w in widths if name == "anchor"} <= prompt_widths | {NUM_STEPS + 1}
+        # The prompt's anchors run eagerly: a compiled step of their width would compile
+        # again for every prompt length.
+        assert {w for name, w in widths if name == "anchor"} == {NUM_STEPS + 1}
         assert {w for name, w in widths if name == "chain"} == {1}

@@ -198,3 +198,46 @@ def test_a_query_sees_its_rows_live_keys_up_to_its_position():
     assert not slots.live[:, 3:].any() and slots.used == 3
     with pytest.raises(ValueError, match="holds 8 slots"):
         slots.append(torch.zeros(2, 6, dtype=torch.long), torch.ones(2, 6, dtype=torch.bool))
+
+
+def test_the_static_batchs_compiled_steps_keep_their_shapes(target_model, exported_drafter,  # noqa: F811
+                                                            prompts):
+    """With the static cache, what CUDA graphs would record has one shape per step: the
+    drafter's anchor step (num_steps + 1 wide) and chain step, and the target's verify forward;
+    the prompts' forwards run eagerly."""
+    engine = loaded(target_model, (exported_drafter, "eagle3"), "static")
+    try:
+        seen: dict[str, set] = {"anchor": set(), "chain": set(), "verify": set()}
+
+        def recording(name, forward):
+            def run(ids, hidden, positions, past, mask):
+                seen[name].add((tuple(ids.shape), tuple(past[0].shape), tuple(mask.shape)))
+                return forward(ids, hidden, positions, past, mask)
+            return run
+
+        engine.step_functions = (recording("anchor", engine.anchor_forward),
+                                 recording("chain", engine.drafter.step))
+        real_step = engine.runner.batch_step
+
+        def batch_step(width):
+            step = real_step(width)
+
+            def run(**kwargs):
+                seen["verify"].add((tuple(kwargs["input_ids"].shape),
+                                    tuple(kwargs["attention_mask"].shape)))
+                return step(**kwargs)
+            return run
+
+        engine.runner.batch_step = batch_step
+        decoder = BatchedSpeculativeDecoder(engine)
+        for max_new_tokens in (15, 9):  # the same caches, emptied
+            batch = decoder.generate(prompts, max_new_tokens, None)
+            assert [r.tokens for r in batch.rows] == [
+                plain_generate(engine.runner, p, max_new_tokens, None).tokens for p in prompts]
+        rows, k = len(prompts), NUM_STEPS
+        assert {ids for ids, _, _ in seen["anchor"]} == {(rows, k + 1)}
+        assert len(seen["anchor"]) == len(seen["chain"]) == 1
+        assert {ids for ids, _, _ in seen["chain"]} == {(rows, 1)}
+        assert len(seen["verify"]) == 1 and next(iter(seen["verify"]))[0] == (rows, k + 1)
+    finally:
+        engine.runner.close()

@@ -519,6 +519,8 @@ class EmbeddedSpeculativeEngine:
         if width > new:
             anchors = torch.cat([anchors, anchors[:, -1:].expand(-1, width - new, -1)],
                                 dim=1)  # [1, W, K*H]
+        if width != self.num_steps + 1:  # the prompt's: its width would compile anew
+            anchor_forward = self.anchor_forward
         out, logits, (k, v) = anchor_forward(ids, anchors, positions[None], (cache.k, cache.v),
                                              self._static_mask(cache, drafted_upto, positions))
         cache.write(drafted_upto, k, v)

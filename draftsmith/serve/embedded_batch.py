@@ -118,10 +118,14 @@ class BatchTarget:
 class DraftKV:
     """The drafter's keys and values for a batch: per layer a buffer [B, nkv, C, d], and one
     Slots for all layers. `static` attends over every slot (fixed shapes for compiled steps);
-    otherwise over the used ones only."""
+    otherwise over the used ones only. Capacities are rounded up to LENGTH_STEP, so that
+    generations of similar lengths share one."""
+
+    LENGTH_STEP = 256
 
     def __init__(self, layers: int, rows: int, n_kv: int, head_dim: int, capacity: int,
                  dtype, device, window: int | None, static: bool):
+        capacity = -(-capacity // self.LENGTH_STEP) * self.LENGTH_STEP
         self.slots = Slots(rows, capacity, device, window)
         self.k = [torch.zeros(rows, n_kv, capacity, head_dim, dtype=dtype, device=device)
                   for _ in range(layers)]  # [B, nkv, C, d] each
@@ -285,17 +289,27 @@ class BatchedSpeculativeDecoder:
         self.num_steps = engine.num_steps
         self.block = engine.kind.drafting == "block"
         self.device = engine.device
+        self._draft_kvs: dict[int, DraftKV] = {}  # rows -> the drafter's keys, reused
 
     def _draft_kv(self, rows: int, capacity: int) -> DraftKV:
+        """The decoder's DraftKV for `rows`, emptied, when it holds `capacity` slots; a longer
+        one otherwise."""
+        kv = self._draft_kvs.get(rows)
+        if kv is not None and kv.slots.capacity >= capacity:
+            kv.slots.rewind(0)
+            return kv
+        self._draft_kvs.pop(rows, None)  # the old buffers go before the new ones
         if self.block:
             layers = list(self.drafter.layers)
             attention, window = layers[0].self_attn, None
         else:
             layers = [self.drafter.midlayer]
             attention, window = layers[0].self_attn, self.drafter.config.sliding_window
-        return DraftKV(len(layers), rows, attention.n_kv, attention.head_dim, capacity,
-                       self.drafter.fc.weight.dtype, self.device, window,
-                       static=self.engine.cache == "static")
+        kv = self._draft_kvs[rows] = DraftKV(
+            len(layers), rows, attention.n_kv, attention.head_dim, capacity,
+            self.drafter.fc.weight.dtype, self.device, window,
+            static=self.engine.cache == "static")
+        return kv
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
@@ -383,7 +397,8 @@ class BatchedSpeculativeDecoder:
                                                        running, first)
         if self.block:
             return self._draft_block(kv, token_at, aux, positions, live, last, samplings)
-        return self._draft_chain(kv, ids, aux, positions, live, new, last, running, samplings)
+        return self._draft_chain(kv, ids, aux, positions, live, new, last, running, samplings,
+                                 first)
 
     def _choose(self, logits: torch.Tensor, samplings: list[Sampling],
                 probs: list[list[torch.Tensor]]) -> torch.Tensor:
@@ -399,11 +414,13 @@ class BatchedSpeculativeDecoder:
         return torch.tensor(picked, device=self.device)  # [B]
 
     def _draft_chain(self, kv: DraftKV, ids, aux, positions, live, new, last, running,
-                     samplings):
+                     samplings, first: bool):
         """EAGLE-3: step 0 over the anchors (their keys kept), then the chain, whose keys
         last the round."""
         probs: list[list[torch.Tensor]] = [[] for _ in samplings]
         anchor_forward, chain_forward = self.engine.step_functions
+        if first:  # the prompts' width: a compiled step would compile again for each
+            anchor_forward = self.engine.anchor_forward
         out, logits, step_kv = anchor_forward(
             ids, aux, positions, kv.past(), kv.step_mask(positions, live))  # [B, W, H], [B, W, D]
         kv.write(kv.slots.append(positions, live), [step_kv])
