@@ -241,3 +241,19 @@ def test_the_static_batchs_compiled_steps_keep_their_shapes(target_model, export
         assert len(seen["verify"]) == 1 and next(iter(seen["verify"]))[0] == (rows, k + 1)
     finally:
         engine.runner.close()
+
+
+def test_a_target_with_sliding_window_layers_is_refused(target_model, exported_drafter,  # noqa: F811
+                                                        prompts, monkeypatch):
+    """One 4D mask serves every layer, so a sliding-window layer would see too far."""
+    engine = loaded(target_model, (exported_drafter, "eagle3"), "dynamic")
+    try:
+        layers = target_model.config.num_hidden_layers
+        monkeypatch.setattr(target_model.config, "layer_types",
+                            ["sliding_attention", "full_attention"] * (layers // 2), raising=False)
+        with pytest.raises(ValueError, match="sliding-window layers.*batch_sizes"):
+            BatchedSpeculativeDecoder(engine).generate(prompts, 4, None)
+        with pytest.raises(ValueError, match="sliding-window layers"):
+            plain_generate_batch(engine.runner, prompts, 4, None)
+    finally:
+        engine.runner.close()

@@ -351,18 +351,22 @@ class BatchedSpeculativeDecoder:
             start = target.slots.used
             logits, new_aux = target.forward(verify_ids, verify_positions,
                                              running[:, None].expand(-1, k + 1))  # [B, k+1, V]
-            accepted, next_tokens, drafts_host = self._verify(drafts, draft_probs, logits,
-                                                              samplings, state.running)
-            target.slots.keep(start, torch.arange(k + 1, device=dev)[None]
-                              <= torch.tensor(accepted, device=dev)[:, None])  # [B, k+1]
-            for row in range(rows):
-                if not state.running[row]:
-                    continue
-                n = len(state.tokens[row]) - 1
-                kept = state.add(row, [*drafts_host[row][:accepted[row]], next_tokens[row]])
-                round_tokens[row].append(len(kept))
-                token_at[row, n + 1:n + 1 + len(kept)] = torch.tensor(kept, device=dev)
-                aux_at[row, n:n + len(kept)] = new_aux[row, :len(kept)]
+            accepted, bonus, host = self._verify(drafts, draft_probs, logits, samplings,
+                                                 state.running)  # [B], [B], the same listed
+            # Every row's round at once: the verify slots past its accepted drafts die; its
+            # tokens (accepted drafts, then the bonus) and aux states go to their positions.
+            # What lands past them is overwritten by the next round before anything reads it.
+            columns = torch.arange(k + 1, device=dev)  # [k+1]
+            target.slots.keep(start, columns[None] <= accepted[:, None])  # [B, k+1]
+            made = torch.cat([drafts, drafts[:, :1]], dim=1).scatter(
+                1, accepted[:, None], bonus[:, None])  # [B, k+1]
+            token_at.scatter_(1, last[:, None] + 1 + columns, made)
+            aux_at.scatter_(1, verify_positions[..., None].expand(-1, -1, aux_at.shape[-1]),
+                            new_aux)
+            for row, (a, next_token, row_drafts) in enumerate(zip(*host, strict=True)):
+                if state.running[row]:
+                    kept = state.add(row, [*row_drafts[:a], next_token])
+                    round_tokens[row].append(len(kept))
             drafted_upto = torch.where(running, last, drafted_upto)
             result.forwards += 1
             result.draft_seconds += drafted - began
@@ -461,16 +465,18 @@ class BatchedSpeculativeDecoder:
         return torch.stack(drafts, dim=1), probs  # [B, k]
 
     def _verify(self, drafts: torch.Tensor, draft_probs: list[list[torch.Tensor]],
-                logits: torch.Tensor, samplings: list[Sampling], running: list[bool]
-                ) -> tuple[list[int], list[int], list[list[int]]]:
-        """Per row, the drafts accepted, the target's own next token and the drafts, on the
-        host. drafts [B, k], logits [B, k+1, V]. A finished row's figures mean nothing."""
+                logits: torch.Tensor, samplings: list[Sampling], running: list[bool]):
+        """Per row, the drafts accepted [B] and the target's own next token [B], on the
+        device, and on the host the same with the drafts (accepted, next, drafts per row).
+        drafts [B, k], logits [B, k+1, V]. A finished row's figures mean nothing."""
         if all(s.greedy for s in samplings):
             verified = logits.argmax(-1)  # [B, k+1]
-            accepted = (drafts == verified[:, :-1]).int().cumprod(dim=1).sum(dim=1)  # [B]
-            bonus = verified.gather(1, accepted[:, None])  # [B, 1]
-            host = torch.cat([accepted[:, None], bonus, drafts], dim=1).tolist()  # one wait
-            return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
+            accepted = (drafts == verified[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B]
+            bonus = verified.gather(1, accepted[:, None])[:, 0]  # [B]
+            host = torch.cat([accepted[:, None], bonus[:, None], drafts],
+                             dim=1).tolist()  # one wait for the device a round
+            return accepted, bonus, ([r[0] for r in host], [r[1] for r in host],
+                                     [r[2:] for r in host])
         accepted, bonus = [], []
         for row, on in enumerate(running):
             if not on:
@@ -481,4 +487,5 @@ class BatchedSpeculativeDecoder:
                                                 logits[row], samplings[row])
             accepted.append(a)
             bonus.append(token)
-        return accepted, bonus, drafts.tolist()
+        return (torch.tensor(accepted, device=self.device),
+                torch.tensor(bonus, device=self.device), (accepted, bonus, drafts.tolist()))
