@@ -4,8 +4,8 @@
 # cached under RUN_ROOT), then its benchmark stage again and again, alternating
 # deploy.embedded_cache dynamic and static, REPEATS pairs. Each benchmark's report.json comes
 # back as $OUT/report-<cache>-<i>.json (ms per plain token, ms per round: draft, verify,
-# other; acceptance, speedup, speedup_limit, identical outputs), the run's log as
-# $OUT/cache-run.log.
+# other; acceptance, speedup, speedup_limit, identical outputs; and the same per batch size,
+# BATCHES, default [4,16], in `batched`), the run's log as $OUT/cache-run.log.
 #   carry .gpu/w (benchmarks/h200_wheels.sh), then
 #   bash benchmarks/embedded_cache_gpu.sh examples/tiny.yaml 2
 # After h200_run.sh on the same machine, its run root and target are reused:
@@ -17,6 +17,7 @@ config=${1:?config}; repeats=${2:-2}; shift 2
 extra=("$@")
 root=${RUN_ROOT:-/tmp/ecache/root}
 device=${DEVICE:-cuda}
+batches=${BATCHES:-[4,16]}
 OUT=${OUT:-/tmp/ecache/out}
 mkdir -p "$OUT"
 if ! python3 -c "import prefect" 2>/dev/null; then
@@ -35,17 +36,19 @@ for i in $(seq 1 "$repeats"); do
     rm -rf "$root"/benchmark  # the stage runs again, the earlier stages stay cached
     start=$(date +%s)
     python3 -m draftsmith.cli run "$config" --set run_root="$root" --set target.device="$device" \
-      --set deploy.embedded_cache=$cache "${extra[@]}" >> "$OUT"/cache-run.log 2>&1
+      --set deploy.embedded_cache=$cache --set "benchmark.batch_sizes=$batches" "${extra[@]}" \
+      >> "$OUT"/cache-run.log 2>&1
     echo "$cache $i: rc=$? in $(( $(date +%s) - start )) s"
     cp "$root"/benchmark/*/report.json "$OUT/report-$cache-$i.json" 2>/dev/null
     python3 - "$OUT/report-$cache-$i.json" <<'EOF'
 import json, sys
 try:
-    s = json.load(open(sys.argv[1]))["summary"]
-except (OSError, KeyError) as err:
+    report = json.load(open(sys.argv[1]))
+except OSError as err:
     sys.exit(f"  no report: {err}")
-print("  " + json.dumps({k: s.get(k) for k in ("acceptance_length", "speedup", "speedup_limit",
-      "ms_per_plain_token", "ms_per_round", "identical_outputs")}))
+for s in [{"batch": 1, **report["summary"]}, *report.get("batched", [])]:
+    print("  " + json.dumps({k: s.get(k) for k in ("batch", "acceptance_length", "speedup",
+          "speedup_limit", "ms_per_plain_token", "ms_per_round", "identical_outputs")}))
 EOF
   done
 done

@@ -173,7 +173,6 @@ class _Rows:
     prompts: list[list[int]]
     max_new_tokens: int
     eos_id: int | None
-    samplings: list[Sampling]
     device: torch.device
     extra_positions: int = 0  # positions written past the last known token (drafts)
     tokens: list[list[int]] = field(init=False)  # each row's prompt and output
@@ -251,7 +250,7 @@ def plain_generate_batch(runner: TargetRunner, prompts: list[list[int]], max_new
     """The baseline for a batch: the target alone, one token for every row a forward."""
     samplings = _samplings(len(prompts), samplings)
     started = time.perf_counter()
-    state = _Rows(prompts, max_new_tokens, eos_id, samplings, runner.model.device)
+    state = _Rows(prompts, max_new_tokens, eos_id, runner.model.device)
     target = BatchTarget(runner, len(prompts), state.width + max_new_tokens)
     logits, _ = target.forward(*state.left_padded(), last_only=True)  # [B, 1, V]
     for row, token in enumerate(_first_tokens(logits[:, -1], samplings)):
@@ -319,7 +318,7 @@ class BatchedSpeculativeDecoder:
         samplings = _samplings(len(prompts), samplings)
         started = time.perf_counter()
         k, dev = self.num_steps, self.device
-        state = _Rows(prompts, max_new_tokens, eos_id, samplings, dev, extra_positions=k + 1)
+        state = _Rows(prompts, max_new_tokens, eos_id, dev, extra_positions=k + 1)
         rows = len(prompts)
         # Slots: the prompts, then num_steps + 1 a round, one round at least per token.
         target = BatchTarget(self.engine.runner, rows, state.width + max_new_tokens * (k + 1))
@@ -344,6 +343,8 @@ class BatchedSpeculativeDecoder:
             running = state.live()  # [B]
             drafts, draft_probs = self._draft(drafter_kv, token_at, aux_at, drafted_upto, last,
                                               running, samplings, first=not result.forwards)
+            if dev.type == "cuda":  # so that the draft/verify split is the GPU's work, not
+                torch.cuda.synchronize(dev)  # the launches' (greedy drafts stay on the GPU)
             drafted = time.perf_counter()
             verify_ids = torch.cat([token_at.gather(1, last[:, None]), drafts],
                                    dim=1)  # [B, k+1]
