@@ -353,6 +353,7 @@ def test_the_benchmark_measures_several_prompts_at_once(chain, random_target,
     for row in batched:
         assert row["prompts"] == 3 and row["lossless"] is True
         assert row["identical_outputs"] == row["plain_identical_outputs"] == "3/3"
+        assert row["differences"] == [] and row["near_ties"] == 0
         assert row["acceptance_length"] == summary["acceptance_length"]
         assert row["accepted_per_position"] == summary["accepted_per_position"]
         assert row["completion_tokens"] == summary["completion_tokens"]
@@ -360,6 +361,57 @@ def test_the_benchmark_measures_several_prompts_at_once(chain, random_target,
         assert row["speedup"] > 0 and row["speedup_limit"] > 0
     assert bench.figures["batched"] == batched and bench.figures["lossless"] is True
     assert "## Several prompts at once" in (bench.dir / "report.md").read_text()
+
+
+def test_a_batch_row_that_leaves_greedy_decoding_is_a_bug_unless_at_a_near_tie(
+        chain, random_target, random_target_dir, tmp_path, monkeypatch):
+    """A row whose token differs where the target clearly preferred its own fails the stage's
+    check, with the prompt, position and logit gap in the row."""
+    from draftsmith.bench import benchmark as bench_module
+    from draftsmith.bench.report import problem
+    from draftsmith.serve.embedded_batch import BatchedSpeculativeDecoder
+
+    real = BatchedSpeculativeDecoder.generate
+
+    def corrupted(self, prompts, max_new_tokens, eos_id, samplings=None):
+        result = real(self, prompts, max_new_tokens, eos_id, samplings)
+        row = result.rows[0]
+        row.tokens = [*row.tokens[:2], (row.tokens[2] + 1) % 512, *row.tokens[3:]]
+        return result
+
+    monkeypatch.setattr(BatchedSpeculativeDecoder, "generate", corrupted)
+    bench = bench_module.run_benchmark(
+        BenchmarkConfig(num_prompts=2, max_new_tokens=6, batch_sizes=[2]),
+        TargetConfig(model=str(random_target_dir)), chain["deploy"], chain["merge"],
+        random_target, plan_stage(tmp_path, "benchmark", {}, [chain["deploy"]]))
+    [row] = bench.figures["batched"]
+    [difference] = row["differences"]
+    assert (difference["prompt"], difference["position"]) == (0, 2)
+    assert difference["gap"] > 0 and difference["near_tie"] is False
+    assert row["lossless"] is False and row["near_ties"] == 0
+    assert row["identical_outputs"] == "1/2"
+    assert bench.figures["lossless"] is False
+    assert problem(bench) == "speculative outputs differ from greedy decoding: this is a bug"
+
+
+def test_a_difference_within_float32_rounding_is_a_near_tie():
+    from draftsmith.bench.benchmark import first_difference
+
+    class Runner:  # the target's logits after the prompt and the reference's first token
+        def new_cache(self, capacity):
+            return None
+
+        def forward(self, ids, cache):
+            logits = torch.zeros(len(ids), 8)
+            logits[-1, 3], logits[-1, 5] = 22.281305, 22.281294  # SmolLM2's, batch 16
+            return logits, None
+
+    tie = first_difference(Runner(), [1, 2], [7, 3, 4], [7, 5, 4])
+    assert tie["position"] == 1 and tie["near_tie"] is True
+    assert tie["gap"] == pytest.approx(1.1e-5, abs=2e-6)
+    clear = first_difference(Runner(), [1, 2], [7, 3], [7, 6])
+    assert clear["near_tie"] is False and clear["gap"] == pytest.approx(22.281305)
+    assert first_difference(Runner(), [1], [7, 3], [7])["near_tie"] is False  # a cut output
 
 
 def test_batches_with_a_tree_are_refused_naming_both_settings(chain, random_target,
