@@ -352,6 +352,7 @@ def test_the_benchmark_measures_several_prompts_at_once(chain, random_target,
     assert [b["batch"] for b in batched] == [2, 4]
     for row in batched:
         assert row["prompts"] == 3 and row["lossless"] is True
+        assert row["groups"] == ([2, 1] if row["batch"] == 2 else [3])
         assert row["identical_outputs"] == row["plain_identical_outputs"] == "3/3"
         assert row["differences"] == [] and row["near_ties"] == 0
         assert row["acceptance_length"] == summary["acceptance_length"]

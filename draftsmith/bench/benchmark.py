@@ -244,6 +244,10 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
     with holes, in another order than one prompt alone does."""
     decoder = BatchedSpeculativeDecoder(engine)
     groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
+    if len(prompts) < batch:
+        log.warning("benchmark batch %d: only %d prompts, so the batch holds %d; raise "
+                    "benchmark.num_prompts (or prompts_per_set) to fill it", batch, len(prompts),
+                    len(prompts))
 
     def run(group: list[int]) -> tuple[BatchGeneration, BatchGeneration]:
         chosen = [prompts[i] for i in group]
@@ -284,7 +288,9 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
                          "speculative_s": s.seconds, "prefill_s": s.prefill_seconds,
                          "greedy_decode_s": b.verify_seconds} for b, s in runs], acceptance)
     summary = {
-        "batch": batch, "prompts": len(rows), "completion_tokens": tokens,
+        "batch": batch, "prompts": len(rows),
+        "groups": [len(g) for g in groups],  # prompts decoded together, group by group
+        "completion_tokens": tokens,
         "acceptance_length": round(acceptance, 3),
         "accepted_per_position": [round(a / max(rounds, 1), 4) for a in accepted],
         "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(plain_tps, 1),
