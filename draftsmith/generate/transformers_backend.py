@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 import torch
 
+from draftsmith.compiling import allocate_static_cache
 from draftsmith.errors import InputError
 
 log = logging.getLogger(__name__)
@@ -301,12 +302,7 @@ class TransformersGenerator:
             return True
         if not hasattr(cache, "early_initialization"):
             return False
-        config = self.model.config
-        cache.early_initialization(
-            batch_size=rows, num_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads,
-            dtype=self.model.dtype, device=self.model.device)
+        allocate_static_cache(cache, self.model, rows)
         return True
 
     def prefill(self, cache, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, StaticCache
 
-from draftsmith.compiling import compiled_once
+from draftsmith.compiling import allocate_static_cache, compiled_once
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
 from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
@@ -237,13 +237,7 @@ class StaticTargetRunner(TargetRunner):
                 "deploy.embedded_cache=static: this target has sliding-window layers, "
                 "whose static cache is a ring buffer that cannot drop rejected drafts; set "
                 "deploy.embedded_cache=dynamic")
-        config = self.model.config
-        # Allocated outside any compiled region, so its tensors get static addresses.
-        kv.early_initialization(
-            batch_size=rows, num_heads=config.num_key_value_heads,
-            head_dim=getattr(config, "head_dim", None)
-            or config.hidden_size // config.num_attention_heads,
-            dtype=self.model.dtype, device=self.model.device)
+        allocate_static_cache(kv, self.model, rows)
         return kv
 
     @torch.inference_mode()
