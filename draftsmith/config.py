@@ -821,8 +821,8 @@ class DeployConfig(ServerConfig):
         "The embedded engine's target KV cache. dynamic: a DynamicCache, one eager forward at "
         "a time; static: a StaticCache reused across generations, rejected drafts dropped by "
         "winding its length back, the 1-token and verify forwards compiled on CUDA (CUDA "
-        "graphs), chains only (eagle_topk 1); an EAGLE-3 drafter's steps run over a static "
-        "cache of their own, compiled the same way. auto: dynamic everywhere for now; static "
+        "graphs), chains only (eagle_topk 1); the drafter's steps (EAGLE-3's, DFlash's context "
+        "and block) run over static buffers of their own, compiled the same way. auto: dynamic everywhere for now; static "
         "becomes the CUDA default once it is measured on a GPU."))
     host: ServerHost = keyed("127.0.0.1")
     port: ServerPort = keyed(30000)

@@ -631,26 +631,32 @@ def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported
 
 # The drafter's static cache (deploy.embedded_cache=static, chains) ----------------------------
 
-@pytest.mark.parametrize("which", ["eagle3", "eagle31"])
+@pytest.mark.parametrize("which", ["eagle3", "eagle31", "dflash"])
 def test_the_static_drafter_cache_drafts_what_the_dynamic_one_drafts(
-        target_model, exported_drafter, eagle31_drafter, prompts, which):
+        target_model, exported_drafter, eagle31_drafter, dflash_drafter_dir, prompts, which):
     """Round after round, with every number of new anchors from 1 to num_steps + 1 (the
     padding's every width), the drafts over the drafter's static cache are the dynamic
-    cache's, and the buffers are the same ones every round and generation."""
+    cache's, and the buffers are the same ones every round and generation (DFlash: one cache
+    per layer, the context's keys)."""
     from draftsmith.serve.embedded import StaticDraftCache
 
-    drafter_dir = exported_drafter if which == "eagle3" else eagle31_drafter[1]
-    with engines(target_model, drafter_dir, NUM_STEPS) as (dynamic, static):
-        assert static._draft == static._draft_static
+    drafter_dir = {"eagle3": exported_drafter, "eagle31": eagle31_drafter[1],
+                   "dflash": dflash_drafter_dir}[which]
+    steps = BLOCK - 1 if which == "dflash" else NUM_STEPS
+    with engines(target_model, drafter_dir, steps) as (dynamic, static):
+        assert static._draft == (static._draft_block_static if which == "dflash"
+                                 else static._draft_static)
         for prompt in prompts[:2]:
             tokens = plain_generate(dynamic.runner, prompt, 40, None).tokens
             sequence = [*prompt, *tokens]
             _, aux = dynamic.runner.forward(sequence, dynamic.runner.new_cache(len(sequence)))
-            cache = static._new_drafter_cache(len(sequence) + 2 * (NUM_STEPS + 1))
-            assert isinstance(cache, StaticDraftCache)
-            buffers = cache.k.data_ptr(), cache.v.data_ptr()
+            cache = static._new_drafter_cache(len(sequence) + 2 * (steps + 1))
+            layers = cache if which == "dflash" else [cache]
+            assert all(isinstance(c, StaticDraftCache) for c in layers)
+            buffers = [(c.k.data_ptr(), c.v.data_ptr()) for c in layers]
             drafted_upto, dynamic_cache, known = 0, None, len(prompt) + 1
             advances = [1, 2, 3, 4, 4, 1, 3, 2]  # new anchors: accepted drafts + 1
+            assert max(advances) == steps + 1
             for advance in advances:
                 n = known - 1
                 want, _, dynamic_cache = dynamic._draft(sequence[:known], aux[:, :n],
@@ -659,7 +665,7 @@ def test_the_static_drafter_cache_drafts_what_the_dynamic_one_drafts(
                                               cache, Sampling())
                 assert got == want
                 drafted_upto, known = n, known + advance
-            assert (cache.k.data_ptr(), cache.v.data_ptr()) == buffers
+            assert [(c.k.data_ptr(), c.v.data_ptr()) for c in layers] == buffers
         assert static._new_drafter_cache(10) is cache  # reused while it fits
 
 
@@ -696,3 +702,36 @@ def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_dra
         # again for every prompt length.
         assert {w for name, w in widths if name == "anchor"} == {NUM_STEPS + 1}
         assert {w for name, w in widths if name == "chain"} == {1}
+
+
+def test_dflash_compiled_steps_keep_their_shapes(target_model, dflash_drafter_dir, prompts,
+                                                 monkeypatch):
+    """DFlash over static buffers: the context step (num_steps + 1 positions after the
+    prompt's, which runs eagerly) and the block step go through torch.compile (aot_eager here)
+    with one shape each; the tokens and rounds are the dynamic cache's."""
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "compiled_once",
+                        lambda fn, **_options: torch.compile(fn, backend="aot_eager"))
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
+    with engines(target_model, dflash_drafter_dir, BLOCK - 1) as (dynamic, static):
+        context_forward, block_forward = (torch.compile(f, backend="aot_eager")
+                                          for f in (static.context_kv, static.block_logits))
+        shapes: dict[str, set] = {"context": set(), "block": set()}
+
+        def recording(name, forward):
+            def run(first, positions, *rest):
+                shapes[name].add((tuple(first.shape), *(tuple(r.shape) for r in rest
+                                                        if isinstance(r, torch.Tensor))))
+                return forward(first, positions, *rest)
+            return run
+
+        static.step_functions = (recording("context", context_forward),
+                                 recording("block", block_forward))
+        for prompt in prompts[:2]:
+            expected = dynamic.generate(prompt, 16, None)
+            got = static.generate(prompt, 16, None)
+            assert got.tokens == expected.tokens
+            assert got.round_tokens == expected.round_tokens
+        assert {s[0][1] for s in shapes["context"]} == {BLOCK}
+        assert len(shapes["context"]) == len(shapes["block"]) == 1

@@ -257,3 +257,31 @@ def test_a_target_with_sliding_window_layers_is_refused(target_model, exported_d
             plain_generate_batch(engine.runner, prompts, 4, None)
     finally:
         engine.runner.close()
+
+
+def test_a_static_dflash_batch_keeps_its_compiled_shapes(target_model, dflash_drafter_dir,  # noqa: F811
+                                                         prompts):
+    """DFlash's context step (num_steps + 1 wide after the prompts') and block step see one
+    shape each over the static buffers."""
+    engine = loaded(target_model, (dflash_drafter_dir, "dflash"), "static")
+    try:
+        seen: dict[str, set] = {"context": set(), "block": set()}
+
+        def recording(name, forward):
+            def run(first, positions, *rest):
+                seen[name].add((tuple(first.shape), *(tuple(r.shape) for r in rest
+                                                      if isinstance(r, torch.Tensor))))
+                return forward(first, positions, *rest)
+            return run
+
+        engine.step_functions = (recording("context", engine.context_kv),
+                                 recording("block", engine.block_logits))
+        decoder = BatchedSpeculativeDecoder(engine)
+        for max_new_tokens in (15, 9):
+            batch = decoder.generate(prompts, max_new_tokens, None)
+            assert [r.tokens for r in batch.rows] == [
+                plain_generate(engine.runner, p, max_new_tokens, None).tokens for p in prompts]
+        assert {s[0][:2] for s in seen["context"]} == {(len(prompts), BLOCK)}
+        assert len(seen["context"]) == len(seen["block"]) == 1
+    finally:
+        engine.runner.close()

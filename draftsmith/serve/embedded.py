@@ -357,7 +357,10 @@ class EmbeddedSpeculativeEngine:
         if problem:
             raise ValueError(f"num_steps={num_steps}, topk={topk}: a {self.kind.name} drafter: "
                              f"{problem}")
-        if self.kind.drafting == "block":
+        if self.kind.drafting == "block" and cache == "static":  # over static buffers too
+            self._draft = self._draft_block_static
+            self._new_drafter_cache = self._new_static_block_cache
+        elif self.kind.drafting == "block":
             self._draft = self._draft_block
         elif cache == "static":  # a chain over the drafter's own static cache
             self._draft = self._draft_static
@@ -382,12 +385,15 @@ class EmbeddedSpeculativeEngine:
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
         self._static_drafter_cache: StaticDraftCache | None = None
+        self._static_block_caches: list[StaticDraftCache] = []  # DFlash: one per layer
         self._causal: dict[int, torch.Tensor] = {}  # width -> [T, T] causal mask
-        # Step 0 over anchors and a chain step (none for a block drafter). Over the static
-        # drafter cache their shapes are fixed, so on CUDA they are compiled (CUDA graphs).
-        self.step_functions = () if self.kind.drafting == "block" else (self.anchor_forward,
-                                                                         self.drafter.step)
-        if cache == "static" and self.step_functions and self.device.type == "cuda":
+        # EAGLE-3: step 0 over anchors and a chain step; DFlash: the context's keys and values
+        # and the block's logits. Over static drafter buffers their shapes are fixed, so on
+        # CUDA they are compiled (CUDA graphs).
+        self.step_functions = (
+            (self.context_kv, self.block_logits) if self.kind.drafting == "block"
+            else (self.anchor_forward, self.drafter.step))
+        if cache == "static" and self.device.type == "cuda":
             self.step_functions = tuple(compiled_once(f, mode="reduce-overhead")
                                         for f in self.step_functions)
 
@@ -418,6 +424,18 @@ class EmbeddedSpeculativeEngine:
             return mask
         near = (key_positions[None, :] > query_positions[:, None] - window)[None, None]
         return near if mask is None else mask & near  # [1, 1, Q, K]
+
+    def context_kv(self, aux: torch.Tensor, positions: torch.Tensor) -> list:
+        """DFlash: each layer's keys and values [B, nkv, W, d] of the context at aux
+        [B, W, K*H] and positions [B, W]."""
+        return self.drafter.context_kv(self.drafter.context(aux), positions)
+
+    def block_logits(self, block: torch.Tensor, positions: torch.Tensor, context_kv: list,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """DFlash: blocks [B, Q] at positions [B, Q] over the context's keys and values ->
+        the logits of drafts 1..Q-1 [B, Q-1, D]."""
+        hidden = self.drafter.block_hidden(block, positions, context_kv, mask)  # [B, Q, H]
+        return self.drafter.lm_head(hidden[:, 1:])  # [B, Q-1, D]
 
     @torch.inference_mode()
     def _anchor_step(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache):
@@ -583,6 +601,55 @@ class EmbeddedSpeculativeEngine:
         for row in logits:
             self.choose_draft(row, sampling, drafts, draft_probs)
         return drafts, draft_probs, cache
+
+    def _new_static_block_cache(self, capacity: int) -> list[StaticDraftCache]:
+        """DFlash: the engine's StaticDraftCache for each layer when they hold `capacity`
+        slots, else longer ones."""
+        caches = self._static_block_caches
+        if not caches or caches[0].capacity < capacity:
+            self._static_block_caches = []  # the old buffers go before the new ones
+            caches = [StaticDraftCache(layer.self_attn.n_kv, layer.self_attn.head_dim, capacity,
+                                       self.drafter.fc.weight.dtype, self.device)
+                      for layer in self.drafter.layers]
+            self._static_block_caches = caches
+        return caches
+
+    @torch.inference_mode()
+    def _draft_block_static(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int,
+                            caches: list[StaticDraftCache], sampling: Sampling):
+        """`_draft_block` over a StaticDraftCache per layer, a key at the slot of its
+        position. A round's new context positions are padded to num_steps + 1 (the padding's
+        keys land at n and after, where the mask hides them until the next round overwrites
+        them), and the block attends over every slot, masked to those below n: every round
+        has one shape. The prompt's round is not padded and runs eagerly."""
+        n = len(tokens) - 1
+        dev, length = self.device, self.num_steps + 1
+        context_forward, block_forward = self.step_functions
+        new = n - drafted_upto
+        width = length if drafted_upto and new <= length else new
+        if width != length:  # the prompt's: its width would compile anew
+            context_forward = self.context_kv
+        anchors = aux[:, drafted_upto:n]  # [1, new, K*H]
+        if width > new:
+            anchors = torch.cat([anchors, anchors[:, -1:].expand(-1, width - new, -1)],
+                                dim=1)  # [1, W, K*H]
+        positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)[None]  # [1, W]
+        for cache, (k, v) in zip(caches, context_forward(anchors, positions), strict=True):
+            cache.write(drafted_upto, k, v)
+        block = self.drafter.block_ids(torch.tensor([tokens[n]], device=dev), length)  # [1, Q]
+        past = (caches[0].slots < n)[None].expand(length, -1)  # [Q, C]
+        mask = torch.cat([past, self.drafter.within_block(length, dev)],
+                         dim=-1)[None, None]  # [1, 1, Q, C+Q]
+        logits = block_forward(block, torch.arange(n, n + length, device=dev)[None],
+                               [(c.k, c.v) for c in caches], mask)[0]  # [num_steps, D]
+        drafts: list[int] = []
+        draft_probs: list[torch.Tensor] = []
+        if sampling.greedy:  # one wait for the device
+            drafts = self.draft_to_target[logits.argmax(-1)].tolist()
+        else:
+            for row in logits:
+                self.choose_draft(row, sampling, drafts, draft_probs)
+        return drafts, draft_probs, caches
 
     @torch.inference_mode()
     def _draft_tree(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int, cache):

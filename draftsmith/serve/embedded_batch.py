@@ -401,7 +401,7 @@ class BatchedSpeculativeDecoder:
         ids, aux, positions, live, new = self._anchors(token_at, aux_at, drafted_upto, last,
                                                        running, first)
         if self.block:
-            return self._draft_block(kv, token_at, aux, positions, live, last, samplings)
+            return self._draft_block(kv, token_at, aux, positions, live, last, samplings, first)
         return self._draft_chain(kv, ids, aux, positions, live, new, last, running, samplings,
                                  first)
 
@@ -446,21 +446,22 @@ class BatchedSpeculativeDecoder:
         kv.slots.rewind(anchors_end)
         return torch.stack(drafts, dim=1), probs  # [B, k]
 
-    def _draft_block(self, kv: DraftKV, token_at, aux, positions, live, last, samplings):
+    def _draft_block(self, kv: DraftKV, token_at, aux, positions, live, last, samplings,
+                     first: bool):
         """DFlash: the anchors' context keys join the cache, then one forward of every row's
         block [x_n, mask x num_steps] at positions n..n+num_steps."""
         drafter, length = self.drafter, self.num_steps + 1
-        context = drafter.context(aux)  # [B, W, H]
-        kv.write(kv.slots.append(positions, live), drafter.context_kv(context, positions))
+        context_forward, block_forward = self.engine.step_functions
+        if first:  # the prompts' width: a compiled step would compile again for each
+            context_forward = self.engine.context_kv
+        kv.write(kv.slots.append(positions, live), context_forward(aux, positions))
         block = drafter.block_ids(token_at.gather(1, last[:, None])[:, 0], length)  # [B, Q]
         block_positions = last[:, None] + torch.arange(length, device=self.device)  # [B, Q]
         seen = kv.slots.mask(block_positions, kv.keys)  # [B, 1, Q, keys]
         within = drafter.within_block(length, self.device)[None, None].expand(
             len(samplings), -1, -1, -1)  # [B, 1, Q, Q]
-        hidden = drafter.block_hidden(block, block_positions,
-                                      [kv.past(i) for i in range(len(kv.k))],
-                                      torch.cat([seen, within], dim=-1))  # [B, Q, H]
-        logits = drafter.lm_head(hidden[:, 1:])  # [B, k, D]
+        logits = block_forward(block, block_positions, [kv.past(i) for i in range(len(kv.k))],
+                               torch.cat([seen, within], dim=-1))  # [B, k, D]
         probs: list[list[torch.Tensor]] = [[] for _ in samplings]
         drafts = [self._choose(logits[:, j], samplings, probs) for j in range(self.num_steps)]
         return torch.stack(drafts, dim=1), probs  # [B, k]
