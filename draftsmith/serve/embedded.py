@@ -189,8 +189,7 @@ class StaticTargetRunner(TargetRunner):
     def __init__(self, model, aux_layer_ids: list[int], step_widths: tuple[int, ...] = (),
                  compile_steps: bool | None = None):
         super().__init__(model, aux_layer_ids)
-        self._kv: StaticCache | None = None
-        self._batch_kv: dict[int, StaticCache] = {}  # rows -> cache
+        self._kv: dict[int, StaticCache] = {}  # rows -> cache
         if compile_steps is None:
             compile_steps = model.device.type == "cuda"
         self._compiled = None
@@ -203,20 +202,15 @@ class StaticTargetRunner(TargetRunner):
     def new_cache(self, capacity: int) -> StaticTargetCache:
         """The runner's StaticCache, emptied, when it holds `capacity` positions; a longer one
         (rounded up to LENGTH_STEP) otherwise, which compiled steps record again."""
-        if self._kv is None or self._kv.layers[0].max_cache_len < capacity:
-            self._kv = None  # the old cache's memory goes before the new one is made
-            self._kv = self._static_cache(1, capacity)
-        else:
-            self._kv.reset()
-        return StaticTargetCache(self._kv)
+        return StaticTargetCache(self.new_batch_cache(1, capacity))
 
     def new_batch_cache(self, rows: int, capacity: int) -> StaticCache:
         """The runner's StaticCache for `rows` sequences, emptied, when it holds `capacity`
         slots; a longer one otherwise (one per batch size, kept)."""
-        kv = self._batch_kv.get(rows)
+        kv = self._kv.get(rows)
         if kv is None or kv.layers[0].max_cache_len < capacity:
-            self._batch_kv.pop(rows, None)
-            kv = self._batch_kv[rows] = self._static_cache(rows, capacity)
+            self._kv.pop(rows, None)  # the old cache's memory goes before the new one is made
+            kv = self._kv[rows] = self._static_cache(rows, capacity)
         else:
             kv.reset()
         return kv
@@ -359,7 +353,7 @@ class EmbeddedSpeculativeEngine:
                              f"{problem}")
         if self.kind.drafting == "block" and cache == "static":  # over static buffers too
             self._draft = self._draft_block_static
-            self._new_drafter_cache = self._new_static_block_cache
+            self._new_drafter_cache = self._static_drafter_caches
         elif self.kind.drafting == "block":
             self._draft = self._draft_block
         elif cache == "static":  # a chain over the drafter's own static cache
@@ -384,8 +378,7 @@ class EmbeddedSpeculativeEngine:
         self.device = target_model.device
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
-        self._static_drafter_cache: StaticDraftCache | None = None
-        self._static_block_caches: list[StaticDraftCache] = []  # DFlash: one per layer
+        self._static_caches: list[StaticDraftCache] = []  # one per drafter layer
         self._causal: dict[int, torch.Tensor] = {}  # width -> [T, T] causal mask
         # EAGLE-3: step 0 over anchors and a chain step; DFlash: the context's keys and values
         # and the block's logits. Over static drafter buffers their shapes are fixed, so on
@@ -484,16 +477,23 @@ class EmbeddedSpeculativeEngine:
         """The drafter's cache for a new generation: built by the first round (dynamic)."""
         return None
 
+    def _static_drafter_caches(self, capacity: int) -> list[StaticDraftCache]:
+        """The engine's StaticDraftCache for each drafter layer when they hold `capacity`
+        slots, else longer ones."""
+        caches = self._static_caches
+        if not caches or caches[0].capacity < capacity:
+            layers = self.drafter.layers if self.kind.drafting == "block" else \
+                [self.drafter.midlayer]
+            self._static_caches = []  # the old buffers go before the new ones
+            caches = [StaticDraftCache(layer.self_attn.n_kv, layer.self_attn.head_dim, capacity,
+                                       self.drafter.fc.weight.dtype, self.device)
+                      for layer in layers]
+            self._static_caches = caches
+        return caches
+
     def _new_static_drafter_cache(self, capacity: int) -> StaticDraftCache:
-        """The engine's StaticDraftCache when it holds `capacity` slots, else a longer one."""
-        cache = self._static_drafter_cache
-        if cache is None or cache.capacity < capacity:
-            attention = self.drafter.midlayer.self_attn
-            self._static_drafter_cache = None  # the old buffers go before the new ones
-            cache = StaticDraftCache(attention.n_kv, attention.head_dim, capacity,
-                                     self.drafter.fc.weight.dtype, self.device)
-            self._static_drafter_cache = cache
-        return cache
+        """EAGLE-3: the engine's StaticDraftCache (one layer)."""
+        return self._static_drafter_caches(capacity)[0]
 
     def anchor_forward(self, ids, aux, positions, past_kv, mask):
         """Step 0 over anchors: fc over their aux states, then the drafter layer."""
@@ -511,6 +511,20 @@ class EmbeddedSpeculativeEngine:
         mask = torch.cat([past, self._causal[width]], dim=-1)[None, None]  # [1, 1, T, C+T]
         return self._windowed(mask, positions, torch.cat([cache.slots, positions]))
 
+    def _padded_anchors(self, aux: torch.Tensor, drafted_upto: int, n: int
+                        ) -> tuple[torch.Tensor, int]:
+        """A static round's new anchors drafted_upto..n-1: their aux states padded (with the
+        last one's) to num_steps + 1, so that every round has one shape, and that width. The
+        first round after the prompt keeps the prompt's width (run eagerly by the callers: a
+        compiled step would compile again for every prompt length)."""
+        new, length = n - drafted_upto, self.num_steps + 1
+        width = length if drafted_upto and new <= length else new
+        anchors = aux[:, drafted_upto:n]  # [1, new, K*H]
+        if width > new:
+            anchors = torch.cat([anchors, anchors[:, -1:].expand(-1, width - new, -1)],
+                                dim=1)  # [1, W, K*H]
+        return anchors, width
+
     @torch.inference_mode()
     def _draft_static(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int,
                       cache: StaticDraftCache, sampling: Sampling):
@@ -523,15 +537,11 @@ class EmbeddedSpeculativeEngine:
         dev = self.device
         anchor_forward, chain_forward = self.step_functions
         new = n - drafted_upto
-        width = self.num_steps + 1 if drafted_upto and new <= self.num_steps + 1 else new
+        anchors, width = self._padded_anchors(aux, drafted_upto, n)  # [1, W, K*H]
         ids = torch.tensor([tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)],
                            device=dev)  # [1, W]
         positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)  # [W]
-        anchors = aux[:, drafted_upto:n]  # [1, new, K*H]
-        if width > new:
-            anchors = torch.cat([anchors, anchors[:, -1:].expand(-1, width - new, -1)],
-                                dim=1)  # [1, W, K*H]
-        if width != self.num_steps + 1:  # the prompt's: its width would compile anew
+        if width != self.num_steps + 1:  # the prompt's
             anchor_forward = self.anchor_forward
         out, logits, (k, v) = anchor_forward(ids, anchors, positions[None], (cache.k, cache.v),
                                              self._static_mask(cache, drafted_upto, positions))
@@ -564,7 +574,7 @@ class EmbeddedSpeculativeEngine:
         return drafts, draft_probs, cache
 
     def choose_draft(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
-                draft_probs: list[torch.Tensor]) -> None:
+                     draft_probs: list[torch.Tensor]) -> None:
         """The next draft from draft_logits [D]: the argmax, or drawn (its distribution over
         the target vocab kept for verification)."""
         if sampling.greedy:
@@ -602,18 +612,6 @@ class EmbeddedSpeculativeEngine:
             self.choose_draft(row, sampling, drafts, draft_probs)
         return drafts, draft_probs, cache
 
-    def _new_static_block_cache(self, capacity: int) -> list[StaticDraftCache]:
-        """DFlash: the engine's StaticDraftCache for each layer when they hold `capacity`
-        slots, else longer ones."""
-        caches = self._static_block_caches
-        if not caches or caches[0].capacity < capacity:
-            self._static_block_caches = []  # the old buffers go before the new ones
-            caches = [StaticDraftCache(layer.self_attn.n_kv, layer.self_attn.head_dim, capacity,
-                                       self.drafter.fc.weight.dtype, self.device)
-                      for layer in self.drafter.layers]
-            self._static_block_caches = caches
-        return caches
-
     @torch.inference_mode()
     def _draft_block_static(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int,
                             caches: list[StaticDraftCache], sampling: Sampling):
@@ -625,14 +623,9 @@ class EmbeddedSpeculativeEngine:
         n = len(tokens) - 1
         dev, length = self.device, self.num_steps + 1
         context_forward, block_forward = self.step_functions
-        new = n - drafted_upto
-        width = length if drafted_upto and new <= length else new
-        if width != length:  # the prompt's: its width would compile anew
+        anchors, width = self._padded_anchors(aux, drafted_upto, n)  # [1, W, K*H]
+        if width != length:  # the prompt's
             context_forward = self.context_kv
-        anchors = aux[:, drafted_upto:n]  # [1, new, K*H]
-        if width > new:
-            anchors = torch.cat([anchors, anchors[:, -1:].expand(-1, width - new, -1)],
-                                dim=1)  # [1, W, K*H]
         positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)[None]  # [1, W]
         for cache, (k, v) in zip(caches, context_forward(anchors, positions), strict=True):
             cache.write(drafted_upto, k, v)
@@ -765,7 +758,7 @@ class EmbeddedSpeculativeEngine:
                 accepted_tokens = drafts[:accepted]
             drafted_upto = n
             produced = truncate_output([*accepted_tokens, next_token],
-                                 max_new_tokens - (len(tokens) - len(prompt)), eos_id)
+                                       max_new_tokens - (len(tokens) - len(prompt)), eos_id)
             tokens += produced
             result.round_tokens.append(len(produced))
             aux = torch.cat([aux, new_aux[:, kept]], dim=1)  # [1, n+a+1, K*H]
@@ -804,7 +797,7 @@ class EmbeddedSpeculativeEngine:
 
     @staticmethod
     def verify_chain(drafts: list[int], draft_probs: list[torch.Tensor], logits: torch.Tensor,
-                sampling: Sampling) -> tuple[int, int]:
+                     sampling: Sampling) -> tuple[int, int]:
         """(drafts accepted, the target's own next token). logits [k+1, V]: row i is the
         target's prediction for the position of draft i (row k: the bonus position)."""
         if sampling.greedy:
