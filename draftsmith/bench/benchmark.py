@@ -101,6 +101,17 @@ def accepted_by_position(round_tokens: list[int], num_steps: int) -> list[int]:
     return accepted
 
 
+def acceptance_figures(round_tokens: list[list[int]], num_steps: int
+                       ) -> tuple[float, list[float]]:
+    """Over every prompt's verify rounds (tokens kept per round): tokens per round, and the
+    share of rounds whose j-th draft was accepted, as vLLM's counters report it."""
+    rounds = sum(len(r) for r in round_tokens)
+    acceptance = sum(sum(r) for r in round_tokens) / max(rounds, 1)
+    accepted = [sum(col) for col in zip(*(accepted_by_position(r, num_steps)
+                                          for r in round_tokens), strict=True)]
+    return acceptance, [round(a / max(rounds, 1), 4) for a in accepted]
+
+
 def other_gpu_processes() -> list[str] | None:
     """The compute processes besides this one on the GPUs this process may use (all of the
     host's, or those CUDA_VISIBLE_DEVICES names by index), as `pid name`; None without
@@ -163,10 +174,12 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
         engine.generate(prompt, cfg.max_new_tokens, eos)
     sampled = cfg.temperature > 0
     per_prompt = []
+    round_tokens = []
     progress = Progress(f"benchmark {label}", total=len(prompts), unit="prompt")
     for i, (prompt, greedy) in enumerate(zip(prompts, plain, strict=True)):
         speculative = engine.generate(prompt, cfg.max_new_tokens, eos,
                                       Sampling(cfg.temperature, seed=i))
+        round_tokens.append(speculative.round_tokens)
         per_prompt.append({
             "prompt_tokens": len(prompt),
             "completion_tokens": len(speculative.tokens),
@@ -188,10 +201,7 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
         progress.update(1)
     progress.close()
 
-    rounds = sum(p["verify_rounds"] for p in per_prompt)
-    acceptance = sum(p["round_tokens"] for p in per_prompt) / max(rounds, 1)
-    accepted = [sum(col) for col in zip(*(p["accepted_by_position"] for p in per_prompt),
-                                        strict=True)]
+    acceptance, per_position = acceptance_figures(round_tokens, engine.num_steps)
     spec_tokens = sum(p["completion_tokens"] for p in per_prompt)
     spec_tps = spec_tokens / sum(p["speculative_s"] for p in per_prompt)
     greedy_tps = sum(p["plain_tokens"] for p in per_prompt) / sum(p["greedy_s"] for p in per_prompt)
@@ -201,8 +211,7 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
         "num_draft_tokens": engine.num_draft_tokens, "prompts": len(per_prompt),
         "completion_tokens": spec_tokens,
         "acceptance_length": round(acceptance, 3),
-        # Share of verify rounds whose j-th draft was accepted, as vLLM's counters report it.
-        "accepted_per_position": [round(a / max(rounds, 1), 4) for a in accepted],
+        "accepted_per_position": per_position,
         "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(greedy_tps, 1),
         "speedup": round(spec_tps / greedy_tps, 3), "lossless": lossless,
         "identical_outputs": (f"n/a (sampled at temperature {cfg.temperature})" if sampled else
@@ -267,10 +276,8 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
     progress.close()
     plain_rows = [row for baseline, _ in runs for row in baseline.rows]
     rows = [row for _, speculative in runs for row in speculative.rows]
-    rounds = sum(len(r.round_tokens) for r in rows)
-    acceptance = sum(sum(r.round_tokens) for r in rows) / max(rounds, 1)
-    accepted = [sum(col) for col in zip(*(accepted_by_position(r.round_tokens, engine.num_steps)
-                                          for r in rows), strict=True)]
+    acceptance, per_position = acceptance_figures([r.round_tokens for r in rows],
+                                                  engine.num_steps)
     tokens = sum(len(r.tokens) for r in rows)
     spec_tps = tokens / sum(s.seconds for _, s in runs)
     plain_tps = sum(len(r.tokens) for r in plain_rows) / sum(b.seconds for b, _ in runs)
@@ -292,7 +299,7 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
         "groups": [len(g) for g in groups],  # prompts decoded together, group by group
         "completion_tokens": tokens,
         "acceptance_length": round(acceptance, 3),
-        "accepted_per_position": [round(a / max(rounds, 1), 4) for a in accepted],
+        "accepted_per_position": per_position,
         "speculative_tokens_per_s": round(spec_tps, 1), "greedy_tokens_per_s": round(plain_tps, 1),
         "speedup": round(spec_tps / plain_tps, 3),
         "lossless": None if sampled else all(d["near_tie"] for d in differences),
