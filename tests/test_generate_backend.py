@@ -227,7 +227,7 @@ def test_a_batch_whose_cache_would_not_fit_runs_as_smaller_batches(
     whole = generator(None)
     length = whole.batch_cache_length(max(len(p) for p in whole.prompt_tokens(conversations)))
     assert whole.batch_rows(length) == 8
-    split = generator(3 * whole.cache_bytes_per_row(length))  # three rows' worth
+    split = generator(3 * whole.batch_bytes_per_row(length))  # three rows' worth
     with caplog.at_level("INFO", logger="draftsmith"):
         answers = split.complete(conversations)
     assert split.batch_rows(length) == 3
@@ -249,7 +249,7 @@ def test_rows_below_the_batch_size_come_in_steps(random_target_dir, random_targe
     generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=4,
                                       temperature=0.0, top_p=1.0, seed=0, cache="static",
                                       batch_size=2048, cache_budget_bytes=0)
-    per_row = generator.cache_bytes_per_row(1536)
+    per_row = generator.batch_bytes_per_row(1536)
     generator.cache_budget_bytes = 1000 * per_row
     assert generator.batch_rows(1536) == 1000 // ROWS_STEP * ROWS_STEP
     generator.cache_budget_bytes = 5 * per_row
@@ -258,6 +258,28 @@ def test_rows_below_the_batch_size_come_in_steps(random_target_dir, random_targe
     assert generator.batch_rows(1536) == 1
     generator.cache_budget_bytes = 4096 * per_row
     assert generator.batch_rows(1536) == 2048
+
+
+def test_a_batch_counts_its_prefill_as_well_as_its_cache(random_target_dir,
+                                                         random_target_tokenizer):
+    """2,048 rows whose keys and values fit ran out of memory on an H200 while the prompts
+    went in: the prefill's 4D mask alone took 13.9 GiB. A batch's rows count both."""
+    from draftsmith.target import load_target_model
+
+    model = load_target_model(random_target_dir)
+    generator = TransformersGenerator(model, random_target_tokenizer, max_new_tokens=160,
+                                      temperature=0.0, top_p=1.0, seed=0, cache="static",
+                                      batch_size=2048, cache_budget_bytes=0)
+    length, config = 2048, model.config
+    cache = generator.cache_bytes_per_row(length)
+    prefill = generator.prefill_bytes_per_row(length - 160, length)
+    itemsize = model.dtype.itemsize
+    assert prefill >= (length - 160) * length * itemsize  # the mask, [P, L], at least
+    assert prefill >= (length - 160) * config.intermediate_size * itemsize  # an MLP output
+    assert generator.batch_bytes_per_row(length) == cache + prefill
+    generator.cache_budget_bytes = 2048 * cache  # the keys and values alone would fit
+    assert generator.batch_rows(length) < 2048
+    assert generator.batch_rows(length) * (cache + prefill) <= generator.cache_budget_bytes
 
 
 def test_cache_choice_and_length():

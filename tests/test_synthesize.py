@@ -138,3 +138,105 @@ def test_the_generate_stage_writes_then_answers_and_reuses_the_journal(
                          plan_stage(tmp_path, "generate", {"n": 5}, [tiny]))
     assert [r.messages[0].content for r in read_records(again)] == [
         r.messages[0].content for r in records]
+
+
+def test_a_smaller_batch_size_after_an_out_of_memory_error_keeps_every_prompt_and_answer(
+        tmp_path, tiny_target_cache, monkeypatch):
+    """The out-of-memory error tells the user to lower generate.batch_size: what the journals
+    hold (written prompts, answers) must survive that, or hours of GPU work are asked again."""
+    from draftsmith.data.records import read_records
+    from draftsmith.generate import stage
+    from draftsmith.generate.stage import run_generate
+    from draftsmith.target import resolve_target
+
+    source = {"name": "self-written", "synthesize": {"prompts": 16, "max_prompt_tokens": 32}}
+    data = DataConfig(sources=[source])
+    target = TargetConfig(model="builtin:tiny")
+    tiny = resolve_target(target)
+    gen = GenerateConfig(max_new_tokens=4, batch_size=8)
+    first = read_records(run_generate(gen, data, target, tiny,
+                                      plan_stage(tmp_path, "generate", {"b": 8}, [tiny])))
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the journals held this already")
+
+    monkeypatch.setattr(synthesize, "_write_with_target", asked)
+    monkeypatch.setattr(stage, "_answer_with_transformers", asked)
+    smaller = gen.model_copy(update={"batch_size": 3, "cache_lengths": "batch"})
+    again = read_records(run_generate(smaller, data, target, tiny,
+                                      plan_stage(tmp_path, "generate", {"b": 3}, [tiny])))
+    assert [r.messages for r in again] == [r.messages for r in first]
+
+    # What decides an answer still starts a journal of its own.
+    monkeypatch.undo()
+    longer = smaller.model_copy(update={"max_new_tokens": 6})
+    answers = tmp_path / "generate" / "answers"
+    before = {p.name for p in answers.iterdir()}
+    run_generate(longer, data, target, tiny, plan_stage(tmp_path, "generate", {"n": 6}, [tiny]))
+    assert len({p.name for p in answers.iterdir()} - before) == 1
+
+
+def test_a_cut_off_journal_goes_on_in_the_batch_size_it_was_begun_with(
+        tmp_path, random_target, random_target_model, random_target_tokenizer):
+    from draftsmith.generate.transformers_backend import TransformersGenerator
+
+    cfg = SynthesizeConfig(prompts=24, max_prompt_tokens=12)
+    writings = plan_writings(cfg)
+    start = random_target_tokenizer(user_turn_start(random_target_tokenizer),
+                                    add_special_tokens=False)["input_ids"]
+
+    def generator():
+        return TransformersGenerator(random_target_model, random_target_tokenizer,
+                                     max_new_tokens=12, temperature=1.0, top_p=0.95, seed=0)
+
+    whole = tmp_path / "whole" / "written.jsonl"
+    write_prompts(writings, whole, generator(), start, batch_size=8, seed=0)
+    cut = tmp_path / "cut" / "written.jsonl"
+    write_prompts(writings[:8], cut, generator(), start, batch_size=8, seed=0)
+    batch_size = synthesize.writing_batch_size(cut, configured=4)
+    assert batch_size == 8
+    write_prompts(writings, cut, generator(), start, batch_size=batch_size, seed=0)
+    assert read_journal(cut) == read_journal(whole)
+
+
+def test_journals_named_by_an_older_draftsmith_are_taken_over(tmp_path, tiny_target_cache,
+                                                               monkeypatch):
+    """Journals were named with every generate setting, the batch size among them; after an
+    upgrade, a run with the same settings finds them under that name and asks nothing."""
+    from draftsmith.artifacts import hash_json
+    from draftsmith.config import key_settings
+    from draftsmith.data.records import read_records
+    from draftsmith.generate import stage
+    from draftsmith.generate.stage import run_generate
+    from draftsmith.target import resolve_target
+
+    source = {"name": "self-written", "synthesize": {"prompts": 16, "max_prompt_tokens": 32}}
+    data = DataConfig(sources=[source])
+    target = TargetConfig(model="builtin:tiny")
+    tiny = resolve_target(target)
+    gen = GenerateConfig(max_new_tokens=4, batch_size=8)
+    first = read_records(run_generate(gen, data, target, tiny,
+                                      plan_stage(tmp_path, "generate", {"run": 1}, [tiny])))
+    root = tmp_path / "generate"
+    [prompts] = (root / "prompts").iterdir()
+    [answers] = (root / "answers").iterdir()
+    (prompts / synthesize.BATCHES_FILE).unlink()  # older journals had none
+    older_prompts = hash_json({"synthesize": key_settings(data.sources[0].synthesize),
+                               "batch_size": 8, "dtype": "float32",
+                               "target": tiny.fingerprint})[:12]
+    older_answers = hash_json({"generate": key_settings(gen), "target": tiny.fingerprint,
+                               "target_dtype": "float32"})[:12]
+    prompts.rename(root / "prompts" / f"self-written-{older_prompts}")
+    answers.rename(root / "answers" / f"self-written-{older_answers}")
+
+    def asked(*args, **kwargs):
+        raise AssertionError("the journals held this already")
+
+    monkeypatch.setattr(synthesize, "_write_with_target", asked)
+    monkeypatch.setattr(stage, "_answer_with_transformers", asked)
+    again = read_records(run_generate(gen, data, target, tiny,
+                                      plan_stage(tmp_path, "generate", {"run": 2}, [tiny])))
+    assert [r.messages for r in again] == [r.messages for r in first]
+    assert [p.name for p in (root / "prompts").iterdir()] == [prompts.name]
+    assert [p.name for p in (root / "answers").iterdir()] == [answers.name]
+    assert json.loads((prompts / synthesize.BATCHES_FILE).read_text()) == {"batch_size": 8}

@@ -23,6 +23,22 @@ ANSWERS_FILE = "answers.jsonl"
 ERRORS_FILE = "errors.jsonl"
 
 
+def adopt_journal(directory: Path, earlier_name: Path) -> Path:
+    """`directory`, taking over a journal kept under `earlier_name` (the name an older
+    draftsmith gave the same settings) when only that one exists, so upgrading asks nothing
+    again. Another host may rename it first; then its new name is there."""
+    if directory.exists() or earlier_name == directory or not earlier_name.is_dir():
+        return directory
+    try:
+        earlier_name.rename(directory)
+    except OSError:
+        if not directory.exists():
+            raise
+    log.info("journal %s: taken over from %s (named with the settings of an older draftsmith)",
+             directory, earlier_name)
+    return directory
+
+
 @dataclass
 class Request:
     key: str  # the journal key: record id and prompt, hashed

@@ -6,8 +6,9 @@ by the target itself (and with `regenerate: all`, every record's last answer is 
 Answers are journaled per source (`<run_root>/generate/answers/<source>-<settings>/`), keyed
 by the record and its prompt, and kept after the stage finishes: a run whose data changed asks
 only for the prompts no journal holds, so an unchanged source is not answered again and a grown
-one only for its new records. The journal's name covers the generate settings and the target,
-so new settings or a new target answer everything again.
+one only for its new records. The journal's name covers the settings that decide what an answer
+is and the target, so new such settings or a new target answer everything again; settings
+that only decide how fast answers come (ANSWER_SPEED_SETTINGS) keep it.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from draftsmith.config import (
 from draftsmith.data.formats import Message, Record, SourceStats, load_source
 from draftsmith.data.records import write_records
 from draftsmith.errors import ConfigValueError, WorkerCrashError
-from draftsmith.generate.journal import ERRORS_FILE, Answer, Journal, Request, RunTotals
+from draftsmith.generate.journal import (
+    ERRORS_FILE,
+    Answer,
+    Journal,
+    Request,
+    RunTotals,
+    adopt_journal,
+)
 from draftsmith.generate.openai_client import (
     EndpointError,
     GenerateInputError,
@@ -62,15 +70,27 @@ def _prompt_part(record: Record, mode: str) -> list[Message] | None:
 
 ANSWERS_DIR = "answers"
 
+# Generate settings that decide how fast the target answers, not what an answer is. They stay
+# in the stage's cache key, but a journal survives them: lowering batch_size after an
+# out-of-memory error, as that error advises, asks none of the answers again. (In bfloat16 a
+# batch of another shape can flip a near tie; either answer is the target's own.)
+ANSWER_SPEED_SETTINGS = frozenset({"batch_size", "cache", "cache_lengths", "compile_prefill"})
+
 
 def journal_dir(plan: StagePlan, cfg: GenerateConfig, source: DataSource,
                 target: Descriptor, target_dtype: str = "float32") -> Path:
     """The answer journal of one source: beside the stage directories, not in them (a retry
     clears the stage directory, and the answers of a 55-hour run must survive that), named
-    after the source, the generate settings and the target that answered."""
-    settings = hash_json({"generate": key_settings(cfg), "target": target.fingerprint,
-                          "target_dtype": target_dtype})[:12]
-    return plan.dir.parent / ANSWERS_DIR / f"{slug(source.name)}-{settings}"
+    after the source, the settings that decide what an answer is, and the target."""
+    settings = key_settings(cfg)
+    answer_settings = {k: v for k, v in settings.items() if k not in ANSWER_SPEED_SETTINGS}
+    root = plan.dir.parent / ANSWERS_DIR
+    name = hash_json({"generate": answer_settings, "target": target.fingerprint,
+                      "target_dtype": target_dtype})[:12]
+    before_speed_settings_left_out = hash_json({
+        "generate": settings, "target": target.fingerprint, "target_dtype": target_dtype})[:12]
+    return adopt_journal(root / f"{slug(source.name)}-{name}",
+                         root / f"{slug(source.name)}-{before_speed_settings_left_out}")
 
 
 class SourceJournals:

@@ -23,7 +23,9 @@ topic, from `seed`). In process, batch b is sampled with seed + b; over HTTP eac
 carries its own seed (seed * 1,000,003 + i). Either way a run resumed from the journal writes
 what an uninterrupted run on the same machine writes. The journal
 (`<run_root>/generate/prompts/<source>-<settings>/written.jsonl`) is appended a batch at a time
-and fsynced; like the answer journals it survives the stage's retries and later runs.
+and fsynced; like the answer journals it survives the stage's retries and later runs. It keeps
+the batch size it was begun with (`batches.json`) and goes on in that one, so a run whose
+generate.batch_size was lowered after an out-of-memory error keeps every prompt written.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from draftsmith.artifacts import atomic_write_json
 from draftsmith.diskspace import append_line
 from draftsmith.progress import Progress
 
@@ -51,6 +54,7 @@ log = logging.getLogger(__name__)
 
 PROMPTS_DIR = "prompts"
 WRITTEN_FILE = "written.jsonl"
+BATCHES_FILE = "batches.json"  # beside the journal: the batch size its prompts are sampled in
 FREE = "free"
 TOPIC = "{topic}"
 # Openers end without a space: the target writes the space-led word after them itself, as
@@ -149,15 +153,32 @@ def user_turn_start(tokenizer) -> str:
 def journal_path(plan: StagePlan, source: DataSource, cfg: GenerateConfig, target: Descriptor,
                  dtype: str) -> Path:
     """Beside the stage directories (a retry clears the stage directory), named after the
-    source and everything that decides what is written: the synthesis settings, the batch
-    size and dtype it is sampled with, and the target."""
+    source and everything that decides what is written: the synthesis settings, the dtype it
+    is sampled in, and the target. The batch size is the journal's own (`writing_batch_size`).
+    """
     from draftsmith.artifacts import hash_json
     from draftsmith.config import key_settings, slug
+    from draftsmith.generate.journal import adopt_journal
 
-    settings = hash_json({"synthesize": key_settings(source.synthesize),
-                          "batch_size": cfg.batch_size, "dtype": dtype,
-                          "target": target.fingerprint})[:12]
-    return plan.dir.parent / PROMPTS_DIR / f"{slug(source.name)}-{settings}" / WRITTEN_FILE
+    def name(**batch) -> Path:
+        settings = hash_json({"synthesize": key_settings(source.synthesize), **batch,
+                              "dtype": dtype, "target": target.fingerprint})[:12]
+        return plan.dir.parent / PROMPTS_DIR / f"{slug(source.name)}-{settings}"
+
+    directory, earlier = name(), name(batch_size=cfg.batch_size)
+    if not directory.exists() and earlier.is_dir() and not (earlier / BATCHES_FILE).exists():
+        atomic_write_json(earlier / BATCHES_FILE, {"batch_size": cfg.batch_size})
+    return adopt_journal(directory, earlier) / WRITTEN_FILE
+
+
+def writing_batch_size(journal: Path, configured: int) -> int:
+    """The batch size the journal's prompts are sampled in: the one it was begun with (batch b
+    is sampled with seed + b, so another size would write other prompts for the same
+    indices), else `configured`."""
+    recorded = journal.parent / BATCHES_FILE
+    if recorded.is_file():
+        return int(json.loads(recorded.read_text())["batch_size"])
+    return configured
 
 
 def read_journal(path: Path) -> dict[int, dict]:
@@ -214,6 +235,8 @@ def write_prompts(writings: list[Writing], journal: Path, generator, start_ids: 
     """Every writing not in the journal yet, a batch at a time (batch b sampled with
     seed + b), appended to the journal; returns the whole journal."""
     done = journal_so_far(journal)
+    if not (journal.parent / BATCHES_FILE).exists():
+        atomic_write_json(journal.parent / BATCHES_FILE, {"batch_size": batch_size})
     batches = [writings[i:i + batch_size] for i in range(0, len(writings), batch_size)]
     todo = [(b, batch) for b, batch in enumerate(batches)
             if any(w.index not in done for w in batch)]
@@ -445,17 +468,19 @@ def _write_with_target(writings: list[Writing], journal: Path, cfg: GenerateConf
     tokenizer = load_tokenizer(target)
     model = load_target_model(target.path, target_cfg.device, dtype)
     start_ids = tokenizer(user_turn_start(tokenizer), add_special_tokens=False)["input_ids"]
+    batch_size = writing_batch_size(journal, cfg.batch_size)
     generator = TransformersGenerator(
         model, tokenizer, max_new_tokens=synth.max_prompt_tokens,
         temperature=synth.temperature, top_p=synth.top_p, seed=synth.seed,
-        cache=resolve_cache(cfg.cache, model.device), batch_size=cfg.batch_size,
+        cache=resolve_cache(cfg.cache, model.device), batch_size=batch_size,
         cache_lengths=cfg.cache_lengths)
-    log.info("synthesize: the target writes %d prompts (%s), batches of %d, journal %s",
+    log.info("synthesize: the target writes %d prompts (%s), batches of %d%s, journal %s",
              len(writings), dict(sorted(Counter(w.task_type for w in writings).items())),
-             cfg.batch_size, journal)
+             batch_size, "" if batch_size == cfg.batch_size else
+             f" (the journal's, begun with them; generate.batch_size is {cfg.batch_size})",
+             journal)
     try:
-        return write_prompts(writings, journal, generator, start_ids, cfg.batch_size,
-                             synth.seed)
+        return write_prompts(writings, journal, generator, start_ids, batch_size, synth.seed)
     finally:
         del generator, model  # the answering pass loads the target again
         gc.collect()

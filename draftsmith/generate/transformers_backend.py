@@ -14,10 +14,10 @@ Two ways to run `generate` (`generate.cache`):
   the longest prompt needs (on python-functions prompts, 5 batches of 6 need at most 384
   positions where the stage needs 896). One cache is kept: a length met again after another
   gets a new cache, which the compiled step's CUDA graphs record again.
-  A batch whose cache would not fit CACHE_MEMORY_SHARE of the GPU's free memory is split into
-  batches of fewer rows (`batch_rows`): 2,048 rows of SmolLM2's bf16 cache take 47 MB a
-  position, so on an 80 GB H100 they fit up to 1,024 positions, and at 1,536 a batch takes
-  1,536 rows (the H200's 141 GB held all 2,048).
+  A batch whose cache and prefill would not fit CACHE_MEMORY_SHARE of the GPU's free memory is
+  split into batches of fewer rows (`batch_rows`). A row of SmolLM2 in bf16 at 2,048 positions
+  takes 47 MB of cache and, for a 1,888-token prompt, 38 MB of prefill (the 4D mask, the
+  MLP): 2,048 such rows do not fit an H200, 1,216 do (70% of its free memory).
 
 Decode attention over a padded cache is most of a decode step's work on a small target.
 transformers' SDPA path repeats every KV head for its query heads whenever a mask is given
@@ -273,24 +273,44 @@ class TransformersGenerator:
         return (length * config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim
                 * self.model.dtype.itemsize)
 
+    def prefill_bytes_per_row(self, width: int, length: int) -> int:
+        """One row's working memory while its prompt of `width` tokens goes into a cache of
+        `length` positions: the 4D attention mask [P, L] (as the model's dtype and as the bool
+        it is made from), and the MLP's and the residual stream's activations. On an H200 the
+        keys and values alone fit, and the prefill of 2,048 rows of 1,780-token prompts still
+        ran out of memory allocating that mask (13.9 GiB)."""
+        config = self.model.config
+        itemsize = self.model.dtype.itemsize
+        intermediate = getattr(config, "intermediate_size", None) or 4 * config.hidden_size
+        return width * (length * (itemsize + 1) + 3 * intermediate * itemsize
+                        + 4 * config.hidden_size * itemsize)
+
+    def batch_bytes_per_row(self, length: int) -> int:
+        """One row of a static-cache batch at this cache length: its cache, and the working
+        memory of its prefill at the longest prompt the length holds (the row count then
+        depends on the length alone: each new row count records the decode step again)."""
+        width = max(1, length - self.max_new_tokens)
+        return self.cache_bytes_per_row(length) + self.prefill_bytes_per_row(width, length)
+
     def batch_rows(self, length: int) -> int:
         """Rows of one static-cache batch at this cache length: batch_size, or fewer (a
-        multiple of ROWS_STEP where at least that many fit) where batch_size rows' cache would
-        take more than cache_budget_bytes."""
+        multiple of ROWS_STEP where at least that many fit) where batch_size rows would take
+        more than cache_budget_bytes."""
         rows = self.batch_size or 1
         if self.cache_budget_bytes is None:
             return rows
-        per_row = self.cache_bytes_per_row(length)
+        per_row = self.batch_bytes_per_row(length)
         fits = self.cache_budget_bytes // per_row
         if fits >= rows:
             return rows
         fits = max(1, fits // ROWS_STEP * ROWS_STEP if fits >= ROWS_STEP else fits)
         if length not in self._rows_said:
             self._rows_said.add(length)
-            log.info("generate: %d rows of a %d-position cache would take %.1f GB, more than "
-                     "the %.1f GB the cache may use (%d%% of the GPU memory free at the start)"
-                     ": %d rows a batch at this length", rows, length, rows * per_row / 1e9,
-                     self.cache_budget_bytes / 1e9, round(100 * CACHE_MEMORY_SHARE), fits)
+            log.info("generate: %d rows of a %d-position cache and its prefill would take "
+                     "%.1f GB, more than the %.1f GB a batch may use (%d%% of the GPU memory "
+                     "free at the start): %d rows a batch at this length", rows, length,
+                     rows * per_row / 1e9, self.cache_budget_bytes / 1e9,
+                     round(100 * CACHE_MEMORY_SHARE), fits)
         return fits
 
     def allocate_cache(self, cache, rows: int) -> bool:
@@ -340,8 +360,9 @@ class TransformersGenerator:
             length = self.batch_cache_length(width) if self.cache == "static" else None
             rows = self.batch_rows(length) if length else len(prompts)
             shape = (f"{rows} rows, a {length}-position static cache "
-                     f"({rows * self.cache_bytes_per_row(length) / 1e9:.1f} GB)"
-                     if length else f"{rows} rows, a dynamic cache")
+                     f"({rows * self.cache_bytes_per_row(length) / 1e9:.1f} GB, and about "
+                     f"{rows * self.prefill_bytes_per_row(width, length) / 1e9:.1f} GB more "
+                     "while the prompts go in)" if length else f"{rows} rows, a dynamic cache")
             raise GenerateMemoryError(
                 f"generate: the GPU ran out of memory on a batch of {shape}, prompts of up to "
                 f"{width} tokens and {self.max_new_tokens} new tokens: lower "
