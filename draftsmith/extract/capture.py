@@ -38,6 +38,19 @@ class HiddenStateCapture:
         return aux, final
 
     @torch.inference_mode()
+    def real_tokens(self, input_ids: torch.Tensor, flat: torch.Tensor):
+        """A right-padded batch -> the states of its real tokens, one batch's worth of kernels
+        however many samples it holds: input_ids [B, T] on the model's device, flat [N] the
+        real tokens' indices into B * T (`real_token_index`) -> aux [N, K*H], final [N, H],
+        the target's argmax [N] int32. Gathering by index avoids the host sync of a boolean
+        mask."""
+        aux, final = self(input_ids)  # [B, T, K*H], [B, T, H]
+        flat = flat.to(aux.device, non_blocking=True)  # the last GPU under a device_map
+        aux = aux.reshape(-1, aux.shape[-1]).index_select(0, flat)  # [N, K*H]
+        final = final.reshape(-1, final.shape[-1]).index_select(0, flat)  # [N, H]
+        return aux, final, self.target_argmax(final)  # [N, K*H], [N, H], [N]
+
+    @torch.inference_mode()
     def target_argmax(self, final: torch.Tensor, chunk_tokens: int = 4096) -> torch.Tensor:
         """final [N, H] (after the final norm, as __call__ returns it) -> the target's argmax
         token at each position [N] int32; logits exist for chunk_tokens positions at a time."""
@@ -45,3 +58,9 @@ class HiddenStateCapture:
         parts = [head(part.to(head.weight.device)).argmax(-1).to(torch.int32)  # [c]
                  for part in final.split(chunk_tokens)]
         return torch.cat(parts).to(final.device)  # [N]
+
+
+def real_token_index(lengths: list[int], longest: int) -> torch.Tensor:
+    """The flat indices [N] of the real tokens of right-padded rows of these lengths, row by
+    row, into a [B, longest] batch."""
+    return torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])  # [N]

@@ -23,7 +23,7 @@ from draftsmith.distributed import Dist
 from draftsmith.errors import ConfigValueError, WorkerCrashError
 from draftsmith.export.layer_ids import aux_layer_ids_for
 from draftsmith.extract.batching import plan_batches, plan_shards
-from draftsmith.extract.capture import HiddenStateCapture
+from draftsmith.extract.capture import HiddenStateCapture, real_token_index
 from draftsmith.extract.store import (
     RECEIPTS,
     AsyncShardWriter,
@@ -89,19 +89,13 @@ class ShardComputer:
             input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, T]
             for i, row in enumerate(batch):
                 input_ids[i, : lengths[i]] = torch.tensor(row["input_ids"])
-            # Real tokens in order, as flat indices: gathering with them avoids the host sync
-            # that boolean indexing on the device would cost.
-            flat = torch.cat([torch.arange(n) + i * longest for i, n in enumerate(lengths)])  # [N]
+            flat = real_token_index(lengths, longest)  # [N]
             if pinned:
                 input_ids, flat = input_ids.pin_memory(), flat.pin_memory()
             ids_dev = input_ids.to(self.device, non_blocking=True)
             # Right padding under causal attention: no mask needed (see HiddenStateCapture).
-            aux, final = self.capture(ids_dev)  # [B, T, K*H], [B, T, H]
+            aux, final, argmax = self.capture.real_tokens(ids_dev, flat)  # [N, K*H], [N, H], [N]
             states_device = aux.device  # the last GPU when device_map spreads the model
-            flat_dev = flat.to(states_device, non_blocking=True)
-            aux = aux.reshape(-1, aux.shape[-1]).index_select(0, flat_dev)  # [N, K*H]
-            final = final.reshape(-1, final.shape[-1]).index_select(0, flat_dev)  # [N, H]
-            argmax = self.capture.target_argmax(final)  # [N] int32
             aux = aux.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, K*H]
             final = final.to(self.store_dtype).to("cpu", non_blocking=pinned)  # [N, H]
             argmax = argmax.to("cpu", non_blocking=pinned)  # [N]

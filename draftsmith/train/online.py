@@ -19,6 +19,7 @@ import torch
 
 from draftsmith.artifacts import Descriptor
 from draftsmith.config import ExtractConfig, TargetConfig, capture_dtype
+from draftsmith.extract.capture import real_token_index
 from draftsmith.extract.store import Sample
 
 
@@ -73,20 +74,21 @@ class OnlineTarget:
         out: dict[int, Sample] = {}
         for positions in plan_batches(lengths, self.batch_size, self.batch_tokens).batches:
             batch = [order[p] for p in positions]
-            longest = max(len(tokens[i].input_ids) for i in batch)
-            input_ids = torch.zeros(len(batch), longest, dtype=torch.long)  # [B, L]
+            sizes = [len(tokens[i].input_ids) for i in batch]
+            input_ids = torch.zeros(len(batch), max(sizes), dtype=torch.long)  # [B, L]
             for row, i in enumerate(batch):
-                input_ids[row, : len(tokens[i].input_ids)] = tokens[i].input_ids
-            aux, final = self.capture(input_ids.to(self.device))  # [B, L, K*H], [B, L, H]
-            for row, i in enumerate(batch):
-                n = len(tokens[i].input_ids)
-                sample_final = final[row, :n]  # [n, H]
+                input_ids[row, : sizes[row]] = tokens[i].input_ids
+            # One gather, cast and argmax a batch: per sample they were ~5 kernels each, and
+            # a row of short chat answers holds ~160 samples.
+            aux, final, argmax = self.capture.real_tokens(  # [N, K*H], [N, H], [N]
+                input_ids.to(self.device), real_token_index(sizes, max(sizes)))
+            pieces = zip(aux.to(self.store_dtype).split(sizes),  # [n, K*H] each
+                         final.to(self.store_dtype).split(sizes),  # [n, H] each
+                         argmax.split(sizes), strict=True)  # [n] each
+            for i, (sample_aux, sample_final, sample_argmax) in zip(batch, pieces, strict=True):
                 out[i] = Sample(
                     id=tokens[i].id, input_ids=tokens[i].input_ids, loss_mask=tokens[i].loss_mask,
-                    aux=aux[row, :n].to(self.store_dtype),  # [n, K*H]
-                    final=sample_final.to(self.store_dtype),  # [n, H]
-                    target_argmax=self.capture.target_argmax(sample_final),  # [n] int32
-                )
+                    aux=sample_aux, final=sample_final, target_argmax=sample_argmax)
         return [out[i] for i in range(len(tokens))]
 
     def padding_like(self) -> Sample:
