@@ -7,10 +7,13 @@ kernels survive the process through inductor's cache (`train.compile_cache`).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+log = logging.getLogger(__name__)
 
 _COMPILED: dict[tuple, Callable] = {}
 
@@ -21,6 +24,35 @@ def compiled_once(fn: Callable, **options: Any) -> Callable:
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, **options)
     return _COMPILED[key]
+
+
+class EagerOnFailure:
+    """A compiled step that, should it fail before it has once succeeded (a compiler or CUDA
+    graph that this machine's torch cannot build), runs its eager function from then on and
+    says so: the outputs stay the eager path's, only slower. Once it has succeeded, an error
+    is the caller's; out of memory is never a compiler's."""
+
+    def __init__(self, compiled: Callable, eager: Callable, name: str):
+        self.compiled, self.eager, self.name = compiled, eager, name
+        self.proven = self.failed = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failed:
+            return self.eager(*args, **kwargs)
+        if self.proven:
+            return self.compiled(*args, **kwargs)
+        try:
+            out = self.compiled(*args, **kwargs)
+        except torch.OutOfMemoryError:
+            raise
+        except Exception as err:  # noqa: BLE001 - any compiler error, reported in full
+            self.failed = True
+            log.warning("%s: the compiled step failed (%s: %s); running it eagerly from here on",
+                        self.name, type(err).__name__,
+                        str(err).splitlines()[0][:300] if str(err) else "")
+            return self.eager(*args, **kwargs)
+        self.proven = True
+        return out
 
 
 def allocate_static_cache(cache: Any, model: Any, rows: int) -> None:

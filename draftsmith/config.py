@@ -822,9 +822,10 @@ class DeployConfig(ServerConfig):
         "a time; static: a StaticCache reused across generations, rejected drafts dropped by "
         "winding its length back, the 1-token and verify forwards compiled on CUDA (CUDA "
         "graphs), chains only (eagle_topk 1); the drafter's steps (EAGLE-3's, DFlash's context "
-        "and block) run over static buffers of their own, compiled the same way. auto: "
-        "dynamic everywhere for now; static becomes the CUDA default once it is measured on a "
-        "GPU."))
+        "and block) run over static buffers of their own, compiled the same way; a compiled "
+        "step that fails to build runs eagerly, with a warning. auto: static on CUDA (chains "
+        "of a target without sliding-window layers), dynamic elsewhere (on a CPU the "
+        "arithmetic is the cost, and the static cache's padded attention adds to it)."))
     host: ServerHost = keyed("127.0.0.1")
     port: ServerPort = keyed(30000)
     mem_fraction_static: float | None = keyed(None, gt=0.0, lt=1.0, description=(

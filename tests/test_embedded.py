@@ -590,12 +590,82 @@ def test_a_tree_on_the_static_cache_is_refused_naming_the_setting(target_model,
     assert DeployConfig().embedded_cache == "auto"
 
 
-def test_auto_keeps_the_dynamic_cache(target_model, exported_drafter):
+def test_auto_is_static_on_cuda_and_dynamic_elsewhere(target_model, exported_drafter):
+    from types import SimpleNamespace
+
+    from draftsmith.serve.embedded import resolve_embedded_cache
+
     engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS)
     try:
-        assert engine.cache == "auto" and type(engine.runner) is TargetRunner
+        assert (engine.cache, engine.cache_kind) == ("auto", "dynamic")
+        assert type(engine.runner) is TargetRunner
     finally:
         engine.runner.close()
+
+    def on(device: str, **config):
+        return SimpleNamespace(device=torch.device(device), config=SimpleNamespace(**config))
+
+    assert resolve_embedded_cache("auto", on("cuda")) == "static"
+    assert resolve_embedded_cache("auto", on("cuda"), topk=2) == "dynamic"  # a tree
+    assert resolve_embedded_cache(  # a ring buffer cannot drop rejected drafts
+        "auto", on("cuda", layer_types=["sliding_attention", "full_attention"])) == "dynamic"
+    assert resolve_embedded_cache("auto", on("cuda", sliding_window=4096)) == "dynamic"
+    assert resolve_embedded_cache("auto", on("cpu")) == "dynamic"
+    assert resolve_embedded_cache("static", on("cpu")) == "static"
+    assert resolve_embedded_cache("dynamic", on("cuda")) == "dynamic"
+    with pytest.raises(ValueError, match="'paged': one of auto, static, dynamic"):
+        resolve_embedded_cache("paged", on("cpu"))
+
+
+def test_a_compiled_step_that_fails_to_build_runs_eagerly(target_model, exported_drafter,
+                                                          prompts, monkeypatch, caplog):
+    """On CUDA `auto` compiles the steps; a compiler or CUDA-graph failure on the user's torch
+    must cost speed, not the run: the step runs eagerly, with a warning, and the tokens are
+    the eager path's."""
+    from draftsmith.serve import embedded
+
+    def broken(fn, **_options):
+        def build(*args, **kwargs):
+            raise RuntimeError("inductor: this machine cannot build the kernel")
+        return build
+
+    monkeypatch.setattr(embedded, "compiled_once", broken)
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        static.runner.close()
+        static.runner = StaticTargetRunner(target_model, AUX_IDS, (1, NUM_STEPS + 1),
+                                           compile_steps=True)
+        with caplog.at_level("WARNING", logger="draftsmith"):
+            got = static.generate(prompts[0], 12, None)
+        assert got.tokens == dynamic.generate(prompts[0], 12, None).tokens
+        assert "embedded target step: the compiled step failed (RuntimeError: inductor" \
+            in caplog.text
+
+
+def test_eager_on_failure_only_before_the_first_success():
+    from draftsmith.compiling import EagerOnFailure
+
+    calls = []
+
+    def eager(x):
+        calls.append("eager")
+        return x + 1
+
+    def flaky(x):
+        if x < 0:
+            raise RuntimeError("a real error, after the step was built")
+        calls.append("compiled")
+        return x + 1
+
+    step = EagerOnFailure(flaky, eager, "step")
+    assert step(1) == 2 and calls == ["compiled"]
+    with pytest.raises(RuntimeError, match="a real error"):  # not a compiler's: the caller's
+        step(-1)
+
+    def out_of_memory(x):
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    with pytest.raises(torch.OutOfMemoryError):
+        EagerOnFailure(out_of_memory, eager, "step")(1)
 
 
 def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported_drafter,

@@ -369,6 +369,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
                 "target_dtype": target_cfg.dtype}
     if engine.cache != "auto":  # the timings differ; `auto` keeps the earlier runs' key
         material["embedded_cache"] = engine.cache
+    elif engine.cache_kind != "dynamic":  # auto ran the dynamic cache everywhere before
+        material["embedded_cache"] = f"auto: {engine.cache_kind}"
     points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
     # The best config is chosen among runs at the benchmark's own temperature.
     best = max((c for c in [summary, *points] if c["lossless"] is not False),

@@ -158,11 +158,6 @@ def _answer_with_transformers(cfg: GenerateConfig, target_cfg: TargetConfig, tar
     dtype = target_cfg.dtype if cfg.dtype == "auto" else cfg.dtype
     model = load_target_model(target.path, target_cfg.device, dtype)
     cache = resolve_cache(cfg.cache, model.device)
-    if cfg.compile_prefill and cache != "static":
-        raise ValueError(
-            f"generate.compile_prefill: true fills a static cache, but generate.cache: "
-            f"{cfg.cache} is {cache} on {model.device.type}; set generate.cache: static or "
-            "generate.compile_prefill: false")
     log.info("generate: transformers, %s cache, %s, batches of %d", cache, dtype, cfg.batch_size)
     generator = TransformersGenerator(
         model, load_tokenizer(target),
@@ -220,6 +215,24 @@ class GenerateWork:
         return {r.key: r for r in self.requests}
 
 
+def check_cache_settings(cfg: GenerateConfig, target_cfg: TargetConfig) -> None:
+    """Refuse settings that contradict each other before any journal is read: a journal that
+    holds every answer would otherwise let them pass until the day something is asked."""
+    if cfg.backend != "transformers" or not cfg.compile_prefill:
+        return
+    import torch
+
+    from draftsmith.generate.transformers_backend import resolve_cache
+
+    device = torch.device(target_cfg.device)
+    cache = resolve_cache(cfg.cache, device)
+    if cache != "static":
+        raise ValueError(
+            f"generate.compile_prefill: true fills a static cache, but generate.cache: "
+            f"{cfg.cache} is {cache} on {device.type}; set generate.cache: static or "
+            "generate.compile_prefill: false")
+
+
 def plan_requests(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfig,
                   target: Descriptor, plan: StagePlan, writer: str | None = None,
                   api_key: str | None = None, backoff_initial_s: float = 1.0,
@@ -228,6 +241,7 @@ def plan_requests(cfg: GenerateConfig, data: DataConfig, target_cfg: TargetConfi
     """Read every source (a source the target writes is written first, what its journal
     lacks) and make a request of every prompt to answer. writer: the journal files this
     process appends to (one per host when generate is spread over hosts)."""
+    check_cache_settings(cfg, target_cfg)
     records: list[Record] = []
     stats: list[SourceStats] = []
     for source in data.sources:

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, StaticCache
 
-from draftsmith.compiling import allocate_static_cache, compiled_once
+from draftsmith.compiling import EagerOnFailure, allocate_static_cache, compiled_once
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
 from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
@@ -197,7 +197,8 @@ class StaticTargetRunner(TargetRunner):
         if self._step_widths:
             # One compiled forward per model: the benchmark's sweep makes an engine per point.
             options = {"mode": "reduce-overhead"} if model.device.type == "cuda" else {}
-            self._compiled = compiled_once(model.forward, **options)
+            self._compiled = EagerOnFailure(compiled_once(model.forward, **options),
+                                            model.forward, "embedded target step")
 
     def new_cache(self, capacity: int) -> StaticTargetCache:
         """The runner's StaticCache, emptied, when it holds `capacity` positions; a longer one
@@ -264,13 +265,35 @@ class StaticTargetRunner(TargetRunner):
 EMBEDDED_CACHES = ("auto", "static", "dynamic")
 
 
-def target_runner(model, aux_layer_ids: list[int], cache: str = "auto",
-                  step_widths: tuple[int, ...] = ()) -> TargetRunner:
-    """The runner deploy.embedded_cache picks: `auto` is the dynamic cache everywhere until
-    the static one is measured on a GPU; `static` runs StaticTargetRunner."""
+def has_sliding_window_layers(config) -> bool:
+    """Whether the target attends over a sliding window in some layers: their static cache is a
+    ring buffer, and one mask cannot serve them and the full layers alike."""
+    layer_types = getattr(config, "layer_types", None) or []
+    return "sliding_attention" in layer_types or bool(
+        not layer_types and getattr(config, "sliding_window", None)
+        and getattr(config, "use_sliding_window", True))
+
+
+def resolve_embedded_cache(cache: str, model, topk: int = 1) -> str:
+    """The cache deploy.embedded_cache runs: `auto` is the static cache and compiled steps on
+    CUDA, where launching kernels one at a time is most of a step, for chains (a tree's
+    verify has its own positions and mask) of targets without sliding-window layers; the
+    dynamic cache elsewhere, where the CPU's arithmetic is the cost and the static cache's
+    padded attention would only add to it."""
     if cache not in EMBEDDED_CACHES:
         raise ValueError(f"embedded cache {cache!r}: one of {', '.join(EMBEDDED_CACHES)}")
-    if cache == "static":
+    if cache != "auto":
+        return cache
+    static = model.device.type == "cuda" and topk == 1 \
+        and not has_sliding_window_layers(model.config)
+    return "static" if static else "dynamic"
+
+
+def target_runner(model, aux_layer_ids: list[int], cache: str = "auto",
+                  step_widths: tuple[int, ...] = ()) -> TargetRunner:
+    """The runner deploy.embedded_cache picks (`resolve_embedded_cache`): StaticTargetRunner
+    for the static cache, TargetRunner for the dynamic one."""
+    if resolve_embedded_cache(cache, model) == "static":
         return StaticTargetRunner(model, aux_layer_ids, step_widths)
     return TargetRunner(model, aux_layer_ids)
 
@@ -343,7 +366,7 @@ class EmbeddedSpeculativeEngine:
 
     def __init__(self, target_model, drafter: Drafter, num_steps: int, topk: int = 1,
                  num_draft_tokens: int | None = None, cache: str = "auto"):
-        """cache: the target's KV cache, deploy.embedded_cache (`target_runner`)."""
+        """cache: the target's KV cache, deploy.embedded_cache (`resolve_embedded_cache`)."""
         if topk < 1 or num_steps < 1:
             raise ValueError(f"num_steps={num_steps} and topk={topk} must be at least 1")
         self.kind = kind_of(drafter)
@@ -351,12 +374,14 @@ class EmbeddedSpeculativeEngine:
         if problem:
             raise ValueError(f"num_steps={num_steps}, topk={topk}: a {self.kind.name} drafter: "
                              f"{problem}")
-        if self.kind.drafting == "block" and cache == "static":  # over static buffers too
+        self.cache = cache  # as asked; cache_kind is what runs
+        self.cache_kind = resolve_embedded_cache(cache, target_model, topk)
+        if self.kind.drafting == "block" and self.cache_kind == "static":  # static buffers too
             self._draft = self._draft_block_static
             self._new_drafter_cache = self._static_drafter_caches
         elif self.kind.drafting == "block":
             self._draft = self._draft_block
-        elif cache == "static":  # a chain over the drafter's own static cache
+        elif self.cache_kind == "static":  # a chain over the drafter's own static cache
             self._draft = self._draft_static
             self._new_drafter_cache = self._new_static_drafter_cache
         budget = draft_token_budget(num_steps, topk)
@@ -369,8 +394,7 @@ class EmbeddedSpeculativeEngine:
                              "cache verifies chains only; set deploy.embedded_cache=dynamic (or "
                              "auto) for a tree, or deploy.eagle_topk=1")
         self.drafter = drafter.eval()
-        self.cache = cache
-        self.runner = target_runner(target_model, drafter.config.aux_layer_ids, cache,
+        self.runner = target_runner(target_model, drafter.config.aux_layer_ids, self.cache_kind,
                                     step_widths=(1, num_steps + 1))
         self.num_steps = num_steps
         self.topk = topk
@@ -386,9 +410,11 @@ class EmbeddedSpeculativeEngine:
         self.step_functions = (
             (self.context_kv, self.block_logits) if self.kind.drafting == "block"
             else (self.anchor_forward, self.drafter.step))
-        if cache == "static" and self.device.type == "cuda":
-            self.step_functions = tuple(compiled_once(f, mode="reduce-overhead")
-                                        for f in self.step_functions)
+        if self.cache_kind == "static" and self.device.type == "cuda":
+            self.step_functions = tuple(
+                EagerOnFailure(compiled_once(f, mode="reduce-overhead"), f,
+                               f"embedded drafter step {f.__name__}")
+                for f in self.step_functions)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",

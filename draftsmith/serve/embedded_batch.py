@@ -31,6 +31,7 @@ from draftsmith.serve.embedded import (
     Generation,
     Sampling,
     TargetRunner,
+    has_sliding_window_layers,
     truncate_output,
 )
 
@@ -91,11 +92,7 @@ class BatchTarget:
     unwritten ones dead."""
 
     def __init__(self, runner: TargetRunner, rows: int, capacity: int):
-        config = runner.model.config
-        layer_types = getattr(config, "layer_types", None) or []
-        if "sliding_attention" in layer_types or (
-                not layer_types and getattr(config, "sliding_window", None)
-                and getattr(config, "use_sliding_window", True)):
+        if has_sliding_window_layers(runner.model.config):
             raise ValueError("batched decoding masks every layer alike, and this target has "
                              "sliding-window layers; decode one prompt at a time "
                              "(benchmark.batch_sizes: [])")
@@ -307,7 +304,7 @@ class BatchedSpeculativeDecoder:
         kv = self._draft_kvs[rows] = DraftKV(
             len(layers), rows, attention.n_kv, attention.head_dim, capacity,
             self.drafter.fc.weight.dtype, self.device, window,
-            static=self.engine.cache == "static")
+            static=self.engine.cache_kind == "static")
         return kv
 
     @torch.inference_mode()
