@@ -100,7 +100,11 @@ def test_a_resumed_journal_holds_what_an_uninterrupted_run_writes(tmp_path, rand
     write_prompts(writings[:8], cut, generator(), start, batch_size=8, seed=0)  # batch 0 only
     with open(cut, "a") as f:
         f.write('{"index": 8, "text": "torn by a cra')  # the crash, mid-line
-    write_prompts(writings, cut, generator(), start, batch_size=8, seed=0)
+    # Rerun with generate.batch_size lowered (after an out-of-memory error, say): the journal
+    # goes on in the batch size it was begun with, or the same indices would get other prompts.
+    batch_size = synthesize.writing_batch_size(cut, configured=4)
+    assert batch_size == 8
+    write_prompts(writings, cut, generator(), start, batch_size=batch_size, seed=0)
     assert read_journal(cut) == read_journal(whole) and len(read_journal(whole)) == 24
     texts = [e["text"] for e in read_journal(whole).values()]
     assert len(set(texts)) > 12  # sampled: batches differ
@@ -140,12 +144,10 @@ def test_the_generate_stage_writes_then_answers_and_reuses_the_journal(
         r.messages[0].content for r in records]
 
 
-def test_a_smaller_batch_size_after_an_out_of_memory_error_keeps_every_prompt_and_answer(
-        tmp_path, tiny_target_cache, monkeypatch):
-    """The out-of-memory error tells the user to lower generate.batch_size: what the journals
-    hold (written prompts, answers) must survive that, or hours of GPU work are asked again."""
+def _written_and_answered(tmp_path):
+    """A self-written source on the demo's tiny target, written and answered once: the
+    settings and the records."""
     from draftsmith.data.records import read_records
-    from draftsmith.generate import stage
     from draftsmith.generate.stage import run_generate
     from draftsmith.target import resolve_target
 
@@ -155,16 +157,34 @@ def test_a_smaller_batch_size_after_an_out_of_memory_error_keeps_every_prompt_an
     tiny = resolve_target(target)
     gen = GenerateConfig(max_new_tokens=4, batch_size=8)
     first = read_records(run_generate(gen, data, target, tiny,
-                                      plan_stage(tmp_path, "generate", {"b": 8}, [tiny])))
+                                      plan_stage(tmp_path, "generate", {"run": 1}, [tiny])))
+    return data, target, tiny, gen, first
+
+
+def _generate_asking_nothing(monkeypatch, tmp_path, gen, data, target, tiny):
+    """The records of a rerun that fails if the target is asked to write or answer."""
+    from draftsmith.data.records import read_records
+    from draftsmith.generate import stage
+    from draftsmith.generate.stage import run_generate
 
     def asked(*args, **kwargs):
         raise AssertionError("the journals held this already")
 
     monkeypatch.setattr(synthesize, "_write_with_target", asked)
     monkeypatch.setattr(stage, "_answer_with_transformers", asked)
+    return read_records(run_generate(gen, data, target, tiny,
+                                     plan_stage(tmp_path, "generate", {"run": 2}, [tiny])))
+
+
+def test_a_smaller_batch_size_after_an_out_of_memory_error_keeps_every_prompt_and_answer(
+        tmp_path, tiny_target_cache, monkeypatch):
+    """The out-of-memory error tells the user to lower generate.batch_size: what the journals
+    hold (written prompts, answers) must survive that, or hours of GPU work are asked again."""
+    from draftsmith.generate.stage import run_generate
+
+    data, target, tiny, gen, first = _written_and_answered(tmp_path)
     smaller = gen.model_copy(update={"batch_size": 3, "cache_lengths": "batch"})
-    again = read_records(run_generate(smaller, data, target, tiny,
-                                      plan_stage(tmp_path, "generate", {"b": 3}, [tiny])))
+    again = _generate_asking_nothing(monkeypatch, tmp_path, smaller, data, target, tiny)
     assert [r.messages for r in again] == [r.messages for r in first]
 
     # What decides an answer still starts a journal of its own.
@@ -176,47 +196,14 @@ def test_a_smaller_batch_size_after_an_out_of_memory_error_keeps_every_prompt_an
     assert len({p.name for p in answers.iterdir()} - before) == 1
 
 
-def test_a_cut_off_journal_goes_on_in_the_batch_size_it_was_begun_with(
-        tmp_path, random_target, random_target_model, random_target_tokenizer):
-    from draftsmith.generate.transformers_backend import TransformersGenerator
-
-    cfg = SynthesizeConfig(prompts=24, max_prompt_tokens=12)
-    writings = plan_writings(cfg)
-    start = random_target_tokenizer(user_turn_start(random_target_tokenizer),
-                                    add_special_tokens=False)["input_ids"]
-
-    def generator():
-        return TransformersGenerator(random_target_model, random_target_tokenizer,
-                                     max_new_tokens=12, temperature=1.0, top_p=0.95, seed=0)
-
-    whole = tmp_path / "whole" / "written.jsonl"
-    write_prompts(writings, whole, generator(), start, batch_size=8, seed=0)
-    cut = tmp_path / "cut" / "written.jsonl"
-    write_prompts(writings[:8], cut, generator(), start, batch_size=8, seed=0)
-    batch_size = synthesize.writing_batch_size(cut, configured=4)
-    assert batch_size == 8
-    write_prompts(writings, cut, generator(), start, batch_size=batch_size, seed=0)
-    assert read_journal(cut) == read_journal(whole)
-
-
 def test_journals_named_by_an_older_draftsmith_are_taken_over(tmp_path, tiny_target_cache,
                                                                monkeypatch):
     """Journals were named with every generate setting, the batch size among them; after an
     upgrade, a run with the same settings finds them under that name and asks nothing."""
     from draftsmith.artifacts import hash_json
     from draftsmith.config import key_settings
-    from draftsmith.data.records import read_records
-    from draftsmith.generate import stage
-    from draftsmith.generate.stage import run_generate
-    from draftsmith.target import resolve_target
 
-    source = {"name": "self-written", "synthesize": {"prompts": 16, "max_prompt_tokens": 32}}
-    data = DataConfig(sources=[source])
-    target = TargetConfig(model="builtin:tiny")
-    tiny = resolve_target(target)
-    gen = GenerateConfig(max_new_tokens=4, batch_size=8)
-    first = read_records(run_generate(gen, data, target, tiny,
-                                      plan_stage(tmp_path, "generate", {"run": 1}, [tiny])))
+    data, target, tiny, gen, first = _written_and_answered(tmp_path)
     root = tmp_path / "generate"
     [prompts] = (root / "prompts").iterdir()
     [answers] = (root / "answers").iterdir()
@@ -229,13 +216,7 @@ def test_journals_named_by_an_older_draftsmith_are_taken_over(tmp_path, tiny_tar
     prompts.rename(root / "prompts" / f"self-written-{older_prompts}")
     answers.rename(root / "answers" / f"self-written-{older_answers}")
 
-    def asked(*args, **kwargs):
-        raise AssertionError("the journals held this already")
-
-    monkeypatch.setattr(synthesize, "_write_with_target", asked)
-    monkeypatch.setattr(stage, "_answer_with_transformers", asked)
-    again = read_records(run_generate(gen, data, target, tiny,
-                                      plan_stage(tmp_path, "generate", {"run": 2}, [tiny])))
+    again = _generate_asking_nothing(monkeypatch, tmp_path, gen, data, target, tiny)
     assert [r.messages for r in again] == [r.messages for r in first]
     assert [p.name for p in (root / "prompts").iterdir()] == [prompts.name]
     assert [p.name for p in (root / "answers").iterdir()] == [answers.name]
