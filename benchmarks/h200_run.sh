@@ -22,6 +22,10 @@
 #      stages' reports and the run's log.
 # A run that stopped (the machine kept) resumes with `start` again: the finished stages are
 # cached under the run root, generate's journals keep what was written.
+#   cutoff WAIT_S CONFIG [options]: shows that a run cut off resumes. Once training has
+#      written a checkpoint (waiting up to WAIT_S for it), the run's process group is killed
+#      with SIGKILL, as a lost host would end it, and `start` runs again with the same
+#      arguments; its log then says "train: resuming from ... at step S".
 # Generate alone takes most of a lease (the full recipe needs about 25 minutes of device
 # time), so its journals can leave one machine and seed the next:
 #                     bash benchmarks/h200_run.sh journals
@@ -37,7 +41,7 @@
 #      brings back inductor's cache (xz parts); here, `mkdir -p .gpu/c && cp FILES_AT/compiled.*
 #      .gpu/c/`; on a later lease `keep c` (carrying .gpu/c) before `start`.
 set -u
-cmd=${1:?keep, start, wait or collect}; shift
+cmd=${1:?keep, start, wait, cutoff or collect}; shift
 KEEP=/tmp/keep
 DS=/tmp/ds
 RUN=/tmp/run
@@ -103,6 +107,23 @@ from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root 
     ;;
   wait)
     wait_for "${1:?seconds}"; progress
+    ;;
+  cutoff)
+    wait_s=${1:?seconds to wait for a checkpoint}; shift
+    until=$(( $(date +%s) + wait_s ))
+    while [ "$(date +%s)" -lt "$until" ] \
+        && ! ls "$RUN"/root/train/*/resume/state.pt >/dev/null 2>&1; do
+      sleep 5
+    done
+    if ! ls "$RUN"/root/train/*/resume/state.pt >/dev/null 2>&1; then
+      echo "no checkpoint within ${wait_s}s: nothing cut off"; progress; exit 1
+    fi
+    pid=$(pgrep -f "draftsmith-h200-run" | head -1)
+    [ -n "$pid" ] && kill -9 -- "-$(ps -o pgid= -p "$pid" | tr -d ' ')"
+    sleep 5
+    echo "--- $(date -u +%T) cut off (SIGKILL) after the checkpoint $(ls "$RUN"/root/train/*/resume/state.pt)" \
+      | tee -a "$LOG"
+    exec bash "$0" start "$@"
     ;;
   collect)
     drafter=$(ls -d "$RUN"/root/export/*/*drafter 2>/dev/null | head -1)
