@@ -22,10 +22,10 @@
 #      stages' reports and the run's log.
 # A run that stopped (the machine kept) resumes with `start` again: the finished stages are
 # cached under the run root, generate's journals keep what was written.
-#   cutoff WAIT_S CONFIG [options]: shows that a run cut off resumes. Once training has
-#      written a checkpoint (waiting up to WAIT_S for it), the run's process group is killed
-#      with SIGKILL, as a lost host would end it, and `start` runs again with the same
-#      arguments; its log then says "train: resuming from ... at step S".
+#   cutoff WAIT_S CONFIG [options], after `start`: shows that a run cut off resumes. Once
+#      training has written a checkpoint, the run's process group is killed with SIGKILL, as
+#      a lost host would end it, and `start` runs again with the same arguments for what is
+#      left of WAIT_S; its log then says "train: resuming from ... at step S".
 # Generate alone takes most of a lease (the full recipe needs about 25 minutes of device
 # time), so its journals can leave one machine and seed the next:
 #                     bash benchmarks/h200_run.sh journals
@@ -119,11 +119,13 @@ from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root 
       echo "no checkpoint within ${wait_s}s: nothing cut off"; progress; exit 1
     fi
     pid=$(pgrep -f "draftsmith-h200-run" | head -1)
-    [ -n "$pid" ] && kill -9 -- "-$(ps -o pgid= -p "$pid" | tr -d ' ')"
+    if [ -z "$pid" ]; then echo "no run to cut off: start one first"; progress; exit 1; fi
+    kill -9 -- "-$(ps -o pgid= -p "$pid" | tr -d ' ')"
     sleep 5
-    echo "--- $(date -u +%T) cut off (SIGKILL) after the checkpoint $(ls "$RUN"/root/train/*/resume/state.pt)" \
-      | tee -a "$LOG"
-    exec bash "$0" start "$@"
+    echo "--- $(date -u +%T) cut off (SIGKILL) after the checkpoint" \
+      "$(ls "$RUN"/root/train/*/resume/state.pt)" | tee -a "$LOG"
+    left=$(( until - $(date +%s) )); [ "$left" -lt 30 ] && left=30
+    exec bash "$0" start "$left" "$@"
     ;;
   collect)
     drafter=$(ls -d "$RUN"/root/export/*/*drafter 2>/dev/null | head -1)
