@@ -343,6 +343,34 @@ def test_the_sglang_layout_carries_the_provenance_too(smollm2_run, smollm2_targe
     assert written["draftsmith"]["target_provenance"] == smollm2_target.figures["provenance"]
 
 
+def test_a_drafter_made_elsewhere_is_measured_in_the_embedded_engine(smollm2_run, tmp_path):
+    """`benchmarks/general/summary.py embedded-drafter`: a drafter directory brought back from a
+    GPU lease goes through the deploy stage's smoke check and the benchmark stage's code on
+    this CPU, and becomes a row per set of the evaluation suite."""
+    import importlib.util
+
+    from draftsmith.figures import ExportFigures
+
+    _, outputs, _, _ = smollm2_run
+    spec = importlib.util.spec_from_file_location(
+        "general_summary", REPO / "benchmarks" / "general" / "summary.py")
+    summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(summary)
+    path = tmp_path / "summary.json"
+    summary.main(["embedded-drafter", ExportFigures.of(outputs["export"]).drafter_dir,
+                  "--drafter", "elsewhere", "--kind", "eagle3", "--prompts", "18", "--epochs",
+                  "2", "--hardware", "2-core CPU", "--summary", str(path), "--splits", "dev",
+                  "--prompts-per-set", "1", "--max-new-tokens", str(TOKENS),
+                  "--work", str(tmp_path / "work")])
+    rows = json.loads(path.read_text())
+    assert [(r["set"], r["split"], r["engine"]) for r in rows] == [
+        (s, "dev", "embedded") for s in ("chat", "code", "math")]
+    assert [r["identical"] for r in rows] == ["1/1"] * 3  # float32: greedy decoding exactly
+    assert all(r["acceptance"] >= 1.0 and r["hardware"] == "2-core CPU" for r in rows)
+    kept = json.loads((tmp_path / "embedded_elsewhere.json").read_text())
+    assert kept["summary"]["engine"] == "embedded" and "embedded-drafter" in kept["command"]
+
+
 def test_an_unknown_builtin_prompt_set_is_named_with_the_choices():
     from draftsmith.data.packaged import (
         PackagedSourceError,

@@ -6,6 +6,8 @@ from the benchmark stage's own report (report.json), embedded or vLLM.
         --drafter general-1200 --kind eagle3.1 --prompts 1200 --epochs 3 --hardware "2-core CPU"
     # a drafter served by vLLM on this CPU, the suite's test parts, 3 speed pairs
     python benchmarks/general/summary.py vllm DRAFTER_DIR --drafter general-1200 ...
+    # a drafter made elsewhere (a GPU lease's export), in the embedded engine on this CPU
+    python benchmarks/general/summary.py embedded-drafter DRAFTER_DIR --drafter ... ...
 
 The vLLM measurement is the product's: the deploy stage starts `vllm serve` with the drafter,
 the benchmark stage reads vLLM's counters around every prompt (acceptance per set), compares
@@ -101,11 +103,37 @@ def serve_and_measure(drafter: Path, args) -> dict:
     return json.loads(Path(report.figures["report"]).with_suffix(".json").read_text())
 
 
+def benchmark_embedded(drafter: Path, args) -> dict:
+    """The drafter in the embedded engine, SmolLM2 in float32 on this CPU, through the deploy
+    (its smoke generation against greedy decoding) and benchmark stages' own code."""
+    from draftsmith.artifacts import plan_stage
+    from draftsmith.bench.benchmark import run_benchmark
+    from draftsmith.bench.suite import prompt_conversation, suite_prompts
+    from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
+    from draftsmith.serve.deploy import deploy_embedded
+    from draftsmith.target import resolve_target
+
+    target_cfg = TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32")
+    target = resolve_target(target_cfg)
+    deploy_cfg = DeployConfig(engine="embedded", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+    bench_cfg = BenchmarkConfig(suite=args.sets, splits=args.splits,
+                                prompts_per_set=args.prompts_per_set,
+                                max_new_tokens=args.max_new_tokens)
+    key = {"drafter": str(drafter.resolve()), "time": time.time()}
+    smoke = prompt_conversation(suite_prompts(bench_cfg.suite, bench_cfg.splits, 1)[0])
+    deployment = deploy_embedded(deploy_cfg, target_cfg, str(drafter), target,
+                                 plan_stage(args.work, "deploy", key, [target]), smoke)
+    report = run_benchmark(bench_cfg, target_cfg, deployment, None, target,
+                           plan_stage(args.work, "benchmark", key, [deployment]), deploy_cfg)
+    return json.loads(Path(report.figures["report"]).with_suffix(".json").read_text())
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("engine", choices=["embedded", "vllm"])
-    parser.add_argument("source", type=Path, help="embedded: a benchmark report.json; vllm: "
-                        "the drafter's directory (speculators layout)")
+    parser.add_argument("engine", choices=["embedded", "embedded-drafter", "vllm"])
+    parser.add_argument("source", type=Path, help="embedded: a benchmark report.json; "
+                        "embedded-drafter and vllm: the drafter's directory (speculators "
+                        "layout)")
     parser.add_argument("--drafter", required=True, help="the rows' drafter name")
     parser.add_argument("--kind", required=True)
     parser.add_argument("--prompts", type=int, required=True, help="training records")
@@ -127,13 +155,17 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     if args.engine == "embedded":
         report = json.loads(args.source.read_text())
+    elif args.engine == "embedded-drafter":
+        report = benchmark_embedded(args.source, args)
     else:
         report = serve_and_measure(args.source, args)
+    engine = "vllm" if args.engine == "vllm" else "embedded"
     # The raw report beside the summary, with the command that made the rows.
-    kept = args.summary.parent / f"{args.engine}_{args.drafter}.json"
+    kept = args.summary.parent / f"{engine}_{args.drafter}.json"
+    command = ["python", "benchmarks/general/summary.py", *(sys.argv[1:] if argv is None else argv)]
     atomic_write_json(kept, {**report, "seconds": round(time.monotonic() - started, 1),
-                             "command": " ".join(sys.argv), "source": str(args.source)})
-    rows = rows_of(report, args.engine, meta)
+                             "command": " ".join(map(str, command)), "source": str(args.source)})
+    rows = rows_of(report, engine, meta)
     merge_rows(args.summary, rows)
     for row in rows:
         print(json.dumps({k: row[k] for k in FIELDS}))

@@ -61,8 +61,18 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
         return deploy_server(server_engine(cfg.engine), cfg, target_cfg,
                              ExportFigures.of(exported).drafter_dir, target.path,
                              TargetFigures.of(target).family, plan)
+    rows = read_split(merged, "validation") or read_split(merged, "train")
+    return deploy_embedded(cfg, target_cfg, ExportFigures.of(exported).drafter_dir, target,
+                           plan, rows[0]["messages"])
+
+
+def deploy_embedded(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str,
+                    target: Descriptor, plan: StagePlan, smoke_messages: str) -> Descriptor:
+    """The embedded engine's deployment of a drafter directory (the export stage's, or one
+    trained elsewhere), after a smoke generation from `smoke_messages` (a record's messages,
+    as JSON) that must match plain greedy decoding in float32."""
     spec = {"engine": "embedded", "target_path": target.path,
-            "drafter_dir": ExportFigures.of(exported).drafter_dir, "num_steps": cfg.num_steps,
+            "drafter_dir": drafter_dir, "num_steps": cfg.num_steps,
             "target_family": TargetFigures.of(target).family,
             "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens,
             "embedded_cache": cfg.embedded_cache}
@@ -71,8 +81,7 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
                                             spec["target_family"], cfg.eagle_topk,
                                             cfg.num_draft_tokens, cfg.embedded_cache)
     tokenizer = load_tokenizer(target)
-    rows = read_split(merged, "validation") or read_split(merged, "train")
-    prompt = prompt_ids(tokenizer, rows[0]["messages"])
+    prompt = prompt_ids(tokenizer, smoke_messages)
     speculative = engine.generate(prompt, 32, tokenizer.eos_token_id)
     greedy = plain_generate(engine.runner, prompt, 32, tokenizer.eos_token_id)
     if not speculative.tokens:
