@@ -67,19 +67,32 @@ def merge_rows(path: Path, new: list[dict]) -> list[dict]:
     return rows
 
 
+def smollm2_float32():
+    """SmolLM2-135M-Instruct in float32 (greedy identity is exact there): config, descriptor."""
+    from draftsmith.config import TargetConfig
+    from draftsmith.target import resolve_target
+
+    target_cfg = TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32")
+    return target_cfg, resolve_target(target_cfg)
+
+
+def report_of(benchmark) -> dict:
+    """The benchmark stage's report.json, from the stage's descriptor."""
+    return json.loads(Path(benchmark.figures["report"]).with_suffix(".json").read_text())
+
+
 def serve_and_measure(drafter: Path, args) -> dict:
     """The drafter on vLLM's CPU build, float32, through the deploy and benchmark stages."""
     from draftsmith.artifacts import plan_stage
     from draftsmith.bench.benchmark import benchmark_prompts
     from draftsmith.bench.vllm_bench import run_vllm_benchmark
-    from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
+    from draftsmith.config import BenchmarkConfig, DeployConfig
     from draftsmith.serve import servers
     from draftsmith.serve.deploy import deploy_server
     from draftsmith.serve.vllm_launch import VLLM
-    from draftsmith.target import load_tokenizer, resolve_target
+    from draftsmith.target import load_tokenizer
 
-    target_cfg = TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32")
-    target = resolve_target(target_cfg)
+    target_cfg, target = smollm2_float32()
     deploy_cfg = DeployConfig(engine="vllm", num_steps=3, eagle_topk=1, num_draft_tokens=4,
                               host="127.0.0.1", port=args.port,
                               env={"VLLM_CPU_KVCACHE_SPACE": "2"},
@@ -100,7 +113,7 @@ def serve_and_measure(drafter: Path, args) -> dict:
                                                        [deployment]), suite=suite)
     finally:
         servers.stop_all()
-    return json.loads(Path(report.figures["report"]).with_suffix(".json").read_text())
+    return report_of(report)
 
 
 def benchmark_embedded(drafter: Path, args) -> dict:
@@ -109,12 +122,10 @@ def benchmark_embedded(drafter: Path, args) -> dict:
     from draftsmith.artifacts import plan_stage
     from draftsmith.bench.benchmark import run_benchmark
     from draftsmith.bench.suite import prompt_conversation, suite_prompts
-    from draftsmith.config import BenchmarkConfig, DeployConfig, TargetConfig
+    from draftsmith.config import BenchmarkConfig, DeployConfig
     from draftsmith.serve.deploy import deploy_embedded
-    from draftsmith.target import resolve_target
 
-    target_cfg = TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32")
-    target = resolve_target(target_cfg)
+    target_cfg, target = smollm2_float32()
     deploy_cfg = DeployConfig(engine="embedded", num_steps=3, eagle_topk=1, num_draft_tokens=4)
     bench_cfg = BenchmarkConfig(suite=args.sets, splits=args.splits,
                                 prompts_per_set=args.prompts_per_set,
@@ -125,7 +136,7 @@ def benchmark_embedded(drafter: Path, args) -> dict:
                                  plan_stage(args.work, "deploy", key, [target]), smoke)
     report = run_benchmark(bench_cfg, target_cfg, deployment, None, target,
                            plan_stage(args.work, "benchmark", key, [deployment]), deploy_cfg)
-    return json.loads(Path(report.figures["report"]).with_suffix(".json").read_text())
+    return report_of(report)
 
 
 def main(argv: list[str] | None = None) -> None:
