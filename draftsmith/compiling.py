@@ -12,6 +12,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_map_only
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,29 @@ def compiled_once(fn: Callable, **options: Any) -> Callable:
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(fn, **options)
     return _COMPILED[key]
+
+
+def cuda_graphs(device: torch.device) -> bool:
+    """Whether fixed-shape steps on `device` are compiled into CUDA graphs (torch.compile's
+    mode "reduce-overhead")."""
+    return device.type == "cuda"
+
+
+class GraphedStep:
+    """A step compiled into CUDA graphs, safe to chain. A replay writes its outputs into the
+    memory of the outputs that came before it (cudagraph trees free a generation's outputs
+    when the next begins), so a drafter step's hidden state, fed to the next step, would be
+    read after it was overwritten: torch raises "accessing tensor output of CUDAGraphs that
+    has been overwritten by a subsequent run" (the first CUDA run, 2026-12-05). Each call
+    therefore begins a generation of its own and returns copies of its tensors (a step's
+    logits and hidden states: kilobytes, one copy kernel each)."""
+
+    def __init__(self, compiled: Callable):
+        self.compiled = compiled
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        torch.compiler.cudagraph_mark_step_begin()
+        return tree_map_only(torch.Tensor, torch.clone, self.compiled(*args, **kwargs))
 
 
 class EagerOnFailure:

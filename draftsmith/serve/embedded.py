@@ -31,7 +31,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, StaticCache
 
-from draftsmith.compiling import EagerOnFailure, allocate_static_cache, compiled_once
+from draftsmith.compiling import (
+    EagerOnFailure,
+    GraphedStep,
+    allocate_static_cache,
+    compiled_once,
+    cuda_graphs,
+)
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
 from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
@@ -191,14 +197,15 @@ class StaticTargetRunner(TargetRunner):
         super().__init__(model, aux_layer_ids)
         self._kv: dict[int, StaticCache] = {}  # rows -> cache
         if compile_steps is None:
-            compile_steps = model.device.type == "cuda"
+            compile_steps = cuda_graphs(model.device)
         self._compiled = None
         self._step_widths = set(step_widths) if compile_steps else set()
         if self._step_widths:
             # One compiled forward per model: the benchmark's sweep makes an engine per point.
-            options = {"mode": "reduce-overhead"} if model.device.type == "cuda" else {}
-            self._compiled = EagerOnFailure(compiled_once(model.forward, **options),
-                                            model.forward, "embedded target step")
+            self._compiled = (graphed_step(model.forward, "embedded target step")
+                              if cuda_graphs(model.device) else
+                              EagerOnFailure(compiled_once(model.forward), model.forward,
+                                             "embedded target step"))
 
     def new_cache(self, capacity: int) -> StaticTargetCache:
         """The runner's StaticCache, emptied, when it holds `capacity` positions; a longer one
@@ -287,6 +294,12 @@ def resolve_embedded_cache(cache: str, model, topk: int = 1) -> str:
     static = model.device.type == "cuda" and topk == 1 \
         and not has_sliding_window_layers(model.config)
     return "static" if static else "dynamic"
+
+
+def graphed_step(fn, name: str) -> EagerOnFailure:
+    """fn compiled into CUDA graphs, its outputs copied out (`GraphedStep`), and run eagerly
+    should the graphs fail to build."""
+    return EagerOnFailure(GraphedStep(compiled_once(fn, mode="reduce-overhead")), fn, name)
 
 
 def target_runner(model, aux_layer_ids: list[int], cache: str = "auto",
@@ -410,11 +423,9 @@ class EmbeddedSpeculativeEngine:
         self.step_functions = (
             (self.context_kv, self.block_logits) if self.kind.drafting == "block"
             else (self.anchor_forward, self.drafter.step))
-        if self.cache_kind == "static" and self.device.type == "cuda":
-            self.step_functions = tuple(
-                EagerOnFailure(compiled_once(f, mode="reduce-overhead"), f,
-                               f"embedded drafter step {f.__name__}")
-                for f in self.step_functions)
+        if self.cache_kind == "static" and cuda_graphs(self.device):
+            self.step_functions = tuple(graphed_step(f, f"embedded drafter step {f.__name__}")
+                                        for f in self.step_functions)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
