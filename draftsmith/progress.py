@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 log = logging.getLogger("draftsmith.progress")
@@ -33,16 +34,24 @@ def format_duration(seconds: float) -> str:
 
 
 class Progress:
-    def __init__(self, name: str, total: int | None, unit: str = "item", every_s: float = 5.0):
+    """done of total units, with the rate over the last `window_s` seconds: a compiled step's
+    first minutes (compiling, warming up) leave the rate once they are a window old. `done`
+    counts what an earlier process finished (a resumed run), which is never in the rate."""
+
+    def __init__(self, name: str, total: int | None, unit: str = "item", every_s: float = 5.0,
+                 *, done: int = 0, window_s: float = 60.0):
         self.name, self.total, self.unit, self.every_s = name, total, unit, every_s
-        self.done = 0
+        self.done = done
         self.started = self._last = time.monotonic()
+        self.window_s = window_s
+        self._marks: deque[tuple[float, int]] = deque([(self.started, done)])  # (time, done)
         self.fields: dict[str, object] = {}
 
     @property
     def rate(self) -> float:
-        elapsed = time.monotonic() - self.started
-        return self.done / elapsed if elapsed > 0 else 0.0
+        since, done_then = self._marks[0]
+        elapsed = time.monotonic() - since
+        return (self.done - done_then) / elapsed if elapsed > 0 else 0.0
 
     @property
     def eta_s(self) -> float | None:
@@ -64,6 +73,9 @@ class Progress:
         now = time.monotonic()
         if now - self._last >= self.every_s:
             self._last = now
+            self._marks.append((now, self.done))
+            while len(self._marks) > 2 and self._marks[1][0] <= now - self.window_s:
+                self._marks.popleft()
             self._emit()
 
     def _emit(self) -> None:

@@ -275,8 +275,7 @@ class Trainer:
         self._prefetcher = RowPrefetcher(self.runner.device,
                                          background=self.runner.prepare_samples is None)
         self._log = MetricsLog(state.history, self.out / METRICS_FILE if dist.is_main else None)
-        self._progress = Progress("train", total=self.total_steps, unit="step")
-        self._progress.update(state.step)
+        self._progress = Progress("train", total=self.total_steps, unit="step", done=state.step)
         if self.runner.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.runner.device)
         try:
