@@ -1171,25 +1171,41 @@ def normalise_sections(raw: dict[str, Any]) -> dict[str, Any]:
 
 
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b=c` overrides; values are parsed as YAML so `x=3`, `x=[1,2]`, `x=true` work."""
+    """Apply `a.b=c` overrides; values are parsed as YAML so `x=3`, `x=[1,2]`, `x=true` work.
+    An entry of a list of named entries is reached by its name: `data.sources.chat.limit=500`
+    (what a data curve through `draftsmith compare` changes)."""
     raw = normalise_sections(raw)
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE, e.g. --set train.epochs=2")
-        node = raw
         parts = key.split(".")
         if parts[0] in EXPORT_ALIASES:
             parts[0] = EXPORT_SECTION
-        for part in parts[:-1]:
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part!r} is a value, not a section")
-            node = child
-        node[parts[-1]] = yaml.safe_load(value)
+        _set_path(raw, parts, yaml.safe_load(value), item)
     return raw
+
+
+def _set_path(node: dict[str, Any], parts: list[str], value: Any, item: str) -> None:
+    """node[parts[0]][parts[1]]... = value, making missing sections on the way."""
+    head, rest = parts[0], parts[1:]
+    if not rest:
+        node[head] = value
+        return
+    child = node.get(head)
+    if child is None:
+        child = node[head] = {}
+    if isinstance(child, list) and len(rest) > 1:
+        named = [e for e in child if isinstance(e, dict) and e.get("name") == rest[0]]
+        if len(named) != 1:
+            names = ", ".join(str(e.get("name")) for e in child if isinstance(e, dict))
+            raise ConfigError(
+                f"--set {item!r}: {head!r} has {'no' if not named else 'several'} entries "
+                f"named {rest[0]!r}; its entries: {names or 'none'}")
+        child, rest = named[0], rest[1:]
+    elif not isinstance(child, dict):
+        raise ConfigError(f"--set {item!r}: {head!r} is a value, not a section")
+    _set_path(child, rest, value, item)
 
 
 def _format_validation_error(source: str, err: ValidationError) -> str:

@@ -179,6 +179,21 @@ def test_override_through_a_value_is_an_error():
         apply_overrides({"run_root": "x"}, ["run_root.sub=1"])
 
 
+def test_an_entry_of_a_named_list_is_reached_by_its_name():
+    """A data curve over one source: `draftsmith compare --variant 'half:
+    data.sources.chat.limit=500'` instead of the whole list written out again."""
+    raw = minimal_raw(data={"sources": [{"name": "code", "builtin": "python-functions"},
+                                        {"name": "chat", "path": "chat.jsonl"}]})
+    apply_overrides(raw, ["data.sources.chat.limit=500", "data.sources.code.builtin=humaneval"])
+    assert raw["data"]["sources"] == [{"name": "code", "builtin": "humaneval"},
+                                      {"name": "chat", "path": "chat.jsonl", "limit": 500}]
+    with pytest.raises(ConfigError, match="'sources' has no entries named 'math'; its entries: "
+                                          "code, chat"):
+        apply_overrides(raw, ["data.sources.math.limit=5"])
+    apply_overrides(raw, ["data.sources=[]"])  # the whole list, as before
+    assert raw["data"]["sources"] == []
+
+
 def test_load_config_overrides_are_validated(tmp_path):
     path = write_config(tmp_path, minimal_raw())
     config = load_config(path, ["train.epochs=2", "merge.dedup=no", "extract.aux_layer_ids=[0,2,4]",
