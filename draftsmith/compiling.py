@@ -71,9 +71,11 @@ class EagerOnFailure:
             raise
         except Exception as err:  # noqa: BLE001 - any compiler error, reported in full
             self.failed = True
+            # The traceback too: a bare AssertionError from torch's CUDA-graph trees (seen on
+            # the first CUDA run, after a retry in the same process) says nothing by itself.
             log.warning("%s: the compiled step failed (%s: %s); running it eagerly from here on",
                         self.name, type(err).__name__,
-                        str(err).splitlines()[0][:300] if str(err) else "")
+                        str(err).splitlines()[0][:300] if str(err) else "", exc_info=True)
             return self.eager(*args, **kwargs)
         self.proven = True
         return out
