@@ -26,8 +26,9 @@
 #      training has written a checkpoint, the run's process group is killed with SIGKILL, as
 #      a lost host would end it, and `start` runs again with the same arguments for what is
 #      left of WAIT_S; its log then says "train: resuming from ... at step S".
-# Generate alone takes most of a lease (the full recipe needs about 25 minutes of device
-# time), so its journals can leave one machine and seed the next:
+# Generate from nothing takes about 10 minutes of a lease (prompts and answers; from journals
+# that hold them, under a minute, and the recipe reaches its drafter in about 11), so its
+# journals can leave one machine and seed the next:
 #                     bash benchmarks/h200_run.sh journals
 #      brings back generate's journals (the prompts the target wrote and the answers it gave,
 #      xz, in <= 15 MiB parts); here, `mkdir -p .gpu/g && cp FILES_AT/journals.* .gpu/g/`.

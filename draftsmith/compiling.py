@@ -39,8 +39,10 @@ class GraphedStep:
     when the next begins), so a drafter step's hidden state, fed to the next step, would be
     read after it was overwritten: torch raises "accessing tensor output of CUDAGraphs that
     has been overwritten by a subsequent run" (the first CUDA run, 2026-12-05). Each call
-    therefore begins a generation of its own and returns copies of its tensors (a step's
-    logits and hidden states: kilobytes, one copy kernel each)."""
+    therefore begins a generation of its own and returns copies of its tensors: a step's
+    logits and hidden states, one copy kernel each (12.6 MB at most, a batch of 16 verifying
+    4 tokens over a 49,152-token vocab); a cache passed in and out is not a tensor and stays
+    as it is."""
 
     def __init__(self, compiled: Callable):
         self.compiled = compiled
