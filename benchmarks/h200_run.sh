@@ -17,9 +17,11 @@
 #      installs the wheels, joins the GGUF, starts `draftsmith run` under setsid (it outlives
 #      the call) and waits up to WAIT_S, printing the stages as they finish
 #   5...:             bash benchmarks/h200_run.sh wait WAIT_S
-#   last:             bash benchmarks/h200_run.sh collect
-#      brings back the exported drafter (a tar in <= 15 MiB parts, with its sha256), the
-#      stages' reports and the run's log.
+#   last:             bash benchmarks/h200_run.sh collect [N]
+#      brings back the N-th exported drafter, oldest first (default 1; a tar in <= 15 MiB
+#      parts, with its sha256), the stages' reports and the run's log.
+# COMMAND=compare runs `draftsmith compare CONFIG --variant ...` instead of `draftsmith run`
+# (the same arguments follow CONFIG); each variant's drafter is then one N of `collect`.
 # A run that stopped (the machine kept) resumes with `start` again: the finished stages are
 # cached under the run root, generate's journals keep what was written.
 #   cutoff WAIT_S CONFIG [options], after `start`: shows that a run cut off resumes. Once
@@ -101,7 +103,7 @@ case "$cmd" in
       PREFECT_HOME=/tmp/prefect PREFECT_SERVER_ANALYTICS_ENABLED=false HF_HUB_OFFLINE=1 \
       TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
       setsid nohup python3 -c "import sys; sys.argv[0] = 'draftsmith-h200-run'; \
-from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root "$@" \
+from draftsmith.cli import app; app()" "${COMMAND:-run}" "$config" --set run_root="$RUN"/root "$@" \
       >> "$LOG" 2>&1 < /dev/null &
     sleep 15
     wait_for "$wait_s"; progress
@@ -129,8 +131,9 @@ from draftsmith.cli import app; app()" run "$config" --set run_root="$RUN"/root 
     exec bash "$0" start "$left" "$@"
     ;;
   collect)
-    drafter=$(ls -d "$RUN"/root/export/*/*drafter 2>/dev/null | head -1)
+    drafter=$(ls -dtr "$RUN"/root/export/*/*drafter 2>/dev/null | sed -n "${1:-1}p")
     if [ -n "$drafter" ]; then
+      echo "$drafter" > "$OUT"/drafter.path
       tar cf /tmp/drafter.tar -C "$drafter" . && sha256sum /tmp/drafter.tar | tee "$OUT"/drafter.sha256
       split -b 15M /tmp/drafter.tar "$OUT"/drafter.tar.part_
     fi
