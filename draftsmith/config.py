@@ -944,7 +944,10 @@ class BenchmarkConfig(StrictModel):
         "training prompt overlaps them."))
     num_prompts: int = keyed(16, ge=1, description="Held-out prompts measured.")
     max_new_tokens: int = keyed(64, ge=1, description="Tokens generated per prompt.")
-    warmup_prompts: int = keyed(1, ge=0, description="Prompts sent first and not measured.")
+    warmup_prompts: int = keyed(1, ge=0, description=(
+        "Prompts sent first and not measured. The embedded engine warms with the longest, so "
+        "its static caches (and on CUDA their compiled steps) are made at the length every "
+        "measured prompt fits."))
     concurrency: list[int] = keyed(default_factory=lambda: [1], min_length=1,
                                    description="Served endpoints: requests in flight, a sweep.")
     temperature: float = keyed(0.0, ge=0.0, description=(
