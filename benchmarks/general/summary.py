@@ -139,6 +139,12 @@ def benchmark_embedded(drafter: Path, args) -> dict:
     return report_of(report)
 
 
+def eval_set(text: str) -> str | dict:
+    """A --sets entry: a builtin set's name, or NAME=PATH (benchmark.suite's {name, path})."""
+    name, _, path = text.partition("=")
+    return {"name": name, "path": path} if path else name
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("engine", choices=["embedded", "embedded-drafter", "vllm"])
@@ -151,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--hardware", required=True)
     parser.add_argument("--summary", type=Path, default=SUMMARY)
-    parser.add_argument("--sets", nargs="+", default=["chat", "code", "math"])
+    parser.add_argument("--sets", nargs="+", default=["chat", "code", "math"], type=eval_set,
+                        help="builtin sets by name, or NAME=PATH for a set of your own")
     parser.add_argument("--splits", nargs="+", default=["test"])
     parser.add_argument("--prompts-per-set", type=int)
     parser.add_argument("--max-new-tokens", type=int, default=64)
