@@ -126,7 +126,9 @@ def benchmark_embedded(drafter: Path, args) -> dict:
     from draftsmith.serve.deploy import deploy_embedded
 
     target_cfg, target = smollm2_float32()
-    deploy_cfg = DeployConfig(engine="embedded", num_steps=3, eagle_topk=1, num_draft_tokens=4)
+    # A tree (--topk above 1) verifies on the dynamic cache: the static one verifies chains.
+    deploy_cfg = DeployConfig(engine="embedded", num_steps=3, eagle_topk=args.topk,
+                              num_draft_tokens=args.draft_tokens or 4)
     bench_cfg = BenchmarkConfig(suite=args.sets, splits=args.splits,
                                 prompts_per_set=args.prompts_per_set,
                                 max_new_tokens=args.max_new_tokens)
@@ -163,6 +165,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts-per-set", type=int)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--topk", type=int, default=1,
+                        help="embedded-drafter: eagle_topk, a tree above 1 (3 levels deep)")
+    parser.add_argument("--draft-tokens", type=int,
+                        help="embedded-drafter: num_draft_tokens (default 4, the chain's)")
     parser.add_argument("--port", type=int, default=30183)
     parser.add_argument("--work", type=Path, default=Path("/tmp/draftsmith-general-vllm"))
     args = parser.parse_args(argv)
