@@ -17,6 +17,7 @@ from typer.testing import CliRunner
 from draftsmith.checks import check_config
 from draftsmith.cli import app
 from draftsmith.config import load_config
+from tests.ports import free_port
 
 runner = CliRunner()
 
@@ -146,11 +147,6 @@ def test_drafting_beyond_the_trained_steps_warns_and_a_layout_sglang_cannot_load
     assert ("error", "deploy.engine=sglang with export.format=speculators: SGLang loads the "
                      "SGLang layout only; set export.format=sglang") in found["drafting"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_training_across_hosts_needs_distributed_mode_and_enough_hosts(random_target_dir,

@@ -38,6 +38,7 @@ from draftsmith.extract.sglang_dump import (
 from draftsmith.extract.stage import run_extract
 from draftsmith.extract.store import ShardReader
 from tests.json_http import JsonHandler
+from tests.ports import free_port
 from tests.test_extract_stage import make_merged
 
 AUX_IDS = [1, 3, 4]
@@ -384,13 +385,6 @@ extract: {{backend: sglang, sglang: {{dump_dir: /dev/shm/caps, port: 31555}}}}
     assert "--disable-radix-cache --chunked-prefill-size -1" in line
     assert "--port 31555" in line and "--tp-size 2" in line
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def launched_capture(tmp_path, port: int, **sglang) -> ExtractConfig:

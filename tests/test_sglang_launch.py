@@ -26,15 +26,11 @@ from draftsmith.serve.sglang_launch import (
     wait_until_ready,
 )
 from tests.conftest import REPO
+from tests.ports import free_port
 from tests.test_export import make_drafter
 
 FAKE = [sys.executable, str(REPO / "tests" / "fake_sglang_server.py")]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture()

@@ -10,7 +10,6 @@ benchmark's baseline stops it).
 from __future__ import annotations
 
 import shutil
-import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from draftsmith.config import (
     TargetConfig,
     parse_config,
 )
+from tests.ports import free_port
 
 # KV cache of the test server, in GiB (vLLM's CPU backend reserves it up front).
 KV_CACHE_GIB = "1"
@@ -32,11 +32,6 @@ KV_CACHE_GIB = "1"
 # default layout: draftsmith's connector is then loaded in a worker process, as on a user's server.
 VLLM_TEST_ENV = {"VLLM_CPU_KVCACHE_SPACE": KV_CACHE_GIB, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
