@@ -65,7 +65,7 @@ def check_config(config: PipelineConfig, deep: bool = False) -> list[Finding]:
     check_hosts(checks, config)
     check_placement(checks, config)
     check_run_root(checks, config)
-    check_init_from(checks, config)
+    check_drafters(checks, config)
     if deep:
         check_target_files(checks, config)
     return checks.findings
@@ -407,18 +407,21 @@ def check_run_root(checks: Checks, config: PipelineConfig) -> None:
         checks.ok("run_root", f"{root} ({'exists' if existing == root else 'will be created'})")
 
 
-def check_init_from(checks: Checks, config: PipelineConfig) -> None:
-    if not config.train.init_from:
-        return
+def check_drafters(checks: Checks, config: PipelineConfig) -> None:
+    """The drafters made elsewhere that the config names: fine-tuned from, or deployed."""
     from draftsmith.export.convert import detect_layout
 
-    path = Path(config.train.init_from)
-    try:
-        layout = detect_layout(path)
-    except (InputError, OSError) as err:
-        checks.error("init_from", f"train.init_from={path}: {err}")
-        return
-    checks.ok("init_from", f"{path}: a {layout}-layout drafter (weights read at run time)")
+    for check, setting, given in (("init_from", "train.init_from", config.train.init_from),
+                                  ("drafter", "deploy.drafter", config.deploy.drafter)):
+        if not given:
+            continue
+        path = Path(given)
+        try:
+            layout = detect_layout(path)
+        except (InputError, OSError) as err:
+            checks.error(check, f"{setting}={path}: {err}")
+            continue
+        checks.ok(check, f"{path}: a {layout}-layout drafter (weights read at run time)")
 
 
 # --- deep: the target's own files ------------------------------------------------------------

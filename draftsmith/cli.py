@@ -17,7 +17,6 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from draftsmith import stages
 from draftsmith.config import EXAMPLES_DIR, ConfigError, PipelineConfig, load_config
 from draftsmith.plan import select_stages
 
@@ -116,7 +115,7 @@ def demo(
     """
     overrides = [f"run_root={run_root.resolve()}", "name=demo", *(set_ or [])]
     config = _load(EXAMPLES / "tiny.yaml", overrides)
-    _finish(_run_flow(config, stages.names()))
+    _finish(_run_flow(config, []))
 
 
 @app.command()
@@ -176,6 +175,10 @@ def compare(
 
 
 def _select(only: str | None, from_: str | None, to: str | None) -> list[str]:
+    """The stages picked; none picked is [], every stage the config runs (deploy and
+    benchmark only, for a drafter made elsewhere), not a list of all seven."""
+    if not (only or from_ or to):
+        return []
     try:
         return select_stages(only, from_, to)
     except ConfigError as err:
@@ -246,7 +249,7 @@ def deploy(
         help="Pipeline YAML with deploy.engine: sglang or vllm.")],
     drafter: Annotated[Path | None, typer.Option(
         help="Drafter directory (SGLang layout for SGLang, speculators for vLLM); default: "
-        "this config's export output.")] = None,
+        "deploy.drafter, else this config's export output.")] = None,
     dry_run: Annotated[bool, typer.Option(
         "--dry-run", help="Print the exact command and environment; start nothing.")] = False,
     set_: SetOption = None,
@@ -269,6 +272,8 @@ def deploy(
 
     pipeline_config = _load(config, set_)
     family, model_path = pipeline_config.target.family, None
+    if drafter is None and pipeline_config.deploy.drafter:
+        drafter = Path(pipeline_config.deploy.drafter)
     if drafter is None:
         target = _export_errors(lambda: resolve_target(pipeline_config.target))
         outputs = _export_errors(lambda: finished_outputs(pipeline_config, target, "export"))

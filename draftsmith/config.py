@@ -845,6 +845,12 @@ class DeployConfig(ServerConfig):
     env: dict[str, str] = keyed(default_factory=dict, description="e.g. NCCL settings.")
     sglang_command: SGLangCommand = keyed(None)
     vllm_command: VLLMCommand = keyed(None)
+    drafter: str | None = operational(None, description=(
+        "A drafter made elsewhere (another run's export, a lease's copy, a public EAGLE-3 "
+        "drafter; any layout `draftsmith inspect` reads) to deploy and benchmark instead of "
+        "this run's export: the run is deploy and benchmark only, and their keys follow the "
+        "drafter's files, not this path. Needs benchmark.suite, prompts_file or "
+        "prompts_builtin (no merge output to take held-out prompts from)."))
     startup_timeout_s: StartupTimeout = operational(1800.0, description=(
         "Big targets need 15+ minutes."))
     keep_serving: bool = operational(False, description=(
@@ -1130,10 +1136,23 @@ class PipelineConfig(StrictModel):
         return self
 
     @model_validator(mode="after")
+    def _external_drafter_has_prompts(self) -> PipelineConfig:
+        bench = self.benchmark
+        if self.deploy.drafter and not (bench.suite or bench.prompts_file
+                                        or bench.prompts_builtin):
+            raise ValueError(
+                f"deploy.drafter={self.deploy.drafter}: a drafter made elsewhere is measured "
+                "without this run's merge output, so its validation split gives no held-out "
+                "prompts; set benchmark.suite (e.g. [chat, code, math]), benchmark.prompts_file "
+                "or benchmark.prompts_builtin")
+        return self
+
+    @model_validator(mode="after")
     def _vllm_reads_speculators(self) -> PipelineConfig:
         if self.deploy.engine != "vllm":
             return self
-        if self.export.format != "speculators":
+        # A drafter made elsewhere is not exported by this run: vLLM's launch checks its layout.
+        if self.export.format != "speculators" and not self.deploy.drafter:
             raise ValueError(
                 f"deploy.engine=vllm with export.format={self.export.format!r}: vLLM loads "
                 "EAGLE-3 drafters in the speculators layout (Eagle3Speculator, layers.0.*); set "

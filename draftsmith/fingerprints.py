@@ -54,11 +54,12 @@ def remembered_digest(path: str | Path, compute: Callable[[Path], str] = sha256_
     return digest
 
 
-def drafter_fingerprint(path: str) -> dict[str, str]:
-    """sha256 of every file of a drafter to fine-tune from (a drafter is small enough)."""
+def drafter_fingerprint(path: str, setting: str = "train.init_from") -> dict[str, str]:
+    """sha256 of every file of a drafter made elsewhere (a drafter is small enough), given as
+    `setting` (train.init_from: fine-tuned from; deploy.drafter: deployed)."""
     directory = Path(path)
     if not directory.is_dir():
-        raise ConfigError(f"train.init_from={path}: no such directory (a drafter in the native, "
+        raise ConfigError(f"{setting}={path}: no such directory (a drafter in the native, "
                           "SGLang, SpecForge or speculators layout)")
     return {f.name: remembered_digest(f) for f in sorted(directory.iterdir()) if f.is_file()}
 

@@ -63,7 +63,7 @@ def stage_plan(config: PipelineConfig, stage_name: str, outputs: Inputs,
             files = data if data is not None else data_descriptors(config)
             inputs += files
             named[DATA] = [d.fingerprint for d in files]
-        else:
+        elif name in outputs or name not in stage.optional_inputs:
             inputs.append(outputs[name])
             named[name] = outputs[name].fingerprint
     material = key_material(config, stage.name)
@@ -130,11 +130,18 @@ class RunPlan:
                  selected: list[str] | None = None, data: list[Descriptor] | None = None):
         self.config = config
         order = stages.names()
-        self.selected = [stages.get(s).name for s in (selected or order)]
-        last = max(order.index(s) for s in self.selected)
-        self.order: list[Stage] = list(stages.STAGES[: last + 1])
         self.outputs: Inputs = {stages.TARGET: target}
         self.results: dict[str, dict[str, Any]] = {}
+        first = 0
+        if config.deploy.drafter:  # a drafter made elsewhere: deploy and benchmark it
+            from draftsmith.export.stage import external_drafter  # reads it: imports torch
+
+            first = order.index(EXTERNAL_FROM)
+            selected = external_selection(config, selected)
+            self._set("export", "External", external_drafter(config.deploy.drafter, target))
+        self.selected = [stages.get(s).name for s in (selected or order)]
+        last = max(order.index(s) for s in self.selected)
+        self.order: list[Stage] = list(stages.STAGES[first: last + 1])
         self._pruned: set[str] = set()
         self._data = data  # the data files' fingerprints, when the caller hashed them
         self._plans: dict[tuple[str, ...], StagePlan] = {}
@@ -153,14 +160,14 @@ class RunPlan:
         """The stage's plan on the outputs recorded so far, computed once for each set of
         input fingerprints (keys hash file contents: fine-tuning drafters, prompt files)."""
         stage = stages.get(name)
-        memo = (stage.name, *(self.outputs[i].fingerprint for i in stage.stage_inputs()))
+        memo = (stage.name, *(d.fingerprint for d in stage.inputs_from(self.outputs).values()))
         if memo not in self._plans:
             data = self.data() if DATA in stage.inputs else None
             self._plans[memo] = stage_plan(self.config, stage.name, self.outputs, data)
         return self._plans[memo]
 
     def inputs_of(self, stage: Stage) -> Inputs:
-        return {name: self.outputs[name] for name in stage.stage_inputs()}
+        return stage.inputs_from(self.outputs)
 
     def inputs_of_group(self, group: list[str]) -> Inputs:
         """What the stages of one execution read from outside it (a served deploy's benchmark
@@ -254,6 +261,9 @@ class RunPlan:
         """What a run would do now, without running anything: each stage, its key (unknown
         while a stage it reads has yet to run), and cached / to run / reused and why."""
         rows: list[PreviewRow] = []
+        if "export" in self.results:  # a drafter made elsewhere
+            rows.append(PreviewRow("export", self.outputs["export"].key, "external",
+                                   f"deploy.drafter: {self.outputs['export'].path}"))
         pending: dict[str, str] = {}  # stages whose output is not known yet -> the first cause
         blocked: set[str] = set()  # ... because a stage it needs is neither selected nor done
         for stage in self.order:
@@ -294,6 +304,25 @@ class RunPlan:
                                            "not selected and not complete: run it first "
                                            f"(--to {stage.label})"))
         return rows
+
+
+EXTERNAL_FROM = "deploy"  # the first stage a run of a drafter made elsewhere runs
+
+
+def external_selection(config: PipelineConfig, selected: list[str] | None) -> list[str]:
+    """The stages a run of deploy.drafter executes: deploy and benchmark, or the one of them
+    picked; a stage before deploy is refused, since no stage of this run makes the drafter."""
+    order = stages.names()
+    first = order.index(EXTERNAL_FROM)
+    if not selected:
+        return order[first:]
+    before = [s for s in selected if order.index(stages.get(s).name) < first]
+    if before:
+        raise ConfigError(
+            f"deploy.drafter={config.deploy.drafter} deploys a drafter made elsewhere, so this "
+            f"run is {' and '.join(order[first:])} only; {', '.join(before)} cannot run. Pick "
+            "--from deploy (or nothing), or unset deploy.drafter to train a drafter")
+    return list(selected)
 
 
 def differences(before: Any, now: Any) -> list[str]:

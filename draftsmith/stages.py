@@ -155,6 +155,9 @@ class Stage:
     # A result the run must not pass silently (a lossless engine that was not): the message.
     problem: Callable[[Descriptor], str | None] = lambda _d: None
     spread: Spread | None = None  # how it runs over several GPU hosts, when it can
+    # Inputs it can do without: a drafter made elsewhere (deploy.drafter) is deployed and
+    # benchmarked with no merge or train output of this run.
+    optional_inputs: tuple[str, ...] = ()
 
     def execute(self, config: PipelineConfig, inputs: Inputs, plan: StagePlan,
                 secret: str | None = None) -> Descriptor:
@@ -181,6 +184,12 @@ class Stage:
     def stage_inputs(self) -> tuple[str, ...]:
         """The stage outputs (and the target) the engine function reads."""
         return tuple(name for name in self.inputs if name != DATA)
+
+    def inputs_from(self, outputs: Inputs) -> Inputs:
+        """What it reads of `outputs`: every input it needs (a KeyError names one that is
+        missing), and those of its optional inputs that are there."""
+        return {name: outputs[name] for name in self.stage_inputs()
+                if name in outputs or name not in self.optional_inputs}
 
 
 # --------------------------------------------------------------------------- generate
@@ -480,8 +489,14 @@ def _run_deploy(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
                 _secret: str | None = None) -> Descriptor:
     from draftsmith.serve.deploy import run_deploy
 
-    return run_deploy(config.deploy, config.target, inputs["export"], inputs["merge"],
-                      inputs[TARGET], plan)
+    merged = inputs.get("merge")  # none for a drafter made elsewhere (deploy.drafter)
+    smoke = None
+    if merged is None and config.deploy.engine == "embedded":
+        from draftsmith.bench.benchmark import first_conversation
+
+        smoke = first_conversation(config.benchmark)
+    return run_deploy(config.deploy, config.target, inputs["export"], merged, inputs[TARGET],
+                      plan, smoke)
 
 
 def _target_dtype(config: PipelineConfig) -> dict[str, Any]:
@@ -509,7 +524,7 @@ def _run_benchmark(config: PipelineConfig, inputs: Inputs, plan: StagePlan,
     from draftsmith.bench.benchmark import run_benchmark
 
     # The trained drafter's validation full_acc sits next to a served engine's acceptance.
-    return run_benchmark(config.benchmark, config.target, inputs["deploy"], inputs["merge"],
+    return run_benchmark(config.benchmark, config.target, inputs["deploy"], inputs.get("merge"),
                          inputs[TARGET], plan, config.deploy, trained=inputs.get("train"))
 
 
@@ -568,13 +583,15 @@ STAGES: list[Stage] = [
     Stage("deploy", "serves the target with the exported drafter and proves it generates",
           "draftsmith/serve/deploy.py", _run_deploy, inputs=("export", "merge", TARGET),
           section="deploy", figures=DeployFigures, describe=deploy_report.describe, gpu=_always,
-          key_extras=_target_dtype, preflight=_embedded_preflight, live=_served),
+          key_extras=_target_dtype, preflight=_embedded_preflight, live=_served,
+          optional_inputs=("merge",)),
     Stage("benchmark", "measures acceptance and tokens/s with and without speculation",
           "draftsmith/bench/benchmark.py", _run_benchmark,
           inputs=("deploy", "merge", TARGET, "train"),
           section="benchmark", figures=BenchmarkFigures, describe=benchmark_report.describe,
           gpu=_always, key_extras=_benchmark_key, preflight=_embedded_preflight,
-          reports=benchmark_report.reports, progress=True, problem=benchmark_report.problem),
+          reports=benchmark_report.reports, progress=True, problem=benchmark_report.problem,
+          optional_inputs=("merge", "train")),
 ]
 
 

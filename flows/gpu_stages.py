@@ -68,7 +68,7 @@ def run_gpu_stages(names: list[str], config: PipelineConfig, inputs: dict[str, D
                 stage = stages.get(names[0])
                 assert plan is not None, "a part runs on the plan the pipeline made"
                 report = part_task_for(stage)(plan, config,
-                                              {n: out[n] for n in stage.stage_inputs()}, part)
+                                              stage.inputs_from(out), part)
                 # Prefect records how this run ended, and frees the slots, through its API.
                 wait_for_api(f"{stage.name} {part.label}: finished", outage_s)
                 return {stage.name: {"state": "Completed", "part": report}}
@@ -77,7 +77,7 @@ def run_gpu_stages(names: list[str], config: PipelineConfig, inputs: dict[str, D
                 planned = plan if index == 0 and plan is not None else \
                     stage_plan(config, name, out)
                 state = run_stage_task(config, stage, planned,
-                                       {n: out[n] for n in stage.stage_inputs()})
+                                       stage.inputs_from(out))
                 out[name] = state.result()
                 results[name] = {"state": state.name, "descriptor": out[name].model_dump()}
                 logger.info("stage %s: %s (%s)", name, state.name, out[name].path)

@@ -98,12 +98,15 @@ def selected_stages(names: Sequence[str] | None) -> list[str] | None:
 
 
 def name_run(config: PipelineConfig, data: list) -> str:
-    """Name this flow run after the pipeline and its data version (`tiny, data 3f2a9c1b`), so
-    runs tell apart in the run list; child runs are named after it."""
+    """Name this flow run after the pipeline and its data version (`tiny, data 3f2a9c1b`), or
+    the drafter made elsewhere it deploys (`tiny, drafter eagle3-drafter`), so runs tell apart
+    in the run list; child runs are named after it."""
     from prefect.client.orchestration import get_client
     from prefect.runtime import flow_run
 
-    name = f"{config.pipeline_name}, data {data_version(data)}"
+    made = (f"drafter {Path(config.deploy.drafter).name}" if config.deploy.drafter
+            else f"data {data_version(data)}")
+    name = f"{config.pipeline_name}, {made}"
     if flow_run.id:
         with get_client(sync_client=True) as client:
             client.update_flow_run(flow_run.id, name=name)
@@ -161,7 +164,8 @@ def pipeline(config: str = "tiny", stages: StageSelection = (),
                              form_overrides(epochs, ttt_steps, engine, overrides))
     configure_logging(log_file=Path(run_config.run_root) / "draftsmith.log", console=False)
     run_config = data_updates.apply(run_config, dataset)
-    data = data_descriptors(run_config)  # the sources' content fingerprints, hashed once
+    # The sources' content fingerprints, hashed once; a drafter made elsewhere reads none.
+    data = [] if run_config.deploy.drafter else data_descriptors(run_config)
     run_name = name_run(run_config, data)
     run_config = dispatch.with_endpoint_block(run_config)
     run = RunPlan(run_config, resolve_target(run_config.target), selected, data=data)

@@ -329,6 +329,38 @@ def test_extract_stops_before_starting_when_the_store_will_not_fit(first_run, ba
     assert set(extract_root.iterdir()) == before  # stopped before the stage began
 
 
+def test_a_drafter_made_elsewhere_is_deployed_and_benchmarked_by_the_run(first_run, base_raw,
+                                                                        tmp_path):
+    """deploy.drafter: the session's drafter, copied away, measured by a run of its own on the
+    session benchmark's prompts (as a file) gives the session's acceptance; nothing before
+    deploy runs, and a second run is cached."""
+    from draftsmith.artifacts import Descriptor
+    from draftsmith.data.merge import read_split
+
+    drafter = shutil.copytree(first_run["export"]["descriptor"]["figures"]["drafter_dir"],
+                              tmp_path / "drafter")
+    merged = Descriptor.model_validate(first_run["merge"]["descriptor"])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"messages": json.loads(row["messages"])}) + "\n"
+                               for row in read_split(merged, "validation")))
+    raw = json.loads(json.dumps(base_raw))
+    raw["run_root"] = str(tmp_path / "runs")
+    raw["deploy"]["drafter"] = str(drafter)
+    raw["benchmark"]["prompts_file"] = str(prompts)
+    results = run_pipeline(raw)
+    assert states(results) == {"export": "External", "deploy": "Completed",
+                               "benchmark": "Completed"}
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()
+                  if p.is_dir() and not p.name.startswith(".")) == ["benchmark", "deploy"]
+    assert results["deploy"]["descriptor"]["figures"]["drafter_dir"] == str(drafter)
+    bench = results["benchmark"]["descriptor"]["figures"]
+    session = first_run["benchmark"]["descriptor"]["figures"]
+    assert bench["lossless"] is True
+    assert bench["acceptance_length"] == session["acceptance_length"]
+    again = run_pipeline(raw)
+    assert states(again) == {"export": "External", "deploy": "Cached", "benchmark": "Cached"}
+
+
 def test_retention_deletes_big_outputs_and_recomputes_them_when_a_stage_needs_them(
         first_run, base_raw):
     """Last in this module: it deletes the generations and the hidden-state store."""

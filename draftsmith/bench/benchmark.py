@@ -47,22 +47,45 @@ from draftsmith.target import load_tokenizer
 log = logging.getLogger(__name__)
 
 
-def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor, tokenizer) -> list[list[int]]:
+def held_out_prompts(cfg: BenchmarkConfig, merged: Descriptor | None, tokenizer
+                     ) -> list[list[int]]:
     """Token ids of each prompt: the conversation up to its last assistant turn, from
     benchmark.prompts_file, benchmark.prompts_builtin (HumanEval) or the validation split
     (never trained on)."""
     if cfg.prompts_file or cfg.prompts_builtin:
-        records, _ = load_source(
-            "benchmark.prompts_file" if cfg.prompts_file else f"builtin:{cfg.prompts_builtin}",
-            cfg.prompts_file, limit=cfg.num_prompts, builtin=cfg.prompts_builtin)
-        return [prompt_ids(tokenizer, json.dumps([m.model_dump(include={"role", "content"})
-                                                  for m in r.messages])) for r in records]
+        return [prompt_ids(tokenizer, c) for c in file_conversations(cfg, cfg.num_prompts)]
+    if merged is None:
+        raise InputError("benchmark: no merge output to take held-out prompts from (a drafter "
+                         "made elsewhere, deploy.drafter); set benchmark.suite, "
+                         "benchmark.prompts_file or benchmark.prompts_builtin")
     rows = read_split(merged, "validation")
     if not rows:
         raise ValueError("benchmark: the validation split is empty; raise "
                          "merge.validation_fraction so there are held-out prompts, or set "
                          "benchmark.prompts_file")
     return [prompt_ids(tokenizer, r["messages"]) for r in rows[: cfg.num_prompts]]
+
+
+def file_conversations(cfg: BenchmarkConfig, limit: int) -> list[str]:
+    """The first `limit` conversations (messages JSON) of benchmark.prompts_file or
+    benchmark.prompts_builtin."""
+    records, _ = load_source(
+        "benchmark.prompts_file" if cfg.prompts_file else f"builtin:{cfg.prompts_builtin}",
+        cfg.prompts_file, limit=limit, builtin=cfg.prompts_builtin)
+    return [json.dumps([m.model_dump(include={"role", "content"}) for m in r.messages])
+            for r in records]
+
+
+def first_conversation(cfg: BenchmarkConfig) -> str:
+    """The first prompt the benchmark measures, as messages JSON: the deploy stage's smoke
+    generation when the run has no merge output to take a record from (deploy.drafter)."""
+    if cfg.suite:
+        return prompt_conversation(suite_prompts(cfg.suite, cfg.splits, 1)[0])
+    if cfg.prompts_file or cfg.prompts_builtin:
+        return file_conversations(cfg, 1)[0]
+    raise InputError("benchmark: no prompt to smoke-test a drafter made elsewhere "
+                     "(deploy.drafter) with; set benchmark.suite, benchmark.prompts_file or "
+                     "benchmark.prompts_builtin")
 
 
 def benchmark_prompts(cfg: BenchmarkConfig, merged: Descriptor | None, tokenizer
@@ -73,6 +96,12 @@ def benchmark_prompts(cfg: BenchmarkConfig, merged: Descriptor | None, tokenizer
         return held_out_prompts(cfg, merged, tokenizer), None
     chosen = suite_prompts(cfg.suite, cfg.splits, cfg.prompts_per_set)
     return [prompt_ids(tokenizer, prompt_conversation(p)) for p in chosen], chosen
+
+
+def known(*descriptors: Descriptor | None) -> list[Descriptor]:
+    """The inputs a sweep point's key covers: those this run has (a drafter made elsewhere
+    comes without a merge output)."""
+    return [d for d in descriptors if d is not None]
 
 
 def longest_first(prompts: list[list[int]], count: int) -> list[list[int]]:
@@ -328,11 +357,13 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
 
 
 def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
-                  merged: Descriptor, target: Descriptor, plan: StagePlan,
+                  merged: Descriptor | None, target: Descriptor, plan: StagePlan,
                   deploy_cfg: DeployConfig | None = None,
                   trained: Descriptor | None = None) -> Descriptor:
-    """trained: the train stage's descriptor, whose validation full_acc per TTT step sits next
-    to the served engine's acceptance per position (optional)."""
+    """merged: the merge stage's descriptor (its validation split is the default prompt set;
+    None for a drafter made elsewhere). trained: the train stage's descriptor, whose validation
+    full_acc per TTT step sits next to the served engine's acceptance per position
+    (optional)."""
     engine = DeployFigures.of(deployment).engine
     if engine != "embedded" and cfg.batch_sizes:
         log.warning("benchmark.batch_sizes %s: the embedded engine's setting; a served engine "
@@ -380,7 +411,7 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         material["embedded_cache"] = engine.cache
     elif engine.cache_kind != "dynamic":  # auto ran the dynamic cache everywhere before
         material["embedded_cache"] = f"auto: {engine.cache_kind}"
-    points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
+    points = measure_sweep(cfg, plan, material, known(merged, target), measure_point)
     # The best config is chosen among runs at the benchmark's own temperature.
     best = max((c for c in [summary, *points] if c["lossless"] is not False),
                key=lambda c: c["speedup"], default=summary)
@@ -484,13 +515,14 @@ def _serve_and_measure(deploy_cfg: DeployConfig, target_cfg: TargetConfig,
 
 
 def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
-                           target_cfg: TargetConfig, deployment: Descriptor, merged: Descriptor,
-                           target: Descriptor, plan: StagePlan) -> Descriptor:
+                           target_cfg: TargetConfig, deployment: Descriptor,
+                           merged: Descriptor | None, target: Descriptor,
+                           plan: StagePlan) -> Descriptor:
     from draftsmith.serve import servers
 
     deployed = DeployFigures.of(deployment)
     url, drafter_dir = deployed.url, deployed.drafter_dir
-    prompts = held_out_prompts(cfg, merged, load_tokenizer(target))
+    prompts, _ = benchmark_prompts(cfg, merged, load_tokenizer(target))
     deployed = drafting_label(deploy_cfg.num_steps, deploy_cfg.eagle_topk,
                               deploy_cfg.num_draft_tokens)
     from draftsmith.serve.sglang_launch import max_running_requests
@@ -530,7 +562,7 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
                         "deploy": deploy_cfg.model_dump(mode="json", exclude={
                             "num_steps", "eagle_topk", "num_draft_tokens", "keep_serving",
                             "embedded_cache"})}
-            points = measure_sweep(cfg, plan, material, [merged, target], measure_point)
+            points = measure_sweep(cfg, plan, material, known(merged, target), measure_point)
         elif cfg.sweep:
             log.warning("benchmark: drafting sweep skipped: %s (let this run start the "
                         "server)", not_owned)

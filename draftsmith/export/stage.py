@@ -8,12 +8,22 @@ max_position_embeddings no shorter than the target's context.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
-from draftsmith.artifacts import Descriptor, StagePlan, finish_stage, stage_output
+from draftsmith.artifacts import (
+    Descriptor,
+    StagePlan,
+    external_descriptor,
+    finish_stage,
+    hash_json,
+    stage_output,
+)
 from draftsmith.config import ExportConfig, TargetConfig
 from draftsmith.export.convert import export_drafter, read_drafter
 from draftsmith.export.formats import layout_named
+from draftsmith.export.layout import ExportError
 from draftsmith.figures import ExportFigures, TargetFigures
+from draftsmith.fingerprints import drafter_fingerprint
 from draftsmith.model.kinds import kind_named
 
 log = logging.getLogger(__name__)
@@ -47,3 +57,31 @@ def run_export(cfg: ExportConfig, target_cfg: TargetConfig, trained: Descriptor,
                             canonical_aux_layer_ids=checkpoint.config.aux_layer_ids,
                             written_aux_layer_ids=written, target_family=facts.family)
     return finish_stage(plan, figures=figures.model_dump())
+
+
+def external_drafter(path: str, target: Descriptor) -> Descriptor:
+    """The export stage's output for a drafter made elsewhere (deploy.drafter): read and
+    validated as export validates its own, checked against this target, and identified by its
+    files' content, so that the deploy and benchmark keys follow the drafter, not its path."""
+    files = drafter_fingerprint(path, "deploy.drafter")
+    facts = TargetFigures.of(target)
+    checkpoint = read_drafter(path, facts.family)
+    cfg = checkpoint.config
+    problems = []
+    if cfg.target_hidden_size != facts.hidden_size:
+        problems.append(f"it reads hidden states of size {cfg.target_hidden_size}, the "
+                        f"target's are {facts.hidden_size}")
+    if cfg.vocab_size != facts.vocab_size:
+        problems.append(f"its vocab is {cfg.vocab_size} tokens, the target's {facts.vocab_size}")
+    if max(cfg.aux_layer_ids) >= facts.num_layers:
+        problems.append(f"its aux layers {cfg.aux_layer_ids} go past the target's "
+                        f"{facts.num_layers} layers")
+    if problems:
+        raise ExportError(f"deploy.drafter={path}: a drafter for another target: "
+                          + "; ".join(problems) + f" ({target.path}). Give a drafter trained "
+                          "for this target, or set target.model to the one it was trained for")
+    directory = str(Path(path).resolve())
+    figures = ExportFigures(format=checkpoint.layout, drafter_dir=directory,
+                            canonical_aux_layer_ids=cfg.aux_layer_ids,
+                            target_family=facts.family)
+    return external_descriptor("export", directory, hash_json(files), **figures.model_dump())

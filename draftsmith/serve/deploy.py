@@ -56,14 +56,22 @@ def prompt_ids(tokenizer, messages_json: str) -> list[int]:
 
 
 def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor,
-               merged: Descriptor, target: Descriptor, plan: StagePlan) -> Descriptor:
+               merged: Descriptor | None, target: Descriptor, plan: StagePlan,
+               smoke_messages: str | None = None) -> Descriptor:
+    """The export stage's drafter (or one made elsewhere) served. The embedded engine's smoke
+    generation answers a merged record (validation first), or `smoke_messages` (messages JSON)
+    when the run has no merge output."""
     if cfg.engine in ("sglang", "vllm"):
         return deploy_server(server_engine(cfg.engine), cfg, target_cfg,
                              ExportFigures.of(exported).drafter_dir, target.path,
                              TargetFigures.of(target).family, plan)
-    rows = read_split(merged, "validation") or read_split(merged, "train")
+    if merged is not None:
+        rows = read_split(merged, "validation") or read_split(merged, "train")
+        smoke_messages = rows[0]["messages"]
+    if smoke_messages is None:
+        raise ValueError("run_deploy: give the merge output or smoke_messages")
     return deploy_embedded(cfg, target_cfg, ExportFigures.of(exported).drafter_dir, target,
-                           plan, rows[0]["messages"])
+                           plan, smoke_messages)
 
 
 def deploy_embedded(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str,
