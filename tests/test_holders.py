@@ -143,3 +143,23 @@ def test_a_gpu_worker_is_traced_to_the_server_that_started_it(tmp_path, monkeypa
     finally:
         stop(server)
         stop(other)
+
+
+def test_a_server_started_after_deploy_finds_its_port_taken_and_names_the_holder(
+        user_server, tmp_path):
+    """The benchmark starts its baseline (and its repeats) on the deploy port once the
+    speculative server has stopped; a program that took the port in between is named, and
+    no server is started, instead of its /health answering the readiness checks."""
+    from draftsmith.serve.engine_adapter import start_until_ready
+    from draftsmith.serve.process import ServerLaunch
+
+    process, port = user_server
+    marker = tmp_path / "started"
+    launch = ServerLaunch(argv=[sys.executable, "-c", f"open({str(marker)!r}, 'w')"], env={},
+                          host="127.0.0.1", port=port, drafter_dir=None)
+    with pytest.raises(PortBusyError, match=f"deploy: 127.0.0.1:{port} is already in use") \
+            as busy:
+        start_until_ready(launch, tmp_path / "baseline.log", "vllm-baseline",
+                          lambda _process: {})
+    assert f"(pid {process.pid}: " in flat(str(busy.value))
+    assert not marker.exists()

@@ -504,11 +504,13 @@ def _serve_and_measure(deploy_cfg: DeployConfig, target_cfg: TargetConfig,
                        cfg: BenchmarkConfig, log_path: Path, name: str) -> list[dict]:
     """Launch a server (drafter_dir None: no speculation), wait for readiness, measure the
     concurrency sweep, stop it with its whole process group."""
+    from draftsmith.serve.holders import require_free_port
     from draftsmith.serve.process import ManagedProcess
     from draftsmith.serve.sglang_launch import build_launch, wait_until_ready
 
     launch = build_launch(deploy_cfg, target_cfg, drafter_dir, TargetFigures.of(target).family,
                           target.path)
+    require_free_port("deploy", launch.host, launch.port)  # as start_until_ready does
     with ManagedProcess(launch.argv, log_path, launch.env, name=name) as process:
         wait_until_ready(launch.url, deploy_cfg, drafter_dir, process)
         return _concurrency_sweep(launch.url, prompts, cfg, speculative=drafter_dir is not None)

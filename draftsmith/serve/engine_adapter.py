@@ -70,7 +70,12 @@ def start_until_ready(launch: ServerLaunch, log_file: str | Path, name: str,
                       ) -> tuple[ManagedProcess, dict[str, Any]]:
     """Start `launch` in its own process group, its output streamed to `log_file` and the run
     log, and return it with what `wait_until_ready(process)` returns; on any failure the whole
-    group is stopped."""
+    group is stopped. A port that another program holds is named before anything starts:
+    the benchmark starts servers one after another on the deploy port, and a program that
+    takes it in between would otherwise answer the readiness checks itself."""
+    from draftsmith.serve.holders import require_free_port
+
+    require_free_port("deploy", launch.host, launch.port)
     process = ManagedProcess(launch.argv, log_file, launch.env, name=name)
     process.start()
     try:
