@@ -150,6 +150,13 @@ def user_turn_start(tokenizer) -> str:
 # --------------------------------------------------------------------------- the journal
 
 
+def record_id(source_name: str, entry: dict) -> str:
+    """A kept prompt's record id: its index and its text's hash, so that a prompt written again
+    differently (other settings, another journal) is another record."""
+    digest = hashlib.sha256(entry["text"].encode()).hexdigest()[:8]
+    return f"{source_name}/{entry['index']:07d}-{digest}"
+
+
 def journal_path(plan: StagePlan, source: DataSource, cfg: GenerateConfig, target: Descriptor,
                  dtype: str) -> Path:
     """Beside the stage directories (a retry clears the stage directory), named after the
@@ -434,9 +441,8 @@ def synthesized_source(source: DataSource, cfg: GenerateConfig, target_cfg: Targ
                                    synth.min_prompt_chars)
     if source.limit is not None:
         kept = kept[:source.limit]
-    records = [Record(id=f"{source.name}/{e['index']:07d}-"
-                         f"{hashlib.sha256(e['text'].encode()).hexdigest()[:8]}",
-                      source=source.name, messages=[Message(role="user", content=e["text"])])
+    records = [Record(id=record_id(source.name, e), source=source.name,
+                      messages=[Message(role="user", content=e["text"])])
                for e in kept]
     by_type = Counter(e["task_type"] for e in kept)
     stats = SourceStats(source=source.name, read=len(writings), kept=len(records),
