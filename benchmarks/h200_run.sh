@@ -20,6 +20,11 @@
 #   last:             bash benchmarks/h200_run.sh collect [N]
 #      brings back the N-th exported drafter, oldest first (default 1; a tar in <= 15 MiB
 #      parts, with its sha256), the stages' reports and the run's log.
+# A drafter made on an earlier lease is deployed and benchmarked without training again
+# (deploy.drafter; the run is deploy and benchmark only, no data source is read, so .gpu/e and
+# .gpu/g stay home): put its directory under .gpu/d (e.g. .gpu/d/best-drafter/, 28 MB), then
+#   keep a, keep b, keep d, and
+#   start WAIT_S CONFIG --set deploy.drafter=/tmp/keep/best-drafter [--set ...]
 # COMMAND=compare runs `draftsmith compare CONFIG --variant ...` instead of `draftsmith run`
 # (the same arguments follow CONFIG); each variant's drafter is then one N of `collect`.
 # A run that stopped (the machine kept) resumes with `start` again: the finished stages are

@@ -262,7 +262,7 @@ class RunPlan:
         while a stage it reads has yet to run), and cached / to run / reused and why."""
         rows: list[PreviewRow] = []
         if "export" in self.results:  # a drafter made elsewhere
-            rows.append(PreviewRow("export", self.outputs["export"].key, "external",
+            rows.append(PreviewRow("export", self.outputs["export"].key[:16], "external",
                                    f"deploy.drafter: {self.outputs['export'].path}"))
         pending: dict[str, str] = {}  # stages whose output is not known yet -> the first cause
         blocked: set[str] = set()  # ... because a stage it needs is neither selected nor done
