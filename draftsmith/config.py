@@ -850,7 +850,8 @@ class DeployConfig(ServerConfig):
         "drafter; any layout `draftsmith inspect` reads) to deploy and benchmark instead of "
         "this run's export: the run is deploy and benchmark only, and their keys follow the "
         "drafter's files, not this path. Needs benchmark.suite, prompts_file or "
-        "prompts_builtin (no merge output to take held-out prompts from)."))
+        "prompts_builtin (no merge output to take held-out prompts from). In distributed "
+        "mode, a path the GPU hosts see too (it is checked where the pipeline runs)."))
     startup_timeout_s: StartupTimeout = operational(1800.0, description=(
         "Big targets need 15+ minutes."))
     keep_serving: bool = operational(False, description=(
