@@ -344,31 +344,39 @@ def test_the_sglang_layout_carries_the_provenance_too(smollm2_run, smollm2_targe
 
 
 def test_a_drafter_made_elsewhere_is_measured_in_the_embedded_engine(smollm2_run, tmp_path):
-    """`benchmarks/general/summary.py embedded-drafter`: a drafter directory brought back from a
-    GPU lease goes through the deploy stage's smoke check and the benchmark stage's code on
-    this CPU, and becomes a row per set of the evaluation suite."""
+    """deploy.drafter: the run's drafter, as a directory brought back from a GPU lease, is
+    deployed (its smoke generation on the suite's first prompt, there being no merge output)
+    and benchmarked per set of the evaluation suite by a run of its own, in the embedded
+    engine on this CPU; `benchmarks/general/summary.py` turns the report into rows."""
     import importlib.util
 
+    from draftsmith.config import parse_config
     from draftsmith.figures import ExportFigures
+    from draftsmith.plan import run_in_process
 
-    _, outputs, _, _ = smollm2_run
+    config, outputs, _, _ = smollm2_run
+    raw = config.model_dump(mode="json")
+    raw["run_root"] = str(tmp_path / "elsewhere")
+    raw["deploy"].update(engine="embedded", drafter=ExportFigures.of(outputs["export"]).drafter_dir)
+    raw["benchmark"].update(splits=["dev"])
+    run = run_in_process(parse_config(raw), outputs["target"])
+    assert [s.name for s in run.order] == ["deploy", "benchmark"]
+    report = Path(run.outputs["benchmark"].figures["report"]).with_suffix(".json")
     spec = importlib.util.spec_from_file_location(
         "general_summary", REPO / "benchmarks" / "general" / "summary.py")
     summary = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(summary)
     path = tmp_path / "summary.json"
-    summary.main(["embedded-drafter", ExportFigures.of(outputs["export"]).drafter_dir,
-                  "--drafter", "elsewhere", "--kind", "eagle3", "--prompts", "18", "--epochs",
-                  "2", "--hardware", "2-core CPU", "--summary", str(path), "--splits", "dev",
-                  "--prompts-per-set", "1", "--max-new-tokens", str(TOKENS),
-                  "--work", str(tmp_path / "work")])
+    summary.main(["embedded", str(report), "--drafter", "elsewhere", "--kind", "eagle3",
+                  "--prompts", "18", "--epochs", "2", "--hardware", "2-core CPU",
+                  "--summary", str(path)])
     rows = json.loads(path.read_text())
     assert [(r["set"], r["split"], r["engine"]) for r in rows] == [
         (s, "dev", "embedded") for s in ("chat", "code", "math")]
     assert [r["identical"] for r in rows] == ["1/1"] * 3  # float32: greedy decoding exactly
     assert all(r["acceptance"] >= 1.0 and r["hardware"] == "2-core CPU" for r in rows)
     kept = json.loads((tmp_path / "embedded_elsewhere.json").read_text())
-    assert kept["summary"]["engine"] == "embedded" and "embedded-drafter" in kept["command"]
+    assert kept["summary"]["engine"] == "embedded" and str(report) == kept["source"]
 
 
 def test_an_unknown_builtin_prompt_set_is_named_with_the_choices():
