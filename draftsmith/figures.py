@@ -95,6 +95,9 @@ class ExportFigures(Figures):
     canonical_aux_layer_ids: list[int] = []
     written_aux_layer_ids: list[int] = []
     target_family: str | None = None
+    # A drafter made elsewhere (deploy.drafter): its directory is the user's, not a stage's
+    # content-keyed one, so what is deployed from it carries the files' fingerprint.
+    external: bool = False
 
 
 class DeployFigures(Figures):
@@ -107,6 +110,7 @@ class DeployFigures(Figures):
     target_path: str | None = None
     target_family: str | None = None
     smoke_acceptance_length: float | None = None
+    drafter_files: str | None = None  # a drafter made elsewhere: its files' fingerprint
 
 
 class BenchmarkFigures(Figures):

@@ -126,3 +126,25 @@ def test_the_cli_plans_and_runs_the_config_s_own_stages(tmp_path, drafter_dir, r
     ran = CliRunner().invoke(cli.app, ["run", str(path)])
     assert ran.exit_code == 0, ran.output
     assert handed == [[]]
+
+
+def test_new_files_at_the_same_path_are_deployed_and_benchmarked_again(
+        tmp_path, drafter_dir, random_target, random_target_dir):
+    """The deployment of a drafter made elsewhere records its files' fingerprint: a drafter
+    replaced in place gets a deployment of its own, so the benchmark's key (which follows the
+    deployment) changes too, and its sweep points' keys with it."""
+    from draftsmith.plan import run_in_process
+
+    path = shutil.copytree(drafter_dir, tmp_path / "drafter")
+    config = pipeline_config(tmp_path, path)
+    first = run_in_process(config, random_target, ["deploy"])
+    deployed = first.outputs["deploy"]
+    assert deployed.figures["drafter_files"] == first.outputs["export"].fingerprint
+
+    other, _ = make_drafter(random_target_dir, seed=1)
+    shutil.rmtree(path)
+    export_drafter(other.state_dict(), other.config, "sglang", "llama", path)
+    again = run_in_process(config, random_target, ["deploy"])
+    assert again.results["deploy"]["state"] == "Completed"
+    assert again.outputs["deploy"].fingerprint != deployed.fingerprint
+    assert again.plan_for("benchmark").key != first.plan_for("benchmark").key

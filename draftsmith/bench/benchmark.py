@@ -98,6 +98,12 @@ def benchmark_prompts(cfg: BenchmarkConfig, merged: Descriptor | None, tokenizer
     return [prompt_ids(tokenizer, prompt_conversation(p)) for p in chosen], chosen
 
 
+def made_elsewhere(drafter_files: str | None) -> dict[str, str]:
+    """What a sweep point's key adds for a drafter made elsewhere: its files' fingerprint (its
+    directory is the user's, so the path alone does not say what was measured)."""
+    return {"drafter_files": drafter_files} if drafter_files else {}
+
+
 def known(*descriptors: Descriptor | None) -> list[Descriptor]:
     """The inputs a sweep point's key covers: those this run has (a drafter made elsewhere
     comes without a merge output)."""
@@ -406,7 +412,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
             point_engine.runner.close()
 
     material = {"engine": "embedded", "drafter_dir": spec["drafter_dir"],
-                "target_dtype": target_cfg.dtype}
+                "target_dtype": target_cfg.dtype,
+                **made_elsewhere(spec.get("drafter_files"))}
     if engine.cache != "auto":  # the timings differ; `auto` keeps the earlier runs' key
         material["embedded_cache"] = engine.cache
     elif engine.cache_kind != "dynamic":  # auto ran the dynamic cache everywhere before
@@ -561,6 +568,7 @@ def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
         points: list[dict] = []
         if cfg.sweep and owned:
             material = {"engine": "sglang", "drafter_dir": drafter_dir,
+                        **made_elsewhere(DeployFigures.of(deployment).drafter_files),
                         "deploy": deploy_cfg.model_dump(mode="json", exclude={
                             "num_steps", "eagle_topk", "num_draft_tokens", "keep_serving",
                             "embedded_cache"})}

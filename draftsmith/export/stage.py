@@ -83,5 +83,5 @@ def external_drafter(path: str, target: Descriptor) -> Descriptor:
     directory = str(Path(path).resolve())
     figures = ExportFigures(format=checkpoint.layout, drafter_dir=directory,
                             canonical_aux_layer_ids=cfg.aux_layer_ids,
-                            target_family=facts.family)
+                            target_family=facts.family, external=True)
     return external_descriptor("export", directory, hash_json(files), **figures.model_dump())

@@ -61,29 +61,35 @@ def run_deploy(cfg: DeployConfig, target_cfg: TargetConfig, exported: Descriptor
     """The export stage's drafter (or one made elsewhere) served. The embedded engine's smoke
     generation answers a merged record (validation first), or `smoke_messages` (messages JSON)
     when the run has no merge output."""
+    drafter = ExportFigures.of(exported)
+    # The deployment of a drafter made elsewhere names its files' content: its directory does
+    # not, and the benchmark's key follows the deployment.
+    files = exported.fingerprint if drafter.external else None
     if cfg.engine in ("sglang", "vllm"):
-        return deploy_server(server_engine(cfg.engine), cfg, target_cfg,
-                             ExportFigures.of(exported).drafter_dir, target.path,
-                             TargetFigures.of(target).family, plan)
+        return deploy_server(server_engine(cfg.engine), cfg, target_cfg, drafter.drafter_dir,
+                             target.path, TargetFigures.of(target).family, plan, files)
     if merged is not None:
         rows = read_split(merged, "validation") or read_split(merged, "train")
         smoke_messages = rows[0]["messages"]
     if smoke_messages is None:
         raise ValueError("run_deploy: give the merge output or smoke_messages")
-    return deploy_embedded(cfg, target_cfg, ExportFigures.of(exported).drafter_dir, target,
-                           plan, smoke_messages)
+    return deploy_embedded(cfg, target_cfg, drafter.drafter_dir, target, plan, smoke_messages,
+                           files)
 
 
 def deploy_embedded(cfg: DeployConfig, target_cfg: TargetConfig, drafter_dir: str,
-                    target: Descriptor, plan: StagePlan, smoke_messages: str) -> Descriptor:
+                    target: Descriptor, plan: StagePlan, smoke_messages: str,
+                    drafter_files: str | None = None) -> Descriptor:
     """The embedded engine's deployment of a drafter directory (the export stage's, or one
     trained elsewhere), after a smoke generation from `smoke_messages` (a record's messages,
-    as JSON) that must match plain greedy decoding in float32."""
+    as JSON) that must match plain greedy decoding in float32. drafter_files: the content
+    fingerprint of a drafter made elsewhere, recorded in the deployment."""
     spec = {"engine": "embedded", "target_path": target.path,
             "drafter_dir": drafter_dir, "num_steps": cfg.num_steps,
             "target_family": TargetFigures.of(target).family,
             "eagle_topk": cfg.eagle_topk, "num_draft_tokens": cfg.num_draft_tokens,
-            "embedded_cache": cfg.embedded_cache}
+            "embedded_cache": cfg.embedded_cache,
+            **({"drafter_files": drafter_files} if drafter_files else {})}
     model = load_target_model(target.path, target_cfg.device, target_cfg.dtype)
     engine = EmbeddedSpeculativeEngine.load(model, spec["drafter_dir"], cfg.num_steps,
                                             spec["target_family"], cfg.eagle_topk,
@@ -131,7 +137,7 @@ def server_engine(engine: str) -> EngineAdapter:
 
 def deploy_server(engine: EngineAdapter, cfg: DeployConfig, target_cfg: TargetConfig,
                   drafter_dir: str, target_path: str, family: str,
-                  plan: StagePlan) -> Descriptor:
+                  plan: StagePlan, drafter_files: str | None = None) -> Descriptor:
     """Launch the engine's server with the exported drafter and wait for real readiness.
 
     A server is state, not an artifact: a finished deploy directory is reused only while the
@@ -162,11 +168,14 @@ def deploy_server(engine: EngineAdapter, cfg: DeployConfig, target_cfg: TargetCo
         log.info("deploy: starting %s: %s", engine.label, launch.shell())
         process, reported = engine.start(launch, cfg, out / "server.log", cfg.startup_timeout_s)
         servers.register(launch.url, process)
+        made_elsewhere = {"drafter_files": drafter_files} if drafter_files else {}
         atomic_write_json(out / DEPLOYMENT_FILE,
-                          engine.deployment(launch, cfg, target_path, family))
+                          {**engine.deployment(launch, cfg, target_path, family),
+                           **made_elsewhere})
         # Volatile facts stay out of the fingerprint (hidden files are not checksummed).
         atomic_write_json(out / ".server.json", {"pid": process.pid, **reported})
-    return finish_stage(plan, figures=engine.figures(launch, cfg, reported))
+    return finish_stage(plan, figures={**engine.figures(launch, cfg, reported),
+                                       **made_elsewhere})
 
 
 def drafting_label(num_steps: int | None, eagle_topk: int | None,
