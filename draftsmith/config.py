@@ -938,9 +938,11 @@ class BenchmarkConfig(StrictModel):
     bootstrap_samples: int = keyed(2000, ge=100, added=True, description=(
         "Resamples of the prompts behind each set's 95% interval."))
     repeats: int = keyed(1, ge=1, added=True, description=(
-        "vLLM with baseline: pairs of speculative and baseline measurements, each server "
-        "started again in turn and the order alternating; the speedup is the pairs' median, "
-        "with their spread (3 or more for figures you report)."))
+        "Pairs of speculative and plain measurements, the order alternating; the speedup is "
+        "the pairs' median, with their spread (3 or more for figures you report). vLLM with "
+        "baseline: each server started again in turn. The embedded engine: every prompt "
+        "decoded again both ways in the same process (acceptance and identity come from the "
+        "first pair)."))
 
     prompts_file: str | None = operational(None, description=(
         "Held-out prompts from a file in any data format (ShareGPT, OpenAI messages, "

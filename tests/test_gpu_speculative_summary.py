@@ -44,6 +44,17 @@ def test_repeats_fold_into_one_row_per_cache_with_the_median_and_spread():
     assert by_cache["dynamic"]["speedup"] == 1.3  # the median of two
 
 
+def test_a_report_s_own_interleaved_pairs_are_its_repeats():
+    """benchmark.repeats: one report holds its speed pairs; each is a repeat of the row."""
+    summary = summary_module()
+    one = report("static", 2.2, 4.0)
+    one["summary"]["speedup_pairs"] = [{"order": "plain first", "speedup": 2.1},
+                                       {"order": "speculative first", "speedup": 2.2},
+                                       {"order": "plain first", "speedup": 2.6}]
+    (row,) = summary.rows_of([one], drafter="general")
+    assert (row["speedup"], row["speedup_spread"], row["repeats"]) == (2.2, [2.1, 2.6], 3)
+
+
 def test_each_batch_size_is_a_row_of_its_own_with_the_summarys_device():
     summary = summary_module()
     first, second = report("static", 2.4, 4.0), report("static", 2.2, 4.4)

@@ -447,6 +447,31 @@ def test_sampled_benchmark_compares_speed_without_demanding_identity(chain, rand
     assert bench.figures["acceptance_length"] >= 1.0
 
 
+def test_repeated_speed_pairs_alternate_and_the_speedup_is_their_median(
+        chain, random_target, random_target_dir, tmp_path):
+    """benchmark.repeats for the embedded engine: the measurement and two more pairs, the
+    second speculative first; the speedup the report gives is the pairs' median."""
+    import statistics
+
+    from draftsmith.bench.benchmark import run_benchmark
+
+    bench = run_benchmark(BenchmarkConfig(num_prompts=2, max_new_tokens=8, repeats=3),
+                          TargetConfig(model=str(random_target_dir)), chain["deploy"],
+                          chain["merge"], random_target,
+                          plan_stage(tmp_path, "benchmark", {}, [chain["deploy"]]))
+    figures = bench.figures
+    pairs = figures["speedup_pairs"]
+    assert [p["order"] for p in pairs] == ["plain first", "speculative first", "plain first"]
+    for pair in pairs:  # tokens/s are rounded to 0.1
+        assert pair["speedup"] == pytest.approx(
+            pair["speculative_tokens_per_s"] / pair["greedy_tokens_per_s"], rel=0.02)
+    speedups = [p["speedup"] for p in pairs]
+    assert figures["speedup"] == round(statistics.median(speedups), 3)
+    assert figures["speedup_spread"] == [min(speedups), max(speedups)]
+    assert pairs[0]["greedy_tokens_per_s"] == figures["greedy_tokens_per_s"]
+    assert figures["lossless"] is True
+
+
 def test_benchmark_sweep_measures_each_drafting_config_once(chain, random_target,
                                                             random_target_dir, tmp_path,
                                                             monkeypatch):

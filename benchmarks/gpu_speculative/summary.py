@@ -1,6 +1,6 @@
 """benchmarks/results/gpu_speculative/summary.json: one row per engine, drafter, target cache
-and batch, from the benchmark stage's reports (`report.json`), repeated runs folded into one
-row (the median speedup and its spread).
+and batch, from the benchmark stage's reports (`report.json`), repeated runs (and a report's own
+interleaved pairs, benchmark.repeats) folded into one row (the median speedup and its spread).
 
     # the reports that benchmarks/embedded_cache_gpu.sh brought back
     python benchmarks/gpu_speculative/summary.py FILES_AT/report-*.json --drafter general-92k
@@ -46,7 +46,10 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
     rows = []
     for (engine, cache, batch), runs in groups.items():
         rounds = [r["ms_per_round"] for r in runs if r.get("ms_per_round")]
-        speedups = [r["speedup"] for r in runs]
+        # A report of benchmark.repeats > 1 holds its interleaved pairs: each is a repeat.
+        speedups = [pair for r in runs
+                    for pair in [p["speedup"] for p in r.get("speedup_pairs") or []]
+                    or [r["speedup"]]]
         where = runs[0].get("measured_on") or {}
         rows.append({
             "engine": engine, "drafter": drafter, "batch": batch,
@@ -59,7 +62,7 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
             "speedup_spread": [min(speedups), max(speedups)],
             "speedup_limit": median_of([r.get("speedup_limit") for r in runs]),
             "identical": [r["identical_outputs"] for r in runs],
-            "repeats": len(runs), "device": where.get("device"),
+            "repeats": len(speedups), "device": where.get("device"),
             "alone": all(r.get("measured_on", {}).get("alone") for r in runs)
             if all(r.get("measured_on", {}).get("alone") is not None for r in runs) else None,
         })

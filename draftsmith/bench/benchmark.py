@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import statistics
 from pathlib import Path
 
 from draftsmith.artifacts import (
@@ -267,6 +268,47 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     return summary, per_prompt
 
 
+def decoding_rate(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
+                  side: str) -> float:
+    """Tokens/s of decoding every prompt once more, plain or speculative, at cfg.temperature
+    (the same seeds as the measurement)."""
+    tokens = seconds = 0.0
+    progress = Progress(f"benchmark repeat, {side}", total=len(prompts), unit="prompt")
+    for i, prompt in enumerate(prompts):
+        sampling = Sampling(cfg.temperature, seed=i)
+        out = (plain_generate(engine.runner, prompt, cfg.max_new_tokens, eos, sampling)
+               if side == "plain" else
+               engine.generate(prompt, cfg.max_new_tokens, eos, sampling))
+        tokens += len(out.tokens)
+        seconds += out.seconds
+        progress.update(1)
+    progress.close()
+    return tokens / seconds
+
+
+def repeated_speedups(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
+                      eos: int | None, first: dict) -> dict:
+    """benchmark.repeats pairs of plain and speculative tokens/s: the first is the measurement
+    (plain decoding first), each later pair decodes every prompt again both ways with the
+    order alternating, so that a machine whose load drifts favours neither side. The speedup
+    is the pairs' median, with their spread, as for vLLM."""
+    pairs = [{"order": "plain first", "greedy_tokens_per_s": first["greedy_tokens_per_s"],
+              "speculative_tokens_per_s": first["speculative_tokens_per_s"],
+              "speedup": first["speedup"]}]
+    for repeat in range(1, cfg.repeats):
+        order = ("speculative", "plain") if repeat % 2 else ("plain", "speculative")
+        rates = {side: decoding_rate(engine, prompts, cfg, eos, side) for side in order}
+        pairs.append({"order": f"{order[0]} first",
+                      "greedy_tokens_per_s": round(rates["plain"], 1),
+                      "speculative_tokens_per_s": round(rates["speculative"], 1),
+                      "speedup": round(rates["speculative"] / rates["plain"], 3)})
+        log.info("benchmark: speed pair %d of %d (%s first): %.3fx", repeat + 1, cfg.repeats,
+                 order[0], pairs[-1]["speedup"])
+    speedups = [p["speedup"] for p in pairs]
+    return {"speedup": round(statistics.median(speedups), 3),
+            "speedup_spread": [min(speedups), max(speedups)], "speedup_pairs": pairs}
+
+
 # A near tie, as a share of the largest logit's size: float32 sums in another order (a batch's
 # longer, holed cache) move logits by about 1e-6 of it, a wrong token by far more.
 NEAR_TIE = 1e-4
@@ -398,6 +440,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     deployed = drafting_label(spec["num_steps"], spec["eagle_topk"], spec["num_draft_tokens"])
     plain = plain_decoding(engine.runner, prompts, cfg, eos)
     summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, deployed, plain)
+    if cfg.repeats > 1:
+        summary.update(repeated_speedups(engine, prompts, cfg, eos, summary))
     sets = with_sets(cfg, suite, per_prompt, engine.num_steps)
     batched = [measure_batched(engine, prompts, cfg, eos, size, plain)
                for size in cfg.batch_sizes]
