@@ -226,6 +226,30 @@ def test_benchmark_through_vllm_reads_its_counters_and_matches_the_baseline(vllm
     assert "Does vLLM run the drafter" in (descriptor.dir / "report.md").read_text()
 
 
+def test_a_drafter_made_elsewhere_is_served_with_its_files_recorded(vllm_chain, tmp_path):
+    """deploy.drafter on vLLM: the session's drafter, copied away, is launched by the deploy
+    stage with no merge output, passes every readiness check, and its deployment names the
+    files' fingerprint (what the benchmark's key follows). After the benchmark test, which
+    stopped the shared server: this one is stopped at the end."""
+    import shutil
+
+    from draftsmith.artifacts import plan_stage
+    from draftsmith.export.stage import external_drafter
+    from draftsmith.serve import servers
+    from draftsmith.serve.deploy import run_deploy
+
+    drafter = shutil.copytree(vllm_chain.drafter_dir, tmp_path / "drafter")
+    exported = external_drafter(str(drafter), vllm_chain.target)
+    deployed = run_deploy(vllm_chain.deploy_cfg, vllm_chain.target_cfg, exported, None,
+                          vllm_chain.target, plan_stage(tmp_path, "deploy", {}, [exported]))
+    try:
+        spec = json.loads((deployed.dir / "deployment.json").read_text())
+        assert deployed.figures["drafter_files"] == spec["drafter_files"] == exported.fingerprint
+        assert deployed.figures["drafter_dir"] == str(drafter)
+    finally:
+        servers.stop(deployed.figures["url"])
+
+
 def test_the_deploy_command_prints_the_vllm_command(vllm_chain, tmp_path):
     import yaml
     from typer.testing import CliRunner
