@@ -262,7 +262,10 @@ args = json.loads(open(sys.argv[1]).read())
 d = run_extract(ExtractConfig(**args["cfg"]), TargetConfig(model=args["target"]["path"]),
                 Descriptor(**args["merged"]), Descriptor(**args["target"]),
                 StagePlan(**args["plan"]))
-print("rank", os.environ["RANK"], "fingerprint", d.fingerprint, flush=True)
+# One write per line: print's pieces, unbuffered (PYTHONUNBUFFERED), interleave between the
+# ranks' shared stdout ("rank 0 rank fingerprint1 fingerprint ...", CI of d666edf).
+sys.stdout.write(f"rank {os.environ['RANK']} fingerprint {d.fingerprint}\\n")
+sys.stdout.flush()
 """
 
 
