@@ -58,12 +58,13 @@ def stage_plan(config: PipelineConfig, stage_name: str, outputs: Inputs,
     stage = stages.get(stage_name)
     named: dict[str, Any] = {}
     inputs: list[Descriptor] = []
+    present = stage.inputs_from(outputs)
     for name in stage.inputs:
         if name == DATA:
             files = data if data is not None else data_descriptors(config)
             inputs += files
             named[DATA] = [d.fingerprint for d in files]
-        elif name in outputs or name not in stage.optional_inputs:
+        elif name in present:
             inputs.append(outputs[name])
             named[name] = outputs[name].fingerprint
     material = key_material(config, stage.name)
