@@ -27,6 +27,7 @@ from pathlib import Path
 from draftsmith.artifacts import atomic_write_bytes
 from draftsmith.config import load_config
 from draftsmith.data.packaged import evals_rows
+from draftsmith.generate.journal import Journal
 from draftsmith.generate.synthesize import read_journal, record_id, select_prompts
 
 
@@ -44,9 +45,8 @@ def trained_prompts(journals: Path, source: str, min_chars: int,
     answers journal's record ids carry the text's hash) is among them: a journal of other
     settings holds other texts at the same indices. `journal` names the prompts journal's
     folder when several qualify (runs of other settings kept beside the recipe's)."""
-    answers = {path.parent.name: {json.loads(line)["record_id"]
-                                  for line in path.open(encoding="utf-8") if line.strip()}
-               for path in journals.glob(f"answers/{source}-*/answers.jsonl")}
+    answers = {path.name: {a.record_id for a in Journal(path).answers().values()}
+               for path in journals.glob(f"answers/{source}-*") if path.is_dir()}
     prompts = sorted(journals.glob(f"prompts/{journal or source + '-*'}/written.jsonl"))
     if not answers or not prompts:
         raise SystemExit(f"{journals}: no prompts and answers journals of {source} "
