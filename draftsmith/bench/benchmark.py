@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import statistics
+from collections.abc import Callable
 from pathlib import Path
 
 from draftsmith.artifacts import (
@@ -119,20 +120,28 @@ def longest_first(prompts: list[list[int]], count: int) -> list[list[int]]:
     return sorted(prompts, key=len, reverse=True)[:count]
 
 
+def decode_each(prompts: list[list[int]], cfg: BenchmarkConfig, label: str,
+                decode: Callable[[list[int], Sampling], Generation]) -> list[Generation]:
+    """decode(prompt, sampling) for every prompt at cfg.temperature, each seeded by its index
+    (so plain and speculative decoding of a prompt draw alike), with progress."""
+    progress = Progress(label, total=len(prompts), unit="prompt")
+    out = []
+    for i, prompt in enumerate(prompts):
+        out.append(decode(prompt, Sampling(cfg.temperature, seed=i)))
+        progress.update(1)
+    progress.close()
+    return out
+
+
 def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
                    eos: int | None) -> list[Generation]:
     """The baseline: every prompt decoded without speculation, at cfg.temperature (measured
     once per temperature and shared by every drafting config)."""
     for prompt in longest_first(prompts, cfg.warmup_prompts):
         plain_generate(runner, prompt, cfg.max_new_tokens, eos)
-    progress = Progress("benchmark plain decoding", total=len(prompts), unit="prompt")
-    out = []
-    for i, prompt in enumerate(prompts):
-        out.append(plain_generate(runner, prompt, cfg.max_new_tokens, eos,
-                                  Sampling(cfg.temperature, seed=i)))
-        progress.update(1)
-    progress.close()
-    return out
+    return decode_each(prompts, cfg, "benchmark plain decoding",
+                       lambda prompt, sampling: plain_generate(runner, prompt,
+                                                               cfg.max_new_tokens, eos, sampling))
 
 
 def accepted_by_position(round_tokens: list[int], num_steps: int) -> list[int]:
@@ -219,10 +228,10 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     sampled = cfg.temperature > 0
     per_prompt = []
     round_tokens = []
-    progress = Progress(f"benchmark {label}", total=len(prompts), unit="prompt")
-    for i, (prompt, greedy) in enumerate(zip(prompts, plain, strict=True)):
-        speculative = engine.generate(prompt, cfg.max_new_tokens, eos,
-                                      Sampling(cfg.temperature, seed=i))
+    generated = decode_each(prompts, cfg, f"benchmark {label}",
+                            lambda prompt, sampling: engine.generate(
+                                prompt, cfg.max_new_tokens, eos, sampling))
+    for prompt, greedy, speculative in zip(prompts, plain, generated, strict=True):
         round_tokens.append(speculative.round_tokens)
         per_prompt.append({
             "prompt_tokens": len(prompt),
@@ -242,8 +251,6 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
             "plain_steps": greedy.verify_rounds,
             "identical": None if sampled else speculative.tokens == greedy.tokens,
         })
-        progress.update(1)
-    progress.close()
 
     acceptance, per_position = acceptance_figures(round_tokens, engine.num_steps)
     spec_tokens = sum(p["completion_tokens"] for p in per_prompt)
@@ -272,18 +279,13 @@ def decoding_rate(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: i
                   side: str) -> float:
     """Tokens/s of decoding every prompt once more, plain or speculative, at cfg.temperature
     (the same seeds as the measurement)."""
-    tokens = seconds = 0.0
-    progress = Progress(f"benchmark repeat, {side}", total=len(prompts), unit="prompt")
-    for i, prompt in enumerate(prompts):
-        sampling = Sampling(cfg.temperature, seed=i)
-        out = (plain_generate(engine.runner, prompt, cfg.max_new_tokens, eos, sampling)
-               if side == "plain" else
-               engine.generate(prompt, cfg.max_new_tokens, eos, sampling))
-        tokens += len(out.tokens)
-        seconds += out.seconds
-        progress.update(1)
-    progress.close()
-    return tokens / seconds
+    def decode(prompt: list[int], sampling: Sampling) -> Generation:
+        if side == "plain":
+            return plain_generate(engine.runner, prompt, cfg.max_new_tokens, eos, sampling)
+        return engine.generate(prompt, cfg.max_new_tokens, eos, sampling)
+
+    runs = decode_each(prompts, cfg, f"benchmark repeat, {side}", decode)
+    return sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)
 
 
 def repeated_speedups(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
@@ -555,16 +557,18 @@ def _serve_and_measure(deploy_cfg: DeployConfig, target_cfg: TargetConfig,
                        cfg: BenchmarkConfig, log_path: Path, name: str) -> list[dict]:
     """Launch a server (drafter_dir None: no speculation), wait for readiness, measure the
     concurrency sweep, stop it with its whole process group."""
-    from draftsmith.serve.holders import require_free_port
-    from draftsmith.serve.process import ManagedProcess
+    from draftsmith.serve.engine_adapter import start_until_ready
     from draftsmith.serve.sglang_launch import build_launch, wait_until_ready
 
     launch = build_launch(deploy_cfg, target_cfg, drafter_dir, TargetFigures.of(target).family,
                           target.path)
-    require_free_port("deploy", launch.host, launch.port)  # as start_until_ready does
-    with ManagedProcess(launch.argv, log_path, launch.env, name=name) as process:
-        wait_until_ready(launch.url, deploy_cfg, drafter_dir, process)
+    process, _ = start_until_ready(  # the deploy port checked first, as every server start
+        launch, log_path, name,
+        lambda started: wait_until_ready(launch.url, deploy_cfg, drafter_dir, started))
+    try:
         return _concurrency_sweep(launch.url, prompts, cfg, speculative=drafter_dir is not None)
+    finally:
+        process.stop()
 
 
 def run_endpoint_benchmark(cfg: BenchmarkConfig, deploy_cfg: DeployConfig,
