@@ -13,6 +13,10 @@ One JSON line per mode in --out, and the profiler's tables in OUT.tables.txt:
     # here: the same on the CPU, a check of the script (no figure to keep)
     python benchmarks/speculative_profile.py --drafter DRAFTER_DIR --device cpu \\
         --prompts 1 --max-new-tokens 16 --out /tmp/profile.jsonl
+
+--random-weights takes SmolLM2's shapes and a recipe-shaped EAGLE-3.1 drafter with random
+weights (gpu_speculative/random_parts.py) instead of --drafter: no GGUF to carry, the same
+step and round costs, prompts of the dev sets' lengths, but a round accepts almost nothing.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ from draftsmith.bench.benchmark import benchmark_prompts, longest_first  # noqa:
 from draftsmith.config import BenchmarkConfig, TargetConfig  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate  # noqa: E402
 from draftsmith.target import load_target_model, load_tokenizer, resolve_target  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu_speculative"))
+from random_parts import random_eagle3_drafter, smollm2_shaped_target  # noqa: E402
+
+# The dev sets' prompt lengths in SmolLM2's tokens (chat, code and math, 4 each), for
+# --random-weights, where no tokenizer is at hand.
+DEV_PROMPT_LENGTHS = [40, 42, 40, 38, 129, 161, 147, 186, 72, 64, 63, 61]
 
 
 def gpu_figures(prof, device: str) -> dict:
@@ -78,20 +89,33 @@ def run_mode(mode: str, engine, prompts: list[list[int]], max_new_tokens: int,
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--drafter", type=Path, required=True)
+    parser.add_argument("--drafter", type=Path)
+    parser.add_argument("--random-weights", action="store_true",
+                        help="random SmolLM2-shaped target and drafter, instead of --drafter")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompts", type=int, default=4, help="of each dev set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    target = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32"))
-    tokenizer = load_tokenizer(target)
-    cfg = BenchmarkConfig(suite=["chat", "code", "math"], splits=["dev"],
-                          prompts_per_set=args.prompts, max_new_tokens=args.max_new_tokens)
-    prompts, _ = benchmark_prompts(cfg, None, tokenizer)
-    model = load_target_model(target.path, args.device, "float32")
-    engine = EmbeddedSpeculativeEngine.load(model, args.drafter, num_steps=3, cache="static")
-    eos = tokenizer.eos_token_id
+    if (args.drafter is None) == (not args.random_weights):
+        parser.error("give --drafter DIR or --random-weights (one of the two)")
+    if args.random_weights:
+        model = smollm2_shaped_target(args.device)
+        engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
+                                           cache="static")
+        prompts = [list(range(1000, 1000 + n)) for n in DEV_PROMPT_LENGTHS[:3 * args.prompts]]
+        eos = None
+    else:
+        target = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct",
+                                             dtype="float32"))
+        tokenizer = load_tokenizer(target)
+        cfg = BenchmarkConfig(suite=["chat", "code", "math"], splits=["dev"],
+                              prompts_per_set=args.prompts, max_new_tokens=args.max_new_tokens)
+        prompts, _ = benchmark_prompts(cfg, None, tokenizer)
+        model = load_target_model(target.path, args.device, "float32")
+        engine = EmbeddedSpeculativeEngine.load(model, args.drafter, num_steps=3,
+                                                cache="static")
+        eos = tokenizer.eos_token_id
     for prompt in longest_first(prompts, 1):  # compile, record graphs, grow the caches
         plain_generate(engine.runner, prompt, args.max_new_tokens, eos)
         engine.generate(prompt, args.max_new_tokens, eos)

@@ -1,0 +1,74 @@
+"""The benchmark stage's embedded measurement (plain_decoding, measure_embedded,
+measure_batched: the functions `draftsmith run` calls) on SmolLM2's shapes with random weights
+(random_parts.py), so it runs on a lent GPU with nothing carried but the repository. What it
+gives is the engine's side of issue 46: ms per plain token, a round's draft, verify and other
+ms, at batch 1 and the --batch-sizes, and whether speculative outputs equal plain decoding.
+A random drafter accepts almost nothing, so its acceptance and speedup are not a drafter's.
+
+    python benchmarks/gpu_speculative/engine_costs.py --out results/gpu_speculative/costs.jsonl
+    # here: a check of the script
+    python benchmarks/gpu_speculative/engine_costs.py --device cpu --prompts 2 \\
+        --max-new-tokens 8 --batch-sizes 2 --out /tmp/costs.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_parts import random_eagle3_drafter, smollm2_shaped_target  # noqa: E402
+
+from draftsmith.bench.benchmark import (  # noqa: E402
+    measure_batched,
+    measure_embedded,
+    plain_decoding,
+)
+from draftsmith.config import BenchmarkConfig  # noqa: E402
+from draftsmith.serve.embedded import EmbeddedSpeculativeEngine  # noqa: E402
+
+# The dev sets' prompt lengths in SmolLM2's tokens (speculative_profile.py), cycled.
+PROMPT_LENGTHS = [40, 42, 40, 38, 129, 161, 147, 186, 72, 64, 63, 61]
+KEPT = ("acceptance_length", "identical_outputs", "ms_per_plain_token", "ms_per_round",
+        "speedup", "speedup_limit", "greedy_tokens_per_s", "speculative_tokens_per_s")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
+    parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    model = smollm2_shaped_target(args.device)
+    engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
+                                       cache=args.cache)
+    prompts = [list(range(1000, 1000 + PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]))
+               for i in range(args.prompts)]
+    cfg = BenchmarkConfig(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+                          warmup_prompts=1)
+    plain = plain_decoding(engine.runner, prompts, cfg, None)
+    batch_one, _ = measure_embedded(engine, prompts, cfg, None, "random drafter", plain)
+    rows = [{"batch": 1, **{k: batch_one.get(k) for k in KEPT}}]
+    rows += [{k: measured.get(k) for k in ("batch", *KEPT)}
+             for measured in (measure_batched(engine, prompts, cfg, None, size, plain)
+                              for size in args.batch_sizes)]
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with open(args.out, "a") as f:
+        for row in rows:
+            row.update(device=device, cache=engine.cache_kind, weights="random",
+                       prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+            print(json.dumps(row), flush=True)
+            f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
