@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_flatten, tree_map_only, tree_unflatten
 
 log = logging.getLogger(__name__)
 
@@ -31,25 +32,6 @@ def cuda_graphs(device: torch.device) -> bool:
     """Whether fixed-shape steps on `device` are compiled into CUDA graphs (torch.compile's
     mode "reduce-overhead")."""
     return device.type == "cuda"
-
-
-class GraphedStep:
-    """A step compiled into CUDA graphs, safe to chain. A replay writes its outputs into the
-    memory of the outputs that came before it (cudagraph trees free a generation's outputs
-    when the next begins), so a drafter step's hidden state, fed to the next step, would be
-    read after it was overwritten: torch raises "accessing tensor output of CUDAGraphs that
-    has been overwritten by a subsequent run" (the first CUDA run, 2026-12-05). Each call
-    therefore begins a generation of its own and returns copies of its tensors: a step's
-    logits and hidden states, one copy kernel each (12.6 MB at most, a batch of 16 verifying
-    4 tokens over a 49,152-token vocab); a cache passed in and out is not a tensor and stays
-    as it is."""
-
-    def __init__(self, compiled: Callable):
-        self.compiled = compiled
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        torch.compiler.cudagraph_mark_step_begin()
-        return tree_map_only(torch.Tensor, torch.clone, self.compiled(*args, **kwargs))
 
 
 class EagerOnFailure:
@@ -81,6 +63,115 @@ class EagerOnFailure:
             return self.eager(*args, **kwargs)
         self.proven = True
         return out
+
+
+def fixed_address(*tensors: torch.Tensor) -> None:
+    """Mark tensors that live at one address for good (a static KV cache's buffers): a
+    CapturedStep given one reads and writes it in place instead of copying it into a buffer
+    of its own."""
+    for tensor in tensors:
+        tensor._fixed_address = True
+
+
+def is_fixed(x: Any) -> bool:
+    return isinstance(x, torch.Tensor) and getattr(x, "_fixed_address", False)
+
+
+@dataclass
+class _Capture:
+    graph: torch.cuda.CUDAGraph | None  # None: replayed by running the step (not on CUDA)
+    buffers: list[Any]  # per argument leaf: its input buffer (a tensor), or the object itself
+    outputs: Any  # the step's outputs, overwritten by each replay
+
+
+class CapturedStep:
+    """A step of fixed shapes replayed from a CUDA graph, as vLLM and SGLang run their model
+    steps: after a warm-up, one torch.cuda.CUDAGraph per call signature (the argument tree,
+    each tensor's shape and dtype, the identity of anything else, such as a cache object) is
+    recorded over input buffers of its own. A call copies its tensors into those buffers and
+    replays the graph: the host's part of a step is a few copies and one launch, where a
+    torch.compile "reduce-overhead" step checks its guards and CUDA-graph trees each time.
+
+    - Tensors marked with `fixed_address` (cache buffers) are used in place, never copied.
+    - `state(args, kwargs)` names the tensors the step advances (a StaticCache's counters):
+      they are put back after the warm-up runs, so capturing leaves the step's state as
+      it found it (recording a graph runs nothing).
+    - The outputs are the graph's own tensors: each call overwrites the last call's, so a
+      caller keeps a copy of what it needs past the next call (torch.cat, .tolist(), a
+      cache write all copy).
+    - `graphs=False` (the CPU) replays by running `fn` over the same buffers and copying its
+      outputs into the same tensors: the buffer and aliasing behaviour of the CUDA path,
+      testable where there is no CUDA."""
+
+    def __init__(self, fn: Callable, state: Callable[[tuple, dict], list[torch.Tensor]]
+                 | None = None, graphs: bool = True, warmups: int = 2):
+        self.fn, self.state, self.graphs, self.warmups = fn, state, graphs, warmups
+        self._captures: dict[tuple, _Capture] = {}
+
+    @staticmethod
+    def _signature(leaves: list[Any], spec: Any) -> tuple:
+        def leaf(x: Any) -> tuple:
+            if isinstance(x, torch.Tensor):
+                return tuple(x.shape), x.dtype, x.device, is_fixed(x) and id(x)
+            if isinstance(x, (bool, int, float, str, type(None))):
+                return "value", x
+            return "object", id(x)  # a cache: the graph holds its tensors' addresses
+
+        return (str(spec), *(leaf(x) for x in leaves))
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = tree_flatten((args, kwargs))
+        key = self._signature(leaves, spec)
+        capture = self._captures.get(key)
+        if capture is None:
+            capture = self._captures[key] = self._capture(leaves, spec, args, kwargs)
+        for buffer, leaf in zip(capture.buffers, leaves, strict=True):
+            if isinstance(leaf, torch.Tensor) and buffer is not leaf:
+                buffer.copy_(leaf)
+        if capture.graph is not None:
+            capture.graph.replay()
+        else:
+            ran = tree_flatten(self._run(capture.buffers, spec))[0]
+            for output, value in zip(tree_flatten(capture.outputs)[0], ran, strict=True):
+                output.copy_(value)
+        return capture.outputs
+
+    def forget(self) -> None:
+        """Let go of every graph, and of what they hold (a cache about to be replaced)."""
+        self._captures.clear()
+
+    def _run(self, buffers: list[Any], spec: Any) -> Any:
+        args, kwargs = tree_unflatten(buffers, spec)
+        return self.fn(*args, **kwargs)
+
+    def _capture(self, leaves: list[Any], spec: Any, args: tuple, kwargs: dict) -> _Capture:
+        buffers = [x.clone() if isinstance(x, torch.Tensor) and not is_fixed(x) else x
+                   for x in leaves]
+        saved = self._save(args, kwargs)
+        try:
+            if not self.graphs:  # the outputs' tensors, made once, overwritten by each call
+                outputs = tree_map_only(torch.Tensor, torch.clone, self._run(buffers, spec))
+                return _Capture(None, buffers, outputs)
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compile, pick kernels and workspaces off the graph
+                for _ in range(self.warmups):
+                    self._run(buffers, spec)
+            torch.cuda.current_stream().wait_stream(side)
+        finally:
+            self._restore(args, kwargs, saved)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            outputs = self._run(buffers, spec)  # recorded, not run: the state stays
+        return _Capture(graph, buffers, outputs)
+
+    def _save(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        return [t.clone() for t in self.state(args, kwargs)] if self.state else []
+
+    def _restore(self, args: tuple, kwargs: dict, saved: list[torch.Tensor]) -> None:
+        for tensor, value in zip(self.state(args, kwargs) if self.state else [], saved,
+                                 strict=True):
+            tensor.copy_(value)
 
 
 def allocate_static_cache(cache: Any, model: Any, rows: int) -> None:

@@ -10,7 +10,6 @@ from contextlib import contextmanager
 import pytest
 import torch
 from pydantic import ValidationError
-from torch.utils._pytree import tree_leaves
 from transformers import DynamicCache
 
 from draftsmith.config import DeployConfig
@@ -683,13 +682,13 @@ def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported
         static.runner = StaticTargetRunner(target_model, AUX_IDS, (1, NUM_STEPS + 1),
                                            compile_steps=True)
         widths: list[int] = []
-        compiled = static.runner._compiled
+        compiled = static.runner._forward
 
         def recorded(**inputs):
             widths.append(inputs["input_ids"].shape[1])
             return compiled(**inputs)
 
-        monkeypatch.setattr(static.runner, "_compiled", recorded)
+        monkeypatch.setattr(static.runner, "_forward", recorded)
         for prompt in prompts[:2]:
             expected = dynamic.generate(prompt, 12, None)
             got = static.generate(prompt, 12, None)
@@ -698,29 +697,6 @@ def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported
             assert plain_generate(static.runner, prompt, 6, None).tokens == \
                 plain_generate(dynamic.runner, prompt, 6, None).tokens
         assert set(widths) == {1, NUM_STEPS + 1}
-
-
-def replaying_graphs():
-    """torch.compile as CUDA graphs treat outputs, on a CPU: every call of any compiled step
-    reuses the memory of every output returned before it (here: fills it with NaN or -1),
-    as a replay writes into its memory pool. Outputs that share an input's storage (a static
-    buffer written in place) are the caller's and left alone."""
-    returned: list[torch.Tensor] = []
-
-    def compile_replaying(fn, **_options):
-        @torch.inference_mode()
-        def replay(*args, **kwargs):
-            for tensor in returned:
-                tensor.fill_(float("nan") if tensor.is_floating_point() else -1)
-            returned.clear()
-            out = fn(*args, **kwargs)
-            inputs = {t.untyped_storage().data_ptr()
-                      for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            returned.extend(t for t in tree_leaves(out) if isinstance(t, torch.Tensor)
-                            and t.untyped_storage().data_ptr() not in inputs)
-            return out
-        return replay
-    return compile_replaying
 
 
 def recording_drafts(engine) -> list[list[int]]:
@@ -741,11 +717,13 @@ def recording_drafts(engine) -> list[list[int]]:
 def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
         which, target_model, exported_drafter, eagle31_drafter, dflash_drafter_dir, prompts,
         monkeypatch):
-    """On CUDA the static path's steps are CUDA graphs, whose outputs the next replay
-    overwrites, and an EAGLE-3.1 chain feeds each step's output to the next step. The engine
-    must hold none of them across a call: with every output overwritten at the next call, the
-    drafts, tokens and rounds stay the eager path's. (Without the copies, the first H100 run
-    raised "accessing tensor output of CUDAGraphs that has been overwritten".)"""
+    """On CUDA the static path's steps are captured CUDA graphs (CapturedStep), whose outputs
+    each replay overwrites, and an EAGLE-3.1 chain feeds each step's output to the next step.
+    Off CUDA, CapturedStep replays the same way over the same buffers: the engine must hold no
+    output past its step's next call, and then the drafts, tokens and rounds are the eager
+    path's. (With torch.compile's CUDA graph trees, whose replays overwrote every earlier
+    output, the first H100 run raised "accessing tensor output of CUDAGraphs that has been
+    overwritten".)"""
     from draftsmith.serve import embedded
 
     drafter_dir, num_steps = {"eagle3": (exported_drafter, NUM_STEPS),
@@ -755,7 +733,7 @@ def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
         eager_drafts = recording_drafts(eager)
         expected = [eager.generate(prompt, 16, None) for prompt in prompts[:2]]
     monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
-    monkeypatch.setattr(embedded, "compiled_once", replaying_graphs())
+    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)  # no inductor
     graphed = EmbeddedSpeculativeEngine.load(target_model, drafter_dir, num_steps,
                                              cache="static")
     try:
@@ -765,7 +743,7 @@ def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
             assert got.tokens == want.tokens
             assert got.round_tokens == want.round_tokens
         assert graphed_drafts == eager_drafts
-        steps = (*graphed.step_functions, graphed.runner._compiled)
+        steps = (*graphed.step_functions, graphed.runner._captured)
         assert all(isinstance(step, embedded.EagerOnFailure) and not step.failed
                    for step in steps)
     finally:

@@ -217,18 +217,19 @@ def test_the_static_batchs_compiled_steps_keep_their_shapes(target_model, export
 
         engine.step_functions = (recording("anchor", engine.anchor_forward),
                                  recording("chain", engine.drafter.step))
-        real_step = engine.runner.batch_step
+        real_step = engine.runner.step_for
 
-        def batch_step(width):
+        def step_for(width):
             step = real_step(width)
 
-            def run(**kwargs):
-                seen["verify"].add((tuple(kwargs["input_ids"].shape),
-                                    tuple(kwargs["attention_mask"].shape)))
-                return step(**kwargs)
+            def run(ids, cache, **kwargs):
+                if "attention_mask" in kwargs:  # a batch's (one prompt's steps have none)
+                    seen["verify"].add((tuple(ids.shape),
+                                        tuple(kwargs["attention_mask"].shape)))
+                return step(ids, cache, **kwargs)
             return run
 
-        engine.runner.batch_step = batch_step
+        engine.runner.step_for = step_for
         decoder = BatchedSpeculativeDecoder(engine)
         for max_new_tokens in (15, 9):  # the same caches, emptied
             batch = decoder.generate(prompts, max_new_tokens, None)

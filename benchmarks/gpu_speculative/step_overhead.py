@@ -1,14 +1,17 @@
 """Is the embedded engine's 4.1 ms plain step on a GPU the GPU's work or the host's (issue 46)?
 One target step of the static path (the StaticCache and the aux-layer hooks the engine keeps),
-at widths 1 (a plain step) and 4 (a verify of 3 drafts), timed four ways:
+at widths 1 (a plain step) and 4 (a verify of 3 drafts), timed these ways:
 
 - eager: the forward with its kernels launched one by one from Python;
-- compiled: the product's step (StaticTargetRunner: torch.compile mode "reduce-overhead", CUDA
-  graph trees, outputs copied out), what the benchmark stage measured;
-- captured: the forward compiled without CUDA graphs, captured once into one
-  torch.cuda.CUDAGraph over fixed input buffers and replayed, as vLLM and SGLang run a step:
-  the host's part is one copy and one replay;
-- gpu: the captured graph's own GPU time (CUDA events around replays, no host wait between).
+- reduce-overhead: torch.compile mode "reduce-overhead" (CUDA graph trees, outputs copied
+  out), the product's step until 2026-12-06, what the benchmark stage measured before;
+- product: StaticTargetRunner's step now (draftsmith.compiling.CapturedStep: the compiled
+  forward captured into one CUDA graph per width and replayed);
+- captured: the same by this script's own hand, the forward compiled without CUDA graphs,
+  captured once into one torch.cuda.CUDAGraph over fixed input buffers and replayed, as vLLM
+  and SGLang run a step (the host's part is one copy and one replay); captured-eager: the
+  eager forward captured so;
+- gpu_ms: a captured graph's own GPU time (CUDA events around replays, no host wait between).
 
 Each way decodes --tokens greedy tokens from one prompt, one step at a time; its tokens must
 equal eager's (float32), or its row says where they part. One JSON line per way and width:
@@ -17,6 +20,9 @@ equal eager's (float32), or its row says where they part. One JSON line per way 
         --out benchmarks/results/gpu_speculative/step_overhead.jsonl
     # here, a check of the script (eager only)
     python benchmarks/gpu_speculative/step_overhead.py --device cpu --tokens 8 --out /tmp/so.jsonl
+
+--random-weights times SmolLM2's shapes with random weights (random_parts.py): no GGUF to
+carry to the GPU, the same costs, and tokens that still must equal eager's.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from draftsmith.config import TargetConfig  # noqa: E402
 from draftsmith.serve.embedded import StaticTargetRunner  # noqa: E402
 from draftsmith.target import load_target_model, load_tokenizer, resolve_target  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from random_parts import smollm2_shaped_target  # noqa: E402
 
 AUX_LAYER_IDS = [1, 14, 26]  # SmolLM2-135M's 30 layers: 1, L//2 - 1, L - 4
 
@@ -91,7 +100,7 @@ class Stepper:
         return logits
 
 
-class CapturedStep:
+class HandCaptured:
     """The forward over the runner's StaticCache captured into one CUDA graph: input ids are
     copied into a fixed buffer, the graph replayed, the logits read from its fixed output. The
     cache's counters are device tensors advanced inside the graph, so winding back rejected
@@ -118,8 +127,7 @@ class CapturedStep:
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
-            self.logits, self.aux = step()
-        runner.drop_last(stepper.cache, width)  # capture ran the step once
+            self.logits, self.aux = step()  # recorded, not run: the counters stay
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         self.ids.copy_(ids)
@@ -131,6 +139,8 @@ class CapturedStep:
     def gpu_ms(self, replays: int = 50) -> float:
         """GPU time of one replay: events around `replays` back to back."""
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        # Each replay keeps one position more: make room for them in the cache first.
+        self.stepper.runner.drop_last(self.stepper.cache, replays)
         start.record()
         for _ in range(replays):
             self.graph.replay()
@@ -141,27 +151,52 @@ class CapturedStep:
         return start.elapsed_time(end) / replays
 
 
+def reduce_overhead(runner: StaticTargetRunner) -> StaticTargetRunner:
+    """The runner with its 1-token and verify steps through torch.compile's "reduce-overhead"
+    mode, each call a CUDA-graph-trees generation of its own with its outputs copied out."""
+    compiled = torch.compile(runner.model.forward, mode="reduce-overhead")
+
+    def step(ids: torch.Tensor, cache, **extra):
+        torch.compiler.cudagraph_mark_step_begin()
+        logits = compiled(input_ids=ids, use_cache=True, **{runner._cache_kw: cache},
+                          **extra).logits.clone()  # [B, T, V]
+        return logits, runner._aux.take()  # [B, T, V], [B, T, K*H]
+
+    runner.step_for = lambda width: step
+    return runner
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=200)
     parser.add_argument("--widths", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--ways", nargs="+", help="only these ways (eager always runs)")
+    parser.add_argument("--random-weights", action="store_true",
+                        help="SmolLM2's shapes with random weights (no GGUF needed)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
-    target = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct", dtype="float32"))
-    tokenizer = load_tokenizer(target)
-    prompt = list(tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Explain how a hash map works."}],
-        add_generation_prompt=True, tokenize=True, return_dict=False))
-    model = load_target_model(target.path, args.device, "float32")
+    if args.random_weights:
+        model = smollm2_shaped_target(args.device)
+        prompt = list(range(1000, 1040))  # a prompt's length; its ids matter not
+    else:
+        target = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct",
+                                             dtype="float32"))
+        tokenizer = load_tokenizer(target)
+        prompt = list(tokenizer.apply_chat_template(
+            [{"role": "user", "content": "Explain how a hash map works."}],
+            add_generation_prompt=True, tokenize=True, return_dict=False))
+        model = load_target_model(target.path, args.device, "float32")
     capacity = len(prompt) + args.tokens + max(args.widths) + 8
     on_gpu = args.device == "cuda"
-    rows = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
 
     def ways(width: int):
         yield "eager", StaticTargetRunner(model, AUX_LAYER_IDS, (1, width), compile_steps=False)
         if on_gpu:
-            yield "compiled", StaticTargetRunner(model, AUX_LAYER_IDS, (1, width))
+            yield "reduce-overhead", reduce_overhead(
+                StaticTargetRunner(model, AUX_LAYER_IDS, (1, width), compile_steps=False))
+            yield "product", StaticTargetRunner(model, AUX_LAYER_IDS, (1, width))
             yield "captured", StaticTargetRunner(model, AUX_LAYER_IDS, (1, width),
                                                  compile_steps=False)
             yield "captured-eager", StaticTargetRunner(model, AUX_LAYER_IDS, (1, width),
@@ -170,12 +205,15 @@ def main(argv: list[str] | None = None) -> None:
     for width in args.widths:
         reference = None
         for way, runner in ways(width):
+            if args.ways and way != "eager" and way not in args.ways:
+                runner.close()
+                continue
             stepper = Stepper(runner, prompt, width, capacity)
             first, extra = stepper.first, {}
             try:
-                step = (CapturedStep(stepper, compiled=way == "captured")
+                step = (HandCaptured(stepper, compiled=way == "captured")
                         if way.startswith("captured") else stepper)
-                if way == "compiled":  # compile and record its graphs outside the timing
+                if way in ("reduce-overhead", "product"):  # compile and capture, untimed
                     decode(step, first, width, 3, args.device)
                     runner.drop_last(stepper.cache, 3)
                 tokens, times = decode(step, first, width, args.tokens, args.device)
@@ -190,11 +228,10 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 runner.close()
             row["device"] = torch.cuda.get_device_name() if on_gpu else "cpu"
-            rows.append(row)
+            row["weights"] = "random" if args.random_weights else "smollm2"
             print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with open(args.out, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in rows)
+            with open(args.out, "a") as f:  # row by row: a run cut short keeps its rows
+                f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":

@@ -32,11 +32,12 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from draftsmith.compiling import (
+    CapturedStep,
     EagerOnFailure,
-    GraphedStep,
     allocate_static_cache,
     compiled_once,
     cuda_graphs,
+    fixed_address,
 )
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
@@ -129,10 +130,15 @@ class TargetRunner:
         ids = torch.tensor([input_ids], device=self.model.device)  # [1, T]
         extra = {} if position_ids is None else {"position_ids": position_ids,
                                                  "attention_mask": attention_mask}
-        logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
-                            **extra).logits
-        aux = self._aux.take()  # [1, T, K*H]
+        logits, aux = self.step(ids, cache, **extra)  # [1, T, V], [1, T, K*H]
         return logits[0], aux  # [T, V], [1, T, K*H]
+
+    def step(self, ids: torch.Tensor, cache, **extra) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward of ids [B, T] over `cache`: logits [B, T, V] and the aux layers'
+        states [B, T, K*H]. What a compiled or captured step runs, the hooks' read included."""
+        logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
+                            **extra).logits  # [B, T, V]
+        return logits, self._aux.take()  # [B, T, V], [B, T, K*H]
 
     def new_cache(self, capacity: int) -> DynamicCache:
         """An empty cache for one generation of at most `capacity` positions (a dynamic cache
@@ -147,9 +153,9 @@ class TargetRunner:
         """An empty cache for `rows` sequences decoded together (embedded_batch.py)."""
         return DynamicCache()
 
-    def batch_step(self, width: int):
-        """The forward that runs a batch's steps of this many tokens."""
-        return self.model.forward
+    def step_for(self, width: int):
+        """The `step` that runs forwards of this many tokens."""
+        return self.step
 
     @torch.inference_mode()
     def forward_batch(self, ids: torch.Tensor, cache, position_ids: torch.Tensor,
@@ -158,11 +164,11 @@ class TargetRunner:
         [B, 1, T, K] over the cache's keys (a dynamic cache's earlier ones and these T; every
         slot of a static one). Returns logits [B, T, V] ([B, 1, V] with last_only: the
         prompts' forward, always eager) and aux states [B, T, K*H]."""
-        step = self.model.forward if last_only else self.batch_step(ids.shape[1])
-        extra = {"logits_to_keep": 1} if last_only else {}
-        logits = step(input_ids=ids, position_ids=position_ids, attention_mask=attention_mask,
-                      use_cache=True, **{self._cache_kw: cache}, **extra).logits
-        return logits, self._aux.take()  # [B, T, V], [B, T, K*H]
+        if last_only:
+            return self.step(ids, cache, position_ids=position_ids,
+                             attention_mask=attention_mask, logits_to_keep=1)
+        return self.step_for(ids.shape[1])(ids, cache, position_ids=position_ids,
+                                           attention_mask=attention_mask)
 
 
 @dataclass
@@ -185,9 +191,10 @@ class StaticTargetRunner(TargetRunner):
     dropping rejected drafts is winding the counter back: their slots are overwritten by the
     next forward and, until then, lie past every query's position, where the mask hides them.
 
-    compile_steps: torch.compile the forwards whose width is in `step_widths` (on CUDA with
-    mode "reduce-overhead": CUDA graphs); None compiles on CUDA only. Other widths (the prompt)
-    run eagerly. Chains only: a tree's verify forward takes its own positions and mask."""
+    compile_steps: the forwards whose width is in `step_widths` are compiled (torch.compile)
+    and, on CUDA, captured into CUDA graphs and replayed (`captured_step`); None: on CUDA
+    only. Other widths (the prompt) run eagerly. Chains only: a tree's verify forward takes
+    its own positions and mask."""
 
     LENGTH_STEP = 256  # cache lengths are rounded up to this, so similar requests share one
     cache_kind = "static"
@@ -198,14 +205,12 @@ class StaticTargetRunner(TargetRunner):
         self._kv: dict[int, StaticCache] = {}  # rows -> cache
         if compile_steps is None:
             compile_steps = cuda_graphs(model.device)
-        self._compiled = None
         self._step_widths = set(step_widths) if compile_steps else set()
-        if self._step_widths:
-            # One compiled forward per model: the benchmark's sweep makes an engine per point.
-            self._compiled = (graphed_step(model.forward, "embedded target step")
-                              if cuda_graphs(model.device) else
-                              EagerOnFailure(compiled_once(model.forward), model.forward,
-                                             "embedded target step"))
+        # One compiled forward per model (the benchmark's sweep makes an engine per point),
+        # under the runner's captured step: a graph per width, batch size and cache.
+        self._forward = compiled_once(model.forward) if self._step_widths else model.forward
+        self._captured = captured_step(self._compiled_step, "embedded target step",
+                                       model.device, state=_cache_counters, eager=self.step)
 
     def new_cache(self, capacity: int) -> StaticTargetCache:
         """The runner's StaticCache, emptied, when it holds `capacity` positions; a longer one
@@ -218,13 +223,20 @@ class StaticTargetRunner(TargetRunner):
         kv = self._kv.get(rows)
         if kv is None or kv.layers[0].max_cache_len < capacity:
             self._kv.pop(rows, None)  # the old cache's memory goes before the new one is made
+            self._captured.forget()  # and the graphs that hold it
             kv = self._kv[rows] = self._static_cache(rows, capacity)
         else:
             kv.reset()
         return kv
 
-    def batch_step(self, width: int):
-        return self._compiled if width in self._step_widths else self.model.forward
+    def step_for(self, width: int):
+        return self._captured if width in self._step_widths else self.step
+
+    def _compiled_step(self, ids: torch.Tensor, cache, **extra):
+        """`step` through the compiled forward."""
+        logits = self._forward(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
+                               **extra).logits  # [B, T, V]
+        return logits, self._aux.take()  # [B, T, V], [B, T, K*H]
 
     def _static_cache(self, rows: int, capacity: int) -> StaticCache:
         """A StaticCache of `rows` x `capacity` (rounded up to LENGTH_STEP) positions."""
@@ -255,11 +267,9 @@ class StaticTargetRunner(TargetRunner):
                 f"the target's static cache holds {cache.capacity} positions; "
                 f"{cache.length} + {len(input_ids)} do not fit (new_cache was given too small "
                 "a capacity)")
-        step = self._compiled if len(input_ids) in self._step_widths else self.model.forward
         ids = torch.tensor([input_ids], device=self.model.device)  # [1, T]
-        logits = step(input_ids=ids, use_cache=True, **{self._cache_kw: cache.kv}).logits
+        logits, aux = self.step_for(len(input_ids))(ids, cache.kv)  # [1, T, V], [1, T, K*H]
         cache.length += len(input_ids)
-        aux = self._aux.take()  # [1, T, K*H]
         return logits[0], aux  # [T, V], [1, T, K*H]
 
     def drop_last(self, cache: StaticTargetCache, count: int) -> None:
@@ -296,10 +306,26 @@ def resolve_embedded_cache(cache: str, model, topk: int = 1) -> str:
     return "static" if static else "dynamic"
 
 
-def graphed_step(fn, name: str) -> EagerOnFailure:
-    """fn compiled into CUDA graphs, its outputs copied out (`GraphedStep`), and run eagerly
-    should the graphs fail to build."""
-    return EagerOnFailure(GraphedStep(compiled_once(fn, mode="reduce-overhead")), fn, name)
+def _cache_counters(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """What a target step over a StaticCache (its second argument) advances."""
+    return [layer.cumulative_length for layer in args[1].layers]
+
+
+class CapturedOnFailure(EagerOnFailure):
+    """EagerOnFailure over a CapturedStep, which can let go of its graphs."""
+
+    def forget(self) -> None:
+        self.compiled.forget()
+
+
+def captured_step(fn, name: str, device: torch.device, state=None,
+                  eager=None) -> CapturedOnFailure:
+    """fn (compiled, where it is to be) captured into CUDA graphs on CUDA and replayed
+    (`CapturedStep`), and `eager` (fn's uncompiled self) from then on should the compiler or
+    a graph fail before the first success. Off CUDA: the same buffers and replays, without
+    graphs."""
+    return CapturedOnFailure(CapturedStep(fn, state, graphs=device.type == "cuda"),
+                             eager or fn, name)
 
 
 def target_runner(model, aux_layer_ids: list[int], cache: str = "auto",
@@ -326,6 +352,7 @@ class StaticDraftCache:
         self.k = torch.zeros(1, n_kv, capacity, head_dim, dtype=dtype,
                              device=device)  # [1, nkv, C, d]
         self.v = torch.zeros_like(self.k)  # [1, nkv, C, d]
+        fixed_address(self.k, self.v)  # captured drafter steps read them in place
         self.slots = torch.arange(capacity, device=device)  # [C]
 
     @property
@@ -424,8 +451,10 @@ class EmbeddedSpeculativeEngine:
             (self.context_kv, self.block_logits) if self.kind.drafting == "block"
             else (self.anchor_forward, self.drafter.step))
         if self.cache_kind == "static" and cuda_graphs(self.device):
-            self.step_functions = tuple(graphed_step(f, f"embedded drafter step {f.__name__}")
-                                        for f in self.step_functions)
+            self.step_functions = tuple(
+                captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
+                              self.device, eager=f)
+                for f in self.step_functions)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from draftsmith.compiling import fixed_address
 from draftsmith.serve.embedded import (
     EmbeddedSpeculativeEngine,
     Generation,
@@ -127,6 +128,7 @@ class DraftKV:
         self.k = [torch.zeros(rows, n_kv, capacity, head_dim, dtype=dtype, device=device)
                   for _ in range(layers)]  # [B, nkv, C, d] each
         self.v = [torch.zeros_like(k) for k in self.k]  # [B, nkv, C, d] each
+        fixed_address(*self.k, *self.v)  # captured drafter steps read them in place
         self.static = static
 
     @property
@@ -134,6 +136,8 @@ class DraftKV:
         return self.slots.capacity if self.static else self.slots.used
 
     def past(self, layer: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.static:  # every slot: the buffers themselves, which captured steps read
+            return self.k[layer], self.v[layer]
         return self.k[layer][:, :, :self.keys], self.v[layer][:, :, :self.keys]
 
     def write(self, start: int, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
