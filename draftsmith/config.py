@@ -820,9 +820,10 @@ class DeployConfig(ServerConfig):
     embedded_cache: Literal["auto", "static", "dynamic"] = keyed("auto", added=True, description=(
         "The embedded engine's target KV cache. dynamic: a DynamicCache, one eager forward at "
         "a time; static: a StaticCache reused across generations, rejected drafts dropped by "
-        "winding its length back, the 1-token and verify forwards compiled on CUDA (CUDA "
-        "graphs), chains only (eagle_topk 1); the drafter's steps (EAGLE-3's, DFlash's context "
-        "and block) run over static buffers of their own, compiled the same way; a compiled "
+        "winding its length back, the 1-token and verify forwards compiled and captured into "
+        "CUDA graphs on CUDA, chains only (eagle_topk 1); the drafter's steps (EAGLE-3's, "
+        "DFlash's context and block) run over static buffers of their own, compiled the same "
+        "way; a compiled "
         "step that fails to build runs eagerly, with a warning. auto: static on CUDA (chains "
         "of a target without sliding-window layers), dynamic elsewhere (on a CPU the "
         "arithmetic is the cost, and the static cache's padded attention adds to it)."))
