@@ -639,6 +639,9 @@ def test_a_compiled_step_that_fails_to_build_runs_eagerly(target_model, exported
         assert got.tokens == dynamic.generate(prompts[0], 12, None).tokens
         assert "embedded target step: the compiled step failed (RuntimeError: inductor" \
             in caplog.text
+        # and the report's rows say so, beside the timings it gave
+        assert static.steps_ran() == "eager after a failed capture: embedded target step"
+        assert dynamic.steps_ran() == "eager"
 
 
 def test_eager_on_failure_only_before_the_first_success():
@@ -746,6 +749,7 @@ def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
         steps = (*graphed.step_functions, graphed.runner._captured)
         assert all(isinstance(step, embedded.EagerOnFailure) and not step.failed
                    for step in steps)
+        assert graphed.steps_ran() == "replayed without graphs"  # "cuda graphs" on CUDA
     finally:
         graphed.runner.close()
 

@@ -241,7 +241,7 @@ def test_the_benchmark_says_where_decoding_time_goes(chain):
 
     assert summary["measured_on"] == {  # where the figures were taken, in the row
         "device": f"cpu ({torch.get_num_threads()} threads)", "target_cache": "dynamic",
-        "alone": None, "other_gpu_processes": None}
+        "steps": "eager", "alone": None, "other_gpu_processes": None}
 
 
 def test_a_gpu_measurement_says_whether_it_had_the_gpu_alone(monkeypatch):
@@ -252,9 +252,9 @@ def test_a_gpu_measurement_says_whether_it_had_the_gpu_alone(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H200")
     cuda = torch.device("cuda", 0)
-    assert benchmark.measured_on(cuda, "static", []) == {
-        "device": "NVIDIA H200", "target_cache": "static", "alone": True,
-        "other_gpu_processes": []}
+    assert benchmark.measured_on(cuda, "static", [], "cuda graphs") == {
+        "device": "NVIDIA H200", "target_cache": "static", "steps": "cuda graphs",
+        "alone": True, "other_gpu_processes": []}
     assert benchmark.measured_on(cuda, "static", ["5120 python3"])["alone"] is False
     assert benchmark.measured_on(cuda, "static", None)["alone"] is None  # no nvidia-smi
     import os

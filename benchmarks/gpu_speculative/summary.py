@@ -34,17 +34,17 @@ def median_of(values: list[float | None]) -> float | None:
 def rows_of(reports: list[dict], drafter: str) -> list[dict]:
     """One row per (engine, target cache, batch) among `reports`: medians over the repeats,
     the speedup's spread, and every repeat's identity."""
-    groups: dict[tuple[str, str, int], list[dict]] = {}
+    groups: dict[tuple[str, str, str | None, int], list[dict]] = {}
     for report in reports:
         summary = report["summary"]
         where = summary.get("measured_on") or {}
-        key = summary["engine"], where.get("target_cache", "?")
+        key = summary["engine"], where.get("target_cache", "?"), where.get("steps")
         groups.setdefault((*key, 1), []).append(summary)
         for batched in report.get("batched") or []:  # where and in what dtype: the summary's
             groups.setdefault((*key, batched["batch"]), []).append(
                 {**batched, "target_dtype": summary.get("target_dtype"), "measured_on": where})
     rows = []
-    for (engine, cache, batch), runs in groups.items():
+    for (engine, cache, steps, batch), runs in groups.items():
         rounds = [r["ms_per_round"] for r in runs if r.get("ms_per_round")]
         # A report of benchmark.repeats > 1 holds its interleaved pairs: each is a repeat.
         speedups = [pair for r in runs
@@ -53,7 +53,7 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
         where = runs[0].get("measured_on") or {}
         rows.append({
             "engine": engine, "drafter": drafter, "batch": batch,
-            "dtype": runs[0].get("target_dtype"), "target_cache": cache,
+            "dtype": runs[0].get("target_dtype"), "target_cache": cache, "steps": steps,
             "acceptance": median_of([r["acceptance_length"] for r in runs]),
             "ms_per_plain_token": median_of([r.get("ms_per_plain_token") for r in runs]),
             "ms_per_round": {part: median_of([r[part] for r in rounds])

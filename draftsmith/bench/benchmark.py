@@ -180,17 +180,19 @@ def other_gpu_processes() -> list[str] | None:
             if p.pid != os.getpid() and (mine is None or p.gpu in mine)]
 
 
-def measured_on(device, cache: str, others: list[str] | None) -> dict:
+def measured_on(device, cache: str, others: list[str] | None, steps: str | None = None
+                ) -> dict:
     """Where the timings were taken, for the row that quotes them: the device, the target's
-    cache, and whether anything else ran on the GPU (`alone`; None on a CPU, or where
-    nvidia-smi cannot tell)."""
+    cache, how the fixed-width steps ran (`steps`: EmbeddedSpeculativeEngine.steps_ran), and
+    whether anything else ran on the GPU (`alone`; None on a CPU, or where nvidia-smi cannot
+    tell)."""
     import torch
 
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
     else:
         name = f"{device.type} ({torch.get_num_threads()} threads)"
-    return {"device": name, "target_cache": cache,
+    return {"device": name, "target_cache": cache, "steps": steps,
             "alone": None if others is None or device.type != "cuda" else not others,
             "other_gpu_processes": others if device.type == "cuda" else None}
 
@@ -484,7 +486,8 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     summary = {"engine": spec["engine"], **summary, "temperature": cfg.temperature,
                # Token identity with one-token greedy decoding is exact only in float32.
                "target_dtype": target_cfg.dtype,
-               "measured_on": measured_on(engine.device, engine.runner.cache_kind, others)}
+               "measured_on": measured_on(engine.device, engine.runner.cache_kind, others,
+                                          engine.steps_ran())}
     if points:
         summary["best_config"] = best["config"]
     if summary["lossless"] is not None:  # greedy: every greedy config must be identical

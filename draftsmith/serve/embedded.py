@@ -471,6 +471,18 @@ class EmbeddedSpeculativeEngine:
         return cls(target_model, drafter.to(target_model.device, dtype), num_steps, topk,
                    num_draft_tokens, cache)
 
+    def steps_ran(self) -> str:
+        """How the fixed-width steps of the static path ran, for the rows that quote their
+        timings: CUDA graphs, or eagerly (the dynamic cache, or after a step failed to build)."""
+        steps = [step for step in (self.runner.step_for(1), *self.step_functions)
+                 if isinstance(step, CapturedOnFailure)]
+        failed = [step.name for step in steps if step.failed]
+        if failed:
+            return f"eager after a failed capture: {', '.join(failed)}"
+        if not steps:
+            return "eager"
+        return "cuda graphs" if self.device.type == "cuda" else "replayed without graphs"
+
     @property
     def is_tree(self) -> bool:
         return self.topk > 1
