@@ -796,18 +796,19 @@ def test_the_static_drafter_cache_drafts_what_the_dynamic_one_drafts(
 
 def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_drafter, prompts,
                                                       monkeypatch):
-    """The drafter's step 0 (padded to num_steps + 1 anchors) and chain steps (1 token) go
-    through torch.compile (aot_eager here) with one shape each after the prompt's step; the
-    tokens and rounds are the dynamic cache's."""
+    """The drafter's step 0 (padded to num_steps + 1 anchors) and chain steps (1 token; a
+    greedy chain's with its mask, cache write and argmax inside) go through torch.compile
+    (aot_eager here) with one shape each after the prompt's step; the tokens and rounds are
+    the dynamic cache's."""
     from draftsmith.serve import embedded
 
     monkeypatch.setattr(embedded, "compiled_once",
                         lambda fn, **_options: torch.compile(fn, backend="aot_eager"))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
     with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
-        anchor_forward, chain_forward = (torch.compile(f, backend="aot_eager")
-                                         for f in (static.anchor_forward,
-                                                   static.drafter.step))
+        anchor_forward, greedy_chain = (torch.compile(f, backend="aot_eager")
+                                        for f in (static.anchor_forward,
+                                                  static.greedy_chain_step))
         widths: list[tuple[str, int]] = []
 
         def recording(name, forward):
@@ -817,7 +818,8 @@ def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_dra
             return run
 
         static.step_functions = (recording("anchor", anchor_forward),
-                                  recording("chain", chain_forward))
+                                  static.step_functions[1])  # a sampled chain's step
+        static.greedy_chain = recording("chain", greedy_chain)
         for prompt in prompts[:2]:
             expected = dynamic.generate(prompt, 16, None)
             got = static.generate(prompt, 16, None)

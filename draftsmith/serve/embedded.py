@@ -353,8 +353,8 @@ class StaticDraftCache:
         self.k = torch.zeros(1, n_kv, capacity, head_dim, dtype=dtype,
                              device=device)  # [1, nkv, C, d]
         self.v = torch.zeros_like(self.k)  # [1, nkv, C, d]
-        fixed_address(self.k, self.v)  # captured drafter steps read them in place
         self.slots = torch.arange(capacity, device=device)  # [C]
+        fixed_address(self.k, self.v, self.slots)  # captured drafter steps use them in place
 
     @property
     def capacity(self) -> int:
@@ -451,11 +451,17 @@ class EmbeddedSpeculativeEngine:
         self.step_functions = (
             (self.context_kv, self.block_logits) if self.kind.drafting == "block"
             else (self.anchor_forward, self.drafter.step))
+        # One sequence's greedy chain step over the static drafter cache, its mask, cache write
+        # and argmax inside: captured, a step leaves only its inputs' copies to launch.
+        self.greedy_chain = self.greedy_chain_step
         if self.cache_kind == "static" and cuda_graphs(self.device):
             self.step_functions = tuple(
                 captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
                               self.device, eager=f)
                 for f in self.step_functions)
+            self.greedy_chain = captured_step(
+                compiled_once(self.greedy_chain_step), "embedded drafter greedy_chain_step",
+                self.device, eager=self.greedy_chain_step)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
@@ -474,7 +480,8 @@ class EmbeddedSpeculativeEngine:
     def steps_ran(self) -> str:
         """How the fixed-width steps of the static path ran, for the rows that quote their
         timings: CUDA graphs, or eagerly (the dynamic cache, or after a step failed to build)."""
-        steps = [step for step in (self.runner.step_for(1), *self.step_functions)
+        steps = [step for step in (self.runner.step_for(1), *self.step_functions,
+                                   self.greedy_chain)
                  if isinstance(step, CapturedOnFailure)]
         failed = [step.name for step in steps if step.failed]
         if failed:
@@ -626,31 +633,50 @@ class EmbeddedSpeculativeEngine:
                                              self._static_mask(cache, drafted_upto, positions))
         cache.write(drafted_upto, k, v)
         hidden = out[:, new - 1:new]  # [1, 1, H]: the last anchor's
+        if sampling.greedy:
+            return self._greedy_chain(n, hidden, logits[0, new - 1], cache), [], cache
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
-        # Greedy drafts stay on the device until the round's last step: one wait for the GPU
-        # a round, not one a step.
-        on_device: list[torch.Tensor] = []  # [1, 1] each
-
-        def pick(draft_logits: torch.Tensor) -> torch.Tensor:  # [D] -> the draft [1, 1]
-            if sampling.greedy:
-                on_device.append(self.draft_to_target[draft_logits.argmax()].view(1, 1))
-                return on_device[-1]
-            self.choose_draft(draft_logits, sampling, drafts, draft_probs)
-            return torch.tensor([[drafts[-1]]], device=dev)
-
-        last = pick(logits[0, new - 1])
+        self.choose_draft(logits[0, new - 1], sampling, drafts, draft_probs)
         for j in range(1, self.num_steps):
             position = cache.slots[n - 1 + j: n + j]  # [1]
             out, step_logits, (k, v) = chain_forward(
-                last, hidden, position[None], (cache.k, cache.v),
-                self._static_mask(cache, n - 1 + j, position))
+                torch.tensor([[drafts[-1]]], device=dev), hidden, position[None],
+                (cache.k, cache.v), self._static_mask(cache, n - 1 + j, position))
             cache.write(n - 1 + j, k, v)
-            last = pick(step_logits[0, -1])
+            self.choose_draft(step_logits[0, -1], sampling, drafts, draft_probs)
             hidden = out  # [1, 1, H]
-        if on_device:
-            drafts = torch.cat(on_device, dim=1)[0].tolist()  # [num_steps]
         return drafts, draft_probs, cache
+
+    def _greedy_chain(self, n: int, hidden: torch.Tensor, first_logits: torch.Tensor,
+                      cache: StaticDraftCache) -> list[int]:
+        """A round's greedy drafts after step 0 (hidden [1, 1, H] and first_logits [D] are its
+        last anchor's), kept on the device until the last step: one wait for the GPU a round,
+        not one a step."""
+        on_device = [self.draft_to_target[first_logits.argmax()].view(1, 1)]  # [1, 1]
+        for j in range(1, self.num_steps):
+            hidden, draft = self.greedy_chain(on_device[-1], hidden,
+                                              cache.slots[n - 1 + j: n + j], cache.slots,
+                                              cache.k, cache.v)  # [1, 1, H], [1, 1]
+            on_device.append(draft.clone())  # a captured step's output: its next call writes it
+        return torch.cat(on_device, dim=1)[0].tolist()  # [num_steps]
+
+    def greedy_chain_step(self, last: torch.Tensor, hidden: torch.Tensor,
+                          position: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
+                          v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy chain step over a StaticDraftCache, on the device from end to end: the
+        mask from the step's slot (which is its position too), the drafter step, its keys and
+        values into that slot, and its argmax as a target id. last [1, 1], hidden [1, 1, H],
+        position [1], slots [C], k, v [1, nkv, C, d] -> the next hidden [1, 1, H] and the
+        draft [1, 1]."""
+        seen = (slots < position)[None]  # [1, C]: the slots written before this step
+        mask = torch.cat([seen, torch.ones_like(seen[:, :1])], dim=-1)[None, None]  # [1,1,1,C+1]
+        mask = self._windowed(mask, position, torch.cat([slots, position]))
+        out, logits, (step_k, step_v) = self.drafter.step(last, hidden, position[None], (k, v),
+                                                          mask)  # [1, 1, H], [1, 1, D]
+        k.index_copy_(2, position, step_k)
+        v.index_copy_(2, position, step_v)
+        return out, self.draft_to_target[logits[0, -1].argmax()].view(1, 1)  # [1, 1, H], [1, 1]
 
     def choose_draft(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
                      draft_probs: list[torch.Tensor]) -> None:
