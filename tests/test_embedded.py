@@ -10,6 +10,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 from pydantic import ValidationError
+from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
 from draftsmith.config import DeployConfig
@@ -752,6 +753,63 @@ def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
         assert graphed.steps_ran() == "replayed without graphs"  # "cuda graphs" on CUDA
     finally:
         graphed.runner.close()
+
+
+class HostReads(TorchDispatchMode):
+    """Records every read of a device value on the host (.item(), .tolist(), a 0-d tensor as
+    an index) made while `inside` is set."""
+
+    def __init__(self):
+        super().__init__()
+        self.inside, self.reads = False, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.inside and func in (torch.ops.aten._local_scalar_dense.default,
+                                    torch.ops.aten.item.default):
+            self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("which", ["eagle3", "eagle31", "dflash"])
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_captured_steps_read_nothing_on_the_host(which, temperature, target_model,
+                                                 exported_drafter, eagle31_drafter,
+                                                 dflash_drafter_dir, prompts, monkeypatch):
+    """Capturing a CUDA graph fails at any host read of a device value inside the step: the
+    first H200 run of the greedy chain step fell back to eager at a 0-d argmax used as an
+    index. Off CUDA a captured step's replay runs its function, so its host reads show here:
+    none in any captured step, greedy or sampled, one prompt or a batch, for every kind."""
+    from draftsmith import compiling
+    from draftsmith.serve import embedded
+    from draftsmith.serve.embedded_batch import BatchedSpeculativeDecoder
+
+    drafter_dir, num_steps = {"eagle3": (exported_drafter, NUM_STEPS),
+                              "eagle31": (eagle31_drafter[1], NUM_STEPS),
+                              "dflash": (dflash_drafter_dir, BLOCK - 1)}[which]
+    monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
+    mode = HostReads()
+    run = compiling.CapturedStep._run
+
+    def watched(self, *args):
+        mode.inside = True
+        try:
+            return run(self, *args)
+        finally:
+            mode.inside = False
+
+    monkeypatch.setattr(compiling.CapturedStep, "_run", watched)
+    engine = EmbeddedSpeculativeEngine.load(target_model, drafter_dir, num_steps,
+                                            cache="static")
+    try:
+        with mode:
+            engine.generate(prompts[0], 12, None, Sampling(temperature, seed=0))
+            BatchedSpeculativeDecoder(engine).generate(
+                prompts[:2], 12, None, [Sampling(temperature, seed=i) for i in range(2)])
+        assert engine.steps_ran() == "replayed without graphs"
+        assert mode.reads == []
+    finally:
+        engine.runner.close()
 
 
 # The drafter's static cache (deploy.embedded_cache=static, chains) ----------------------------

@@ -653,7 +653,7 @@ class EmbeddedSpeculativeEngine:
         """A round's greedy drafts after step 0 (hidden [1, 1, H] and first_logits [D] are its
         last anchor's), kept on the device until the last step: one wait for the GPU a round,
         not one a step."""
-        on_device = [self.draft_to_target[first_logits.argmax()].view(1, 1)]  # [1, 1]
+        on_device = [self.draft_target_id(first_logits)]  # [1, 1]
         for j in range(1, self.num_steps):
             hidden, draft = self.greedy_chain(on_device[-1], hidden,
                                               cache.slots[n - 1 + j: n + j], cache.slots,
@@ -676,7 +676,14 @@ class EmbeddedSpeculativeEngine:
                                                           mask)  # [1, 1, H], [1, 1, D]
         k.index_copy_(2, position, step_k)
         v.index_copy_(2, position, step_v)
-        return out, self.draft_to_target[logits[0, -1].argmax()].view(1, 1)  # [1, 1, H], [1, 1]
+        return out, self.draft_target_id(logits[0, -1])  # [1, 1, H], [1, 1]
+
+    def draft_target_id(self, draft_logits: torch.Tensor) -> torch.Tensor:
+        """The argmax of draft_logits [D] as a target id [1, 1], on the device. Indexing
+        draft_to_target with the 0-d argmax would read it on the host: a wait for the GPU
+        each step, and inside a CUDA graph capture an error (the first H200 run of the
+        captured chain step, 2026-12-06)."""
+        return self.draft_to_target.index_select(0, draft_logits.argmax().view(1)).view(1, 1)
 
     def choose_draft(self, draft_logits: torch.Tensor, sampling: Sampling, drafts: list[int],
                      draft_probs: list[torch.Tensor]) -> None:
