@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 from pathlib import Path
 
@@ -47,6 +48,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress, ETA
     model = smollm2_shaped_target(args.device)
     engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
                                        cache=args.cache)
