@@ -74,6 +74,7 @@ def fixed_address(*tensors: torch.Tensor) -> None:
 
 
 def is_fixed(x: Any) -> bool:
+    """Whether x is a tensor marked with `fixed_address`."""
     return isinstance(x, torch.Tensor) and getattr(x, "_fixed_address", False)
 
 
@@ -117,7 +118,7 @@ class CapturedStep:
                 return "value", x
             return "object", id(x)  # a cache: the graph holds its tensors' addresses
 
-        return (str(spec), *(leaf(x) for x in leaves))
+        return (spec, *(leaf(x) for x in leaves))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = tree_flatten((args, kwargs))
