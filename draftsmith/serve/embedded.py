@@ -459,9 +459,10 @@ class EmbeddedSpeculativeEngine:
                 captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
                               self.device, eager=f)
                 for f in self.step_functions)
-            self.greedy_chain = captured_step(
-                compiled_once(self.greedy_chain_step), "embedded drafter greedy_chain_step",
-                self.device, eager=self.greedy_chain_step)
+            if self.kind.drafting != "block":  # DFlash drafts a block, no chain
+                self.greedy_chain = captured_step(
+                    compiled_once(self.greedy_chain_step), "embedded drafter greedy_chain_step",
+                    self.device, eager=self.greedy_chain_step)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
