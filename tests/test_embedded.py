@@ -854,37 +854,39 @@ def test_the_static_drafter_cache_drafts_what_the_dynamic_one_drafts(
 
 def test_the_compiled_drafter_steps_keep_their_shapes(target_model, exported_drafter, prompts,
                                                       monkeypatch):
-    """The drafter's step 0 (padded to num_steps + 1 anchors) and chain steps (1 token; a
-    greedy chain's with its mask, cache write and argmax inside) go through torch.compile
-    (aot_eager here) with one shape each after the prompt's step; the tokens and rounds are
-    the dynamic cache's."""
+    """The drafter's steps over static buffers go through torch.compile (aot_eager here) with
+    one shape each after the prompt's round: a greedy round's drafting (num_steps + 1 anchors,
+    its chain steps inside), and a sampled round's step 0 (num_steps + 1 anchors) and chain
+    steps (1 token). Greedy and sampled, the tokens and rounds are the dynamic cache's."""
     from draftsmith.serve import embedded
 
     monkeypatch.setattr(embedded, "compiled_once",
                         lambda fn, **_options: torch.compile(fn, backend="aot_eager"))
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: False))
     with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
-        anchor_forward, greedy_chain = (torch.compile(f, backend="aot_eager")
-                                        for f in (static.anchor_forward,
-                                                  static.greedy_chain_step))
+        greedy_round, anchor_forward, chain_forward = (
+            torch.compile(f, backend="aot_eager")
+            for f in (static.greedy_round_steps, static.anchor_forward, static.drafter.step))
         widths: list[tuple[str, int]] = []
 
         def recording(name, forward):
-            def run(ids, *args):
-                widths.append((name, ids.shape[1]))
-                return forward(ids, *args)
+            def run(first, second, *args):  # (packed, anchors) or (ids, hidden or aux)
+                widths.append((name, (second if name == "round" else first).shape[1]))
+                return forward(first, second, *args)
             return run
 
+        static.greedy_round = recording("round", greedy_round)
         static.step_functions = (recording("anchor", anchor_forward),
-                                  static.step_functions[1])  # a sampled chain's step
-        static.greedy_chain = recording("chain", greedy_chain)
+                                 recording("chain", chain_forward))
         for prompt in prompts[:2]:
-            expected = dynamic.generate(prompt, 16, None)
-            got = static.generate(prompt, 16, None)
-            assert got.tokens == expected.tokens
-            assert got.round_tokens == expected.round_tokens
+            for temperature in (0.0, 0.8):
+                expected = dynamic.generate(prompt, 16, None, Sampling(temperature, seed=3))
+                got = static.generate(prompt, 16, None, Sampling(temperature, seed=3))
+                assert got.tokens == expected.tokens
+                assert got.round_tokens == expected.round_tokens
         # The prompt's anchors run eagerly: a compiled step of their width would compile
         # again for every prompt length.
+        assert {w for name, w in widths if name == "round"} == {NUM_STEPS + 1}
         assert {w for name, w in widths if name == "anchor"} == {NUM_STEPS + 1}
         assert {w for name, w in widths if name == "chain"} == {1}
 

@@ -451,18 +451,19 @@ class EmbeddedSpeculativeEngine:
         self.step_functions = (
             (self.context_kv, self.block_logits) if self.kind.drafting == "block"
             else (self.anchor_forward, self.drafter.step))
-        # One sequence's greedy chain step over the static drafter cache, its mask, cache write
-        # and argmax inside: captured, a step leaves only its inputs' copies to launch.
-        self.greedy_chain = self.greedy_chain_step
+        # One sequence's greedy drafting of a round, every step with its mask, cache writes
+        # and argmax: captured, a round's drafting is one replay and two copies of inputs.
+        self.greedy_round = self.greedy_round_steps
         if self.cache_kind == "static" and cuda_graphs(self.device):
             self.step_functions = tuple(
                 captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
                               self.device, eager=f)
                 for f in self.step_functions)
             if self.kind.drafting != "block":  # DFlash drafts a block, no chain
-                self.greedy_chain = captured_step(
-                    compiled_once(self.greedy_chain_step), "embedded drafter greedy_chain_step",
-                    self.device, eager=self.greedy_chain_step)
+                self.greedy_round = captured_step(
+                    compiled_once(self.greedy_round_steps),
+                    "embedded drafter greedy_round_steps", self.device,
+                    eager=self.greedy_round_steps)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
@@ -481,15 +482,18 @@ class EmbeddedSpeculativeEngine:
     def steps_ran(self) -> str:
         """How the fixed-width steps of the static path ran, for the rows that quote their
         timings: CUDA graphs, or eagerly (the dynamic cache, or after a step failed to build)."""
-        steps = [step for step in (self.runner.step_for(1), *self.step_functions,
-                                   self.greedy_chain)
-                 if isinstance(step, CapturedOnFailure)]
+        steps = [self.runner.step_for(1), *self._captured_drafter_steps()]
+        steps = [step for step in steps if isinstance(step, CapturedOnFailure)]
         failed = [step.name for step in steps if step.failed]
         if failed:
             return f"eager after a failed capture: {', '.join(failed)}"
         if not steps:
             return "eager"
         return "cuda graphs" if self.device.type == "cuda" else "replayed without graphs"
+
+    def _captured_drafter_steps(self) -> list[CapturedOnFailure]:
+        return [step for step in (*self.step_functions, self.greedy_round)
+                if isinstance(step, CapturedOnFailure)]
 
     @property
     def is_tree(self) -> bool:
@@ -572,6 +576,8 @@ class EmbeddedSpeculativeEngine:
             layers = self.drafter.layers if self.kind.drafting == "block" else \
                 [self.drafter.midlayer]
             self._static_caches = []  # the old buffers go before the new ones
+            for step in self._captured_drafter_steps():
+                step.forget()  # with the graphs that hold them
             caches = [StaticDraftCache(layer.self_attn.n_kv, layer.self_attn.head_dim, capacity,
                                        self.drafter.fc.weight.dtype, self.device)
                       for layer in layers]
@@ -625,6 +631,15 @@ class EmbeddedSpeculativeEngine:
         anchor_forward, chain_forward = self.step_functions
         new = n - drafted_upto
         anchors, width = self._padded_anchors(aux, drafted_upto, n)  # [1, W, K*H]
+        if sampling.greedy:
+            # The anchors' ids, their first position and the last real anchor's index: one
+            # copy to the device a round.
+            packed = torch.tensor(tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)
+                                  + [drafted_upto, new - 1], device=dev)  # [W + 2]
+            draft_round = self.greedy_round if width == self.num_steps + 1 else \
+                self.greedy_round_steps  # the prompt's width runs eagerly
+            drafts = draft_round(packed, anchors, cache.slots, cache.k, cache.v)  # [1, k]
+            return drafts[0].tolist(), [], cache
         ids = torch.tensor([tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)],
                            device=dev)  # [1, W]
         positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)  # [W]
@@ -634,8 +649,6 @@ class EmbeddedSpeculativeEngine:
                                              self._static_mask(cache, drafted_upto, positions))
         cache.write(drafted_upto, k, v)
         hidden = out[:, new - 1:new]  # [1, 1, H]: the last anchor's
-        if sampling.greedy:
-            return self._greedy_chain(n, hidden, logits[0, new - 1], cache), [], cache
         drafts: list[int] = []
         draft_probs: list[torch.Tensor] = []
         self.choose_draft(logits[0, new - 1], sampling, drafts, draft_probs)
@@ -649,18 +662,32 @@ class EmbeddedSpeculativeEngine:
             hidden = out  # [1, 1, H]
         return drafts, draft_probs, cache
 
-    def _greedy_chain(self, n: int, hidden: torch.Tensor, first_logits: torch.Tensor,
-                      cache: StaticDraftCache) -> list[int]:
-        """A round's greedy drafts after step 0 (hidden [1, 1, H] and first_logits [D] are its
-        last anchor's), kept on the device until the last step: one wait for the GPU a round,
-        not one a step."""
-        on_device = [self.draft_target_id(first_logits)]  # [1, 1]
+    def greedy_round_steps(self, packed: torch.Tensor, anchors: torch.Tensor,
+                           slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+                           ) -> torch.Tensor:
+        """A round's greedy drafting over a StaticDraftCache, on the device from end to end:
+        step 0 over the round's W anchors, their keys and values into their slots, then the
+        chain steps from the last real anchor. packed [W + 2]: the anchors' ids, the first
+        anchor's position and the last real anchor's index; anchors [1, W, K*H]; slots [C];
+        k, v [1, nkv, C, d]. Returns the drafts as target ids [1, num_steps]."""
+        width = anchors.shape[1]
+        ids, start, last = packed[None, :width], packed[width:width + 1], packed[width + 1:]
+        positions = start + torch.arange(width, device=packed.device)  # [W]
+        seen = (slots < start)[None].expand(width, -1)  # [W, C]: written before the round
+        causal = torch.ones(width, width, dtype=torch.bool, device=packed.device).tril()
+        mask = self._windowed(torch.cat([seen, causal], dim=-1)[None, None],  # [1,1,W,C+W]
+                              positions, torch.cat([slots, positions]))
+        out, logits, (step_k, step_v) = self.anchor_forward(
+            ids, anchors, positions[None], (k, v), mask)  # [1, W, H], [1, W, D]
+        k.index_copy_(2, positions, step_k)
+        v.index_copy_(2, positions, step_v)
+        hidden = out.index_select(1, last)  # [1, 1, H]: the last real anchor's
+        drafts = [self.draft_target_id(logits[0].index_select(0, last)[0])]  # [1, 1] each
         for j in range(1, self.num_steps):
-            hidden, draft = self.greedy_chain(on_device[-1], hidden,
-                                              cache.slots[n - 1 + j: n + j], cache.slots,
-                                              cache.k, cache.v)  # [1, 1, H], [1, 1]
-            on_device.append(draft.clone())  # a captured step's output: its next call writes it
-        return torch.cat(on_device, dim=1)[0].tolist()  # [num_steps]
+            hidden, draft = self.greedy_chain_step(drafts[-1], hidden, start + last + j,
+                                                   slots, k, v)  # position n - 1 + j
+            drafts.append(draft)
+        return torch.cat(drafts, dim=1)  # [1, num_steps]
 
     def greedy_chain_step(self, last: torch.Tensor, hidden: torch.Tensor,
                           position: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
