@@ -136,8 +136,11 @@ class TargetRunner:
     def step(self, ids: torch.Tensor, cache, **extra) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of ids [B, T] over `cache`: logits [B, T, V] and the aux layers'
         states [B, T, K*H]. What a compiled or captured step runs, the hooks' read included."""
-        logits = self.model(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
-                            **extra).logits  # [B, T, V]
+        return self._step_through(self.model.forward, ids, cache, **extra)
+
+    def _step_through(self, forward, ids: torch.Tensor, cache, **extra):
+        logits = forward(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
+                         **extra).logits  # [B, T, V]
         return logits, self._aux.take()  # [B, T, V], [B, T, K*H]
 
     def new_cache(self, capacity: int) -> DynamicCache:
@@ -234,9 +237,7 @@ class StaticTargetRunner(TargetRunner):
 
     def _compiled_step(self, ids: torch.Tensor, cache, **extra):
         """`step` through the compiled forward."""
-        logits = self._forward(input_ids=ids, use_cache=True, **{self._cache_kw: cache},
-                               **extra).logits  # [B, T, V]
-        return logits, self._aux.take()  # [B, T, V], [B, T, K*H]
+        return self._step_through(self._forward, ids, cache, **extra)
 
     def _static_cache(self, rows: int, capacity: int) -> StaticCache:
         """A StaticCache of `rows` x `capacity` (rounded up to LENGTH_STEP) positions."""
@@ -593,16 +594,18 @@ class EmbeddedSpeculativeEngine:
         hidden = self.drafter.project_aux(aux)  # [1, T, H]
         return self.drafter.step(ids, hidden, positions, past_kv, mask)
 
-    def _static_mask(self, cache: StaticDraftCache, seen: int, positions: torch.Tensor):
-        """[1, 1, T, C+T]: the queries at `positions` [T] see the slots below `seen`, and the
-        step's own keys causally (less what the drafter's sliding window hides)."""
+    def _static_mask(self, slots: torch.Tensor, seen: int | torch.Tensor,
+                     positions: torch.Tensor) -> torch.Tensor:
+        """[1, 1, T, C+T]: the queries at `positions` [T] see the slots [C] below `seen` (an
+        int, or a device tensor [1] inside a captured step), and the step's own keys causally
+        (less what the drafter's sliding window hides)."""
         width = positions.shape[0]
-        past = (cache.slots < seen)[None].expand(width, -1)  # [T, C]
+        past = (slots < seen)[None].expand(width, -1)  # [T, C]
         if width not in self._causal:  # two widths a round: made once, not every step
             self._causal[width] = torch.ones(width, width, dtype=torch.bool,
                                              device=self.device).tril()  # [T, T]
         mask = torch.cat([past, self._causal[width]], dim=-1)[None, None]  # [1, 1, T, C+T]
-        return self._windowed(mask, positions, torch.cat([cache.slots, positions]))
+        return self._windowed(mask, positions, torch.cat([slots, positions]))
 
     def _padded_anchors(self, aux: torch.Tensor, drafted_upto: int, n: int
                         ) -> tuple[torch.Tensor, int]:
@@ -645,8 +648,9 @@ class EmbeddedSpeculativeEngine:
         positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)  # [W]
         if width != self.num_steps + 1:  # the prompt's
             anchor_forward = self.anchor_forward
-        out, logits, (k, v) = anchor_forward(ids, anchors, positions[None], (cache.k, cache.v),
-                                             self._static_mask(cache, drafted_upto, positions))
+        out, logits, (k, v) = anchor_forward(
+            ids, anchors, positions[None], (cache.k, cache.v),
+            self._static_mask(cache.slots, drafted_upto, positions))
         cache.write(drafted_upto, k, v)
         hidden = out[:, new - 1:new]  # [1, 1, H]: the last anchor's
         drafts: list[int] = []
@@ -656,7 +660,7 @@ class EmbeddedSpeculativeEngine:
             position = cache.slots[n - 1 + j: n + j]  # [1]
             out, step_logits, (k, v) = chain_forward(
                 torch.tensor([[drafts[-1]]], device=dev), hidden, position[None],
-                (cache.k, cache.v), self._static_mask(cache, n - 1 + j, position))
+                (cache.k, cache.v), self._static_mask(cache.slots, n - 1 + j, position))
             cache.write(n - 1 + j, k, v)
             self.choose_draft(step_logits[0, -1], sampling, drafts, draft_probs)
             hidden = out  # [1, 1, H]
@@ -673,12 +677,9 @@ class EmbeddedSpeculativeEngine:
         width = anchors.shape[1]
         ids, start, last = packed[None, :width], packed[width:width + 1], packed[width + 1:]
         positions = start + torch.arange(width, device=packed.device)  # [W]
-        seen = (slots < start)[None].expand(width, -1)  # [W, C]: written before the round
-        causal = torch.ones(width, width, dtype=torch.bool, device=packed.device).tril()
-        mask = self._windowed(torch.cat([seen, causal], dim=-1)[None, None],  # [1,1,W,C+W]
-                              positions, torch.cat([slots, positions]))
         out, logits, (step_k, step_v) = self.anchor_forward(
-            ids, anchors, positions[None], (k, v), mask)  # [1, W, H], [1, W, D]
+            ids, anchors, positions[None], (k, v),
+            self._static_mask(slots, start, positions))  # [1, W, H], [1, W, D]
         k.index_copy_(2, positions, step_k)
         v.index_copy_(2, positions, step_v)
         hidden = out.index_select(1, last)  # [1, 1, H]: the last real anchor's
@@ -697,11 +698,9 @@ class EmbeddedSpeculativeEngine:
         values into that slot, and its argmax as a target id. last [1, 1], hidden [1, 1, H],
         position [1], slots [C], k, v [1, nkv, C, d] -> the next hidden [1, 1, H] and the
         draft [1, 1]."""
-        seen = (slots < position)[None]  # [1, C]: the slots written before this step
-        mask = torch.cat([seen, torch.ones_like(seen[:, :1])], dim=-1)[None, None]  # [1,1,1,C+1]
-        mask = self._windowed(mask, position, torch.cat([slots, position]))
-        out, logits, (step_k, step_v) = self.drafter.step(last, hidden, position[None], (k, v),
-                                                          mask)  # [1, 1, H], [1, 1, D]
+        out, logits, (step_k, step_v) = self.drafter.step(
+            last, hidden, position[None], (k, v),
+            self._static_mask(slots, position, position))  # [1, 1, H], [1, 1, D]
         k.index_copy_(2, position, step_k)
         v.index_copy_(2, position, step_v)
         return out, self.draft_target_id(logits[0, -1])  # [1, 1, H], [1, 1]
