@@ -37,11 +37,11 @@ from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate 
 from draftsmith.target import load_target_model, load_tokenizer, resolve_target  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu_speculative"))
-from random_parts import random_eagle3_drafter, smollm2_shaped_target  # noqa: E402
-
-# The dev sets' prompt lengths in SmolLM2's tokens (chat, code and math, 4 each), for
-# --random-weights, where no tokenizer is at hand.
-DEV_PROMPT_LENGTHS = [40, 42, 40, 38, 129, 161, 147, 186, 72, 64, 63, 61]
+from random_parts import (  # noqa: E402
+    dev_length_prompts,
+    random_eagle3_drafter,
+    smollm2_shaped_target,
+)
 
 
 def gpu_figures(prof, device: str) -> dict:
@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         model = smollm2_shaped_target(args.device)
         engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
                                            cache="static")
-        prompts = [list(range(1000, 1000 + n)) for n in DEV_PROMPT_LENGTHS[:3 * args.prompts]]
+        prompts = dev_length_prompts(3 * args.prompts)
         eos = None
     else:
         target = resolve_target(TargetConfig(model="builtin:smollm2-135m-instruct",

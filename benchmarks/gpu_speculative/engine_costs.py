@@ -23,7 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from random_parts import random_eagle3_drafter, smollm2_shaped_target  # noqa: E402
+from random_parts import (  # noqa: E402
+    dev_length_prompts,
+    random_eagle3_drafter,
+    smollm2_shaped_target,
+)
 
 from draftsmith.bench.benchmark import (  # noqa: E402
     measure_batched,
@@ -33,8 +37,6 @@ from draftsmith.bench.benchmark import (  # noqa: E402
 from draftsmith.config import BenchmarkConfig  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine  # noqa: E402
 
-# The dev sets' prompt lengths in SmolLM2's tokens (speculative_profile.py), cycled.
-PROMPT_LENGTHS = [40, 42, 40, 38, 129, 161, 147, 186, 72, 64, 63, 61]
 KEPT = ("acceptance_length", "identical_outputs", "ms_per_plain_token", "ms_per_round",
         "speedup", "speedup_limit", "greedy_tokens_per_s", "speculative_tokens_per_s")
 
@@ -52,8 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     model = smollm2_shaped_target(args.device)
     engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
                                        cache=args.cache)
-    prompts = [list(range(1000, 1000 + PROMPT_LENGTHS[i % len(PROMPT_LENGTHS)]))
-               for i in range(args.prompts)]
+    prompts = dev_length_prompts(args.prompts)
     cfg = BenchmarkConfig(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                           warmup_prompts=1)
     plain = plain_decoding(engine.runner, prompts, cfg, None)

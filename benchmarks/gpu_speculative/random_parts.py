@@ -20,6 +20,15 @@ from draftsmith.model.eagle3.model import Eagle3Config, Eagle3Drafter
 CONFIG = Path(__file__).with_name("smollm2_config.json")
 AUX_LAYER_IDS = [1, 14, 26]  # what the recipe's drafters capture: 1, L//2 - 1, L - 4
 DRAFT_VOCAB = 16384  # the recipe's merge.draft_vocab_size
+# The suite's dev prompts' lengths in SmolLM2's tokens (chat, code and math, 4 each): where no
+# tokenizer is at hand, prompts of these lengths stand in for them.
+DEV_PROMPT_LENGTHS = [40, 42, 40, 38, 129, 161, 147, 186, 72, 64, 63, 61]
+
+
+def dev_length_prompts(count: int) -> list[list[int]]:
+    """`count` prompts of the dev prompts' lengths, in turn; their ids matter not."""
+    return [list(range(1000, 1000 + DEV_PROMPT_LENGTHS[i % len(DEV_PROMPT_LENGTHS)]))
+            for i in range(count)]
 
 
 def smollm2_shaped_target(device: str, seed: int = 0) -> LlamaForCausalLM:
