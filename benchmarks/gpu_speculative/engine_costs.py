@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for row in rows:
-            row.update(device=device, cache=engine.cache_kind, weights="random",
+            row.update(device=device, cache=engine.cache_kind, steps=engine.steps_ran(),
+                       weights="random",
                        prompts=args.prompts, max_new_tokens=args.max_new_tokens)
             print(json.dumps(row), flush=True)
             f.write(json.dumps(row) + "\n")
