@@ -67,7 +67,7 @@ def test_no_measured_prompt_makes_a_static_cache(target_model, exported_drafter,
         start_warm_up()
         _, per_prompt = measure_embedded(engine, PROMPTS, cfg, None, "chain", plain)
         start_warm_up()
-        batched = measure_batched(engine, PROMPTS, cfg, None, 2, plain)
+        batched = measure_batched(engine, PROMPTS, cfg, None, 2, [run.tokens for run in plain])
     finally:
         engine.runner.close()
     assert all(row["identical"] for row in per_prompt)

@@ -513,11 +513,77 @@ def test_benchmark_sweep_measures_each_drafting_config_once(chain, random_target
 
     measured.clear()
     second = run([tree, chain3], "second")
-    # The deployed config is measured again (it is this stage's own result); of the sweep
-    # only the new point is.
-    assert measured == [("chain, 2 steps", 2, 1, 3), ("chain 3", 3, 1, 4)]
+    # The deployed config's part is read back too (the sweep does not decide it): only the
+    # new point is measured.
+    assert measured == [("chain 3", 3, 1, 4)]
     report = json.loads((second.dir / "report.json").read_text())
     assert [c["config"] for c in report["configs"]] == ["chain, 2 steps", "tree 2x2/5", "chain 3"]
+
+
+def test_a_benchmark_cut_off_keeps_what_it_measured(chain, random_target, random_target_dir,
+                                                    tmp_path, monkeypatch):
+    """Each part of the benchmark (one prompt at a time, each batch size) is kept on disk as it
+    finishes: a stage cut off at batch 3 keeps batch 1 and 2, its re-run measures only batch 3,
+    a batch size added later is the only one measured, and another GPU measures everything
+    again."""
+    from draftsmith.bench import benchmark as bench_module
+
+    calls: list[str] = []
+    real = {name: getattr(bench_module, name)
+            for name in ("plain_decoding", "measure_embedded", "measure_batched")}
+    lost_at: list[int] = [3]
+
+    def plain_decoding(runner, prompts, cfg, eos):
+        calls.append("plain")
+        return real["plain_decoding"](runner, prompts, cfg, eos)
+
+    def measure_embedded(engine, prompts, cfg, eos, label, plain):
+        calls.append("batch 1")
+        return real["measure_embedded"](engine, prompts, cfg, eos, label, plain)
+
+    def measure_batched(engine, prompts, cfg, eos, batch, plain):
+        if batch in lost_at:
+            raise RuntimeError("the machine went away")
+        calls.append(f"batch {batch}")
+        return real["measure_batched"](engine, prompts, cfg, eos, batch, plain)
+
+    for name, fn in (("plain_decoding", plain_decoding), ("measure_embedded", measure_embedded),
+                     ("measure_batched", measure_batched)):
+        monkeypatch.setattr(bench_module, name, fn)
+    target_cfg = TargetConfig(model=str(random_target_dir))
+
+    def run(batch_sizes, name):
+        calls.clear()
+        cfg = BenchmarkConfig(num_prompts=3, max_new_tokens=6, batch_sizes=batch_sizes)
+        plan = plan_stage(tmp_path, "benchmark", {"run": name}, [chain["deploy"]])
+        return bench_module.run_benchmark(cfg, target_cfg, chain["deploy"], chain["merge"],
+                                          random_target, plan)
+
+    with pytest.raises(RuntimeError, match="went away"):
+        run([2, 3], "cut off")
+    assert calls == ["plain", "batch 1", "batch 2"]
+    kept = [m.parent for m in (tmp_path / "benchmark-part").glob("*/manifest.json")]
+    assert len(kept) == 2
+    assert not list(tmp_path.glob("benchmark/*/manifest.json"))
+    first_part = next(json.loads((d / "part.json").read_text()) for d in kept
+                      if "per_prompt" in json.loads((d / "part.json").read_text()))
+
+    lost_at.clear()
+    resumed = run([2, 3], "cut off")
+    assert calls == ["batch 3"]  # neither plain decoding nor batch 1 or 2 again
+    report = json.loads((resumed.dir / "report.json").read_text())
+    assert [b["batch"] for b in report["batched"]] == [2, 3]
+    assert report["per_prompt"] == first_part["per_prompt"]
+    assert resumed.figures["acceptance_length"] == first_part["summary"]["acceptance_length"]
+    assert resumed.figures["lossless"] is True
+    assert resumed.figures["measured_on"]["steps"] == first_part["steps"]
+
+    run([2, 3, 4], "a batch size added")
+    assert calls == ["batch 4"]
+
+    monkeypatch.setattr(bench_module, "device_label", lambda device: "another GPU")
+    run([2], "another GPU")
+    assert calls == ["plain", "batch 1", "batch 2"]
 
 
 def test_sweep_points_are_checked_like_a_deploy():

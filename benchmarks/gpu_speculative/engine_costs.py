@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> None:
     batch_one, _ = measure_embedded(engine, prompts, cfg, None, "random drafter", plain)
     rows = [{"batch": 1, **{k: batch_one.get(k) for k in KEPT}}]
     rows += [{k: measured.get(k) for k in ("batch", *KEPT)}
-             for measured in (measure_batched(engine, prompts, cfg, None, size, plain)
+             for measured in (measure_batched(engine, prompts, cfg, None, size,
+                                                              [run.tokens for run in plain])
                               for size in args.batch_sizes)]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     args.out.parent.mkdir(parents=True, exist_ok=True)

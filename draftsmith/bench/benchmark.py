@@ -8,6 +8,7 @@ vLLM: the OpenAI API and vLLM's Prometheus counters (draftsmith/bench/vllm_bench
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -23,6 +24,7 @@ from draftsmith.artifacts import (
     stage_output,
 )
 from draftsmith.bench.charts import markdown_table, plot_benchmark
+from draftsmith.bench.parts import BenchmarkParts, device_label
 from draftsmith.bench.suite import prompt_conversation, sets_markdown, suite_prompts, with_sets
 from draftsmith.bench.sweep import measure_sweep
 from draftsmith.config import BenchmarkConfig, DeployConfig, DraftingPoint, TargetConfig
@@ -335,11 +337,11 @@ def first_difference(runner, prompt: list[int], reference: list[int], got: list[
 
 
 def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
-                    batch: int, plain: list[Generation]) -> dict:
+                    batch: int, plain: list[list[int]]) -> dict:
     """`batch` prompts decoded at once, plain and then speculative for each group of prompts in
-    turn. Greedy: every row must equal plain decoding of its prompt alone (`plain`), or leave
-    it first at a near tie (`first_difference`): a batch sums attention over a longer cache
-    with holes, in another order than one prompt alone does."""
+    turn. Greedy: every row must equal plain decoding of its prompt alone (`plain`: those
+    tokens), or leave it first at a near tie (`first_difference`): a batch sums attention over
+    a longer cache with holes, in another order than one prompt alone does."""
     decoder = BatchedSpeculativeDecoder(engine)
     groups = [list(range(i, min(i + batch, len(prompts)))) for i in range(0, len(prompts), batch)]
     if len(prompts) < batch:
@@ -372,12 +374,11 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
     spec_tps = tokens / sum(s.seconds for _, s in runs)
     plain_tps = sum(len(r.tokens) for r in plain_rows) / sum(b.seconds for b, _ in runs)
     sampled = cfg.temperature > 0
-    identical = [r.tokens == p.tokens for r, p in zip(rows, plain, strict=True)]
+    identical = [r.tokens == p for r, p in zip(rows, plain, strict=True)]
     differences = [] if sampled else [
-        {"prompt": i, **first_difference(engine.runner, prompts[i], plain[i].tokens,
-                                         rows[i].tokens)}
+        {"prompt": i, **first_difference(engine.runner, prompts[i], plain[i], rows[i].tokens)}
         for i, same in enumerate(identical) if not same]
-    plain_identical = [r.tokens == p.tokens for r, p in zip(plain_rows, plain, strict=True)]
+    plain_identical = [r.tokens == p for r, p in zip(plain_rows, plain, strict=True)]
     # A round (a step) of the batch: num_steps drafts and one verify for every sequence (one
     # token for every sequence).
     costs = step_costs([{"verify_rounds": s.forwards, "plain_steps": b.forwards,
@@ -406,6 +407,29 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
         log.log(logging.WARNING if summary["lossless"] else logging.ERROR,
                 "benchmark batch %d: outputs leave greedy decoding at %s", batch, differences)
     return summary
+
+
+def one_prompt_at_a_time(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
+                         eos: int | None, label: str, plain: list[Generation]) -> dict:
+    """The benchmark's batch-1 part: measure_embedded against plain decoding, and the
+    repeated speed pairs; with the plain tokens (the batches' reference) and how the steps
+    ran."""
+    summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, label, plain)
+    if cfg.repeats > 1:
+        summary.update(repeated_speedups(engine, prompts, cfg, eos, summary))
+    return {"summary": summary, "per_prompt": per_prompt,
+            "plain_tokens": [run.tokens for run in plain], "steps": engine.steps_ran()}
+
+
+def sampled_run(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
+                label: str) -> dict:
+    """The deployed config again at benchmark.sampled_temperature, against plain decoding at
+    that temperature."""
+    sampled_cfg = cfg.model_copy(update={"temperature": cfg.sampled_temperature})
+    sampled_plain = plain_decoding(engine.runner, prompts, sampled_cfg, eos)
+    return {**measure_embedded(engine, prompts, sampled_cfg, eos,
+                               f"{label} @ T={cfg.sampled_temperature}", sampled_plain)[0],
+            "temperature": cfg.sampled_temperature}
 
 
 def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: Descriptor,
@@ -442,23 +466,6 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     prompts, suite = benchmark_prompts(cfg, merged, tokenizer)
     eos = tokenizer.eos_token_id
     deployed = drafting_label(spec["num_steps"], spec["eagle_topk"], spec["num_draft_tokens"])
-    plain = plain_decoding(engine.runner, prompts, cfg, eos)
-    summary, per_prompt = measure_embedded(engine, prompts, cfg, eos, deployed, plain)
-    if cfg.repeats > 1:
-        summary.update(repeated_speedups(engine, prompts, cfg, eos, summary))
-    sets = with_sets(cfg, suite, per_prompt, engine.num_steps)
-    batched = [measure_batched(engine, prompts, cfg, eos, size, plain)
-               for size in cfg.batch_sizes]
-
-    def measure_point(point: DraftingPoint, _out: Path) -> dict:
-        point_engine = EmbeddedSpeculativeEngine(
-            engine.runner.model, engine.drafter, point.num_steps, point.eagle_topk,
-            point.num_draft_tokens, engine.cache if point.eagle_topk == 1 else "dynamic")
-        try:
-            return measure_embedded(point_engine, prompts, cfg, eos, point.label, plain)[0]
-        finally:
-            point_engine.runner.close()
-
     material = {"engine": "embedded", "drafter_dir": spec["drafter_dir"],
                 "target_dtype": target_cfg.dtype,
                 **made_elsewhere(spec.get("drafter_files"))}
@@ -466,18 +473,41 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         material["embedded_cache"] = engine.cache
     elif engine.cache_kind != "dynamic":  # auto ran the dynamic cache everywhere before
         material["embedded_cache"] = f"auto: {engine.cache_kind}"
+    parts = BenchmarkParts(plan, cfg, {**material, "device": device_label(engine.device)},
+                           known(merged, target))
+    # Plain decoding's timings, once, if a part measured now needs them.
+    plain = functools.cache(lambda: plain_decoding(engine.runner, prompts, cfg, eos))
+    one = parts.measure("batch 1", lambda: one_prompt_at_a_time(engine, prompts, cfg, eos,
+                                                                deployed, plain()),
+                        not_deciding=("batch_sizes", "sampled_temperature"),
+                        figures=lambda part: part["summary"])
+    summary, per_prompt = one["summary"], one["per_prompt"]
+    sets = with_sets(cfg, suite, per_prompt, engine.num_steps)
+    batched = [parts.measure(f"batch {size}",
+                             lambda size=size: measure_batched(engine, prompts, cfg, eos, size,
+                                                               one["plain_tokens"]),
+                             not_deciding=("batch_sizes", "sampled_temperature", "repeats"))
+               for size in cfg.batch_sizes]
+
+    def measure_point(point: DraftingPoint, _out: Path) -> dict:
+        point_engine = EmbeddedSpeculativeEngine(
+            engine.runner.model, engine.drafter, point.num_steps, point.eagle_topk,
+            point.num_draft_tokens, engine.cache if point.eagle_topk == 1 else "dynamic")
+        try:
+            return measure_embedded(point_engine, prompts, cfg, eos, point.label, plain())[0]
+        finally:
+            point_engine.runner.close()
+
     points = measure_sweep(cfg, plan, material, known(merged, target), measure_point)
     # The best config is chosen among runs at the benchmark's own temperature.
     best = max((c for c in [summary, *points] if c["lossless"] is not False),
                key=lambda c: c["speedup"], default=summary)
     configs = [summary, *points]
     if cfg.sampled_temperature:
-        sampled_cfg = cfg.model_copy(update={"temperature": cfg.sampled_temperature})
-        sampled_plain = plain_decoding(engine.runner, prompts, sampled_cfg, eos)
-        configs.append({**measure_embedded(engine, prompts, sampled_cfg, eos,
-                                           f"{deployed} @ T={cfg.sampled_temperature}",
-                                           sampled_plain)[0],
-                        "temperature": cfg.sampled_temperature})
+        configs.append(parts.measure(
+            f"sampled at T={cfg.sampled_temperature}",
+            lambda: sampled_run(engine, prompts, cfg, eos, deployed),
+            not_deciding=("batch_sizes", "repeats")))
     others = None
     if on_gpu:  # anything seen on the GPU before or after the measurement
         after = other_gpu_processes()
@@ -487,7 +517,7 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
                # Token identity with one-token greedy decoding is exact only in float32.
                "target_dtype": target_cfg.dtype,
                "measured_on": measured_on(engine.device, engine.runner.cache_kind, others,
-                                          engine.steps_ran())}
+                                          one["steps"])}
     if points:
         summary["best_config"] = best["config"]
     if summary["lossless"] is not None:  # greedy: every greedy config must be identical
