@@ -7,6 +7,7 @@ the next stage can read it.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
@@ -576,7 +577,18 @@ def test_a_benchmark_cut_off_keeps_what_it_measured(chain, random_target, random
     assert report["per_prompt"] == first_part["per_prompt"]
     assert resumed.figures["acceptance_length"] == first_part["summary"]["acceptance_length"]
     assert resumed.figures["lossless"] is True
-    assert resumed.figures["measured_on"]["steps"] == first_part["steps"]
+    assert resumed.figures["measured_on"] == first_part["measured_on"]
+    assert first_part["measured_on"]["device"].startswith("cpu")
+    assert first_part["target_dtype"] == "float32" and first_part["engine"] == "embedded"
+
+    # The parts alone make the same rows as the report (gpu_speculative/summary.py).
+    spec = importlib.util.spec_from_file_location(
+        "gpu_summary", REPO / "benchmarks" / "gpu_speculative" / "summary.py")
+    gpu_summary = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_summary)
+    part_files = sorted(tmp_path.glob("benchmark-part/*/part.json"))
+    assert gpu_summary.rows_of(gpu_summary.read_reports(part_files), "d") == \
+        gpu_summary.rows_of(gpu_summary.read_reports([resumed.dir / "report.json"]), "d")
 
     run([2, 3, 4], "a batch size added")
     assert calls == ["batch 4"]

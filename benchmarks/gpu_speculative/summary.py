@@ -8,6 +8,13 @@ interleaved pairs, benchmark.repeats) folded into one row (the median speedup an
 Each report's `summary.measured_on` says where it ran (device, target cache, whether the GPU was
 the measurement's alone); rows keep it. The summary is batch 1; each of the report's `batched`
 rows (benchmark.batch_sizes) is its batch's.
+
+A benchmark stage cut off before its report leaves its finished parts
+(`RUN_ROOT/benchmark-part/*/part.json`: batch 1, then each batch size); given instead of a
+report, one stage's parts make one report:
+
+    python benchmarks/gpu_speculative/summary.py FILES_AT/root/benchmark-part/*/part.json \
+        --drafter general-half
 """
 
 from __future__ import annotations
@@ -40,9 +47,10 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
         where = summary.get("measured_on") or {}
         key = summary["engine"], where.get("target_cache", "?"), where.get("steps")
         groups.setdefault((*key, 1), []).append(summary)
-        for batched in report.get("batched") or []:  # where and in what dtype: the summary's
+        for batched in report.get("batched") or []:  # the dtype, and where unless it says
             groups.setdefault((*key, batched["batch"]), []).append(
-                {**batched, "target_dtype": summary.get("target_dtype"), "measured_on": where})
+                {**batched, "target_dtype": summary.get("target_dtype"),
+                 "measured_on": batched.get("measured_on") or where})
     rows = []
     for (engine, cache, steps, batch), runs in groups.items():
         rounds = [r["ms_per_round"] for r in runs if r.get("ms_per_round")]
@@ -69,6 +77,31 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
     return rows
 
 
+def report_of_parts(parts: list[dict], names: list[str]) -> dict:
+    """One report from one benchmark stage's parts: its batch-1 part and any batch sizes."""
+    firsts = [part for part in parts if "per_prompt" in part]
+    if len(firsts) != 1:
+        raise SystemExit(f"{len(firsts)} batch-1 parts among {', '.join(names)}: give one "
+                         "stage's parts (its batch-1 part holds per_prompt), or its report")
+    (first,) = firsts
+    summary = {**first["summary"], "measured_on": first["measured_on"]}
+    for field in ("engine", "target_dtype", "temperature"):
+        summary[field] = first[field]
+    return {"summary": summary, "batched": sorted((p for p in parts if "batch" in p),
+                                                  key=lambda p: p["batch"])}
+
+
+def read_reports(paths: list[Path]) -> list[dict]:
+    """The reports among `paths`, and one more made of the part files among them."""
+    files = [(path, json.loads(path.read_text())) for path in paths]
+    reports = [data for _, data in files if "verdict" in data]
+    parts = [(path, data) for path, data in files if "verdict" not in data]
+    if parts:
+        reports.append(report_of_parts([data for _, data in parts],
+                                       [str(path) for path, _ in parts]))
+    return reports
+
+
 def merge_rows(path: Path, new: list[dict]) -> list[dict]:
     """The file's rows, those of the same engine, drafter, target cache and batch replaced."""
     rows = json.loads(path.read_text()) if path.is_file() else []
@@ -84,11 +117,12 @@ def merge_rows(path: Path, new: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("reports", type=Path, nargs="+", help="benchmark report.json files")
+    parser.add_argument("reports", type=Path, nargs="+",
+                        help="benchmark report.json files, or one cut-off stage's part.json files")
     parser.add_argument("--drafter", required=True, help="the rows' drafter name")
     parser.add_argument("--summary", type=Path, default=SUMMARY)
     args = parser.parse_args(argv)
-    rows = rows_of([json.loads(p.read_text()) for p in args.reports], args.drafter)
+    rows = rows_of(read_reports(args.reports), args.drafter)
     merge_rows(args.summary, rows)
     for row in rows:
         print(json.dumps({k: row[k] for k in (*FIELDS, "target_cache", "speedup_spread")}))

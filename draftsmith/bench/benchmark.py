@@ -418,7 +418,19 @@ def one_prompt_at_a_time(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     if cfg.repeats > 1:
         summary.update(repeated_speedups(engine, prompts, cfg, eos, summary))
     return {"summary": summary, "per_prompt": per_prompt,
-            "plain_tokens": [run.tokens for run in plain], "steps": engine.steps_ran()}
+            "plain_tokens": [run.tokens for run in plain]}
+
+
+def on_this_device(engine, measure: Callable[[], dict]) -> dict:
+    """measure()'s result with where it ran (`measured_on`): the device, the target's cache,
+    how the steps ran, and whether anything else used the GPU before or after it."""
+    on_gpu = engine.device.type == "cuda"
+    before = other_gpu_processes() if on_gpu else None
+    result = measure()
+    after = other_gpu_processes() if on_gpu else None
+    others = None if before is None or after is None else sorted(set(before) | set(after))
+    return {**result, "measured_on": measured_on(engine.device, engine.runner.cache_kind,
+                                                 others, engine.steps_ran())}
 
 
 def sampled_run(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
@@ -460,8 +472,6 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
         raise InputError(f"benchmark.batch_sizes {cfg.batch_sizes} with deploy.eagle_topk "
                          f"{engine.topk}: batched decoding drafts chains; set "
                          "deploy.eagle_topk: 1, or benchmark.batch_sizes: []")
-    on_gpu = engine.device.type == "cuda"
-    others_before = other_gpu_processes() if on_gpu else None
     tokenizer = load_tokenizer(target)
     prompts, suite = benchmark_prompts(cfg, merged, tokenizer)
     eos = tokenizer.eos_token_id
@@ -477,17 +487,22 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
                            known(merged, target))
     # Plain decoding's timings, once, if a part measured now needs them.
     plain = functools.cache(lambda: plain_decoding(engine.runner, prompts, cfg, eos))
-    one = parts.measure("batch 1", lambda: one_prompt_at_a_time(engine, prompts, cfg, eos,
-                                                                deployed, plain()),
-                        not_deciding=("batch_sizes", "sampled_temperature"),
-                        figures=lambda part: part["summary"])
-    summary, per_prompt = one["summary"], one["per_prompt"]
+    # The report's summary fields that are not measured, kept in the part: a part file alone
+    # says what it is (benchmarks/gpu_speculative/summary.py reads a cut-off stage's parts).
+    described = {"engine": spec["engine"], "temperature": cfg.temperature,
+                 "target_dtype": target_cfg.dtype}
+    one = parts.measure(
+        "batch 1", lambda: {**on_this_device(engine, lambda: one_prompt_at_a_time(
+            engine, prompts, cfg, eos, deployed, plain())), **described},
+        not_deciding=("batch_sizes", "sampled_temperature"),
+        figures=lambda part: part["summary"])
+    per_prompt = one["per_prompt"]
     sets = with_sets(cfg, suite, per_prompt, engine.num_steps)
-    batched = [parts.measure(f"batch {size}",
-                             lambda size=size: measure_batched(engine, prompts, cfg, eos, size,
-                                                               one["plain_tokens"]),
-                             not_deciding=("batch_sizes", "sampled_temperature", "repeats"))
-               for size in cfg.batch_sizes]
+    batched = [parts.measure(
+        f"batch {size}", lambda size=size: on_this_device(engine, lambda: measure_batched(
+            engine, prompts, cfg, eos, size, one["plain_tokens"])),
+        not_deciding=("batch_sizes", "sampled_temperature", "repeats"))
+        for size in cfg.batch_sizes]
 
     def measure_point(point: DraftingPoint, _out: Path) -> dict:
         point_engine = EmbeddedSpeculativeEngine(
@@ -500,24 +515,17 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
 
     points = measure_sweep(cfg, plan, material, known(merged, target), measure_point)
     # The best config is chosen among runs at the benchmark's own temperature.
-    best = max((c for c in [summary, *points] if c["lossless"] is not False),
-               key=lambda c: c["speedup"], default=summary)
-    configs = [summary, *points]
+    best = max((c for c in [one["summary"], *points] if c["lossless"] is not False),
+               key=lambda c: c["speedup"], default=one["summary"])
+    configs = [one["summary"], *points]
     if cfg.sampled_temperature:
         configs.append(parts.measure(
             f"sampled at T={cfg.sampled_temperature}",
             lambda: sampled_run(engine, prompts, cfg, eos, deployed),
             not_deciding=("batch_sizes", "repeats")))
-    others = None
-    if on_gpu:  # anything seen on the GPU before or after the measurement
-        after = other_gpu_processes()
-        others = None if others_before is None or after is None else \
-            sorted(set(others_before) | set(after))
-    summary = {"engine": spec["engine"], **summary, "temperature": cfg.temperature,
-               # Token identity with one-token greedy decoding is exact only in float32.
-               "target_dtype": target_cfg.dtype,
-               "measured_on": measured_on(engine.device, engine.runner.cache_kind, others,
-                                          one["steps"])}
+    # target_dtype: token identity with one-token greedy decoding is exact only in float32.
+    summary = {"engine": spec["engine"], **one["summary"], **described,
+               "measured_on": one["measured_on"]}
     if points:
         summary["best_config"] = best["config"]
     if summary["lossless"] is not None:  # greedy: every greedy config must be identical
