@@ -757,7 +757,8 @@ def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
 
 class HostReads(TorchDispatchMode):
     """Records every read of a device value on the host (.item(), .tolist(), a 0-d tensor as
-    an index) made while `inside` is set."""
+    an index, `if tensor:`) made while `inside` is set. Under inference mode, bool(tensor)
+    dispatches is_nonzero, not _local_scalar_dense."""
 
     def __init__(self):
         super().__init__()
@@ -765,7 +766,8 @@ class HostReads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if self.inside and func in (torch.ops.aten._local_scalar_dense.default,
-                                    torch.ops.aten.item.default):
+                                    torch.ops.aten.item.default,
+                                    torch.ops.aten.is_nonzero.default):
             self.reads.append(str(func))
         return func(*args, **(kwargs or {}))
 

@@ -236,8 +236,26 @@ class StaticTargetRunner(TargetRunner):
         return self._captured if width in self._step_widths else self.step
 
     def _compiled_step(self, ids: torch.Tensor, cache, **extra):
-        """`step` through the compiled forward."""
+        """`step` through the compiled forward. One sequence's forward of several tokens gets
+        its causal mask from here (the batched path brings its own)."""
+        if ids.shape[1] > 1 and "attention_mask" not in extra:
+            extra = {**extra, **self._causal_inputs(ids.shape[1], cache)}
         return self._step_through(self._forward, ids, cache, **extra)
+
+    @staticmethod
+    def _causal_inputs(width: int, kv: StaticCache) -> dict[str, torch.Tensor]:
+        """The positions and causal mask of `width` tokens after those the cache holds, made
+        on the device from the cache's own counter. transformers would make the same mask,
+        but first decide whether it may skip it by reading that counter on the host
+        (`q_offset == 0`): a wait for the GPU at every verify step, which a CUDA graph cannot
+        hold (the step would fall back to eager) and which splits the compiled graph."""
+        layer = kv.layers[0]
+        seen = layer.cumulative_length  # [] on the device
+        device = layer.keys.device
+        positions = seen + torch.arange(width, device=device)  # [T]
+        slots = torch.arange(layer.max_cache_len, device=device)  # [L]
+        mask = slots[None, :] <= positions[:, None]  # [T, L]
+        return {"position_ids": positions[None], "attention_mask": mask[None, None]}
 
     def _static_cache(self, rows: int, capacity: int) -> StaticCache:
         """A StaticCache of `rows` x `capacity` (rounded up to LENGTH_STEP) positions."""
@@ -445,7 +463,11 @@ class EmbeddedSpeculativeEngine:
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
         self._static_caches: list[StaticDraftCache] = []  # one per drafter layer
-        self._causal: dict[int, torch.Tensor] = {}  # width -> [T, T] causal mask
+        # width -> [T, T] causal mask. The captured steps' widths are made here: a compiled
+        # step that filled the dict would fail its own guard and compile a second time.
+        self._causal: dict[int, torch.Tensor] = {
+            width: torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
+            for width in (1, num_steps + 1)}  # [T, T]
         # EAGLE-3: step 0 over anchors and a chain step; DFlash: the context's keys and values
         # and the block's logits. Over static drafter buffers their shapes are fixed, so on
         # CUDA they are compiled (CUDA graphs).
@@ -601,7 +623,7 @@ class EmbeddedSpeculativeEngine:
         (less what the drafter's sliding window hides)."""
         width = positions.shape[0]
         past = (slots < seen)[None].expand(width, -1)  # [T, C]
-        if width not in self._causal:  # two widths a round: made once, not every step
+        if width not in self._causal:  # another width, run eagerly: made once
             self._causal[width] = torch.ones(width, width, dtype=torch.bool,
                                              device=self.device).tril()  # [T, T]
         mask = torch.cat([past, self._causal[width]], dim=-1)[None, None]  # [1, 1, T, C+T]
