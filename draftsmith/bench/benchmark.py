@@ -349,17 +349,27 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
                     "benchmark.num_prompts (or prompts_per_set) to fill it", batch, len(prompts),
                     len(prompts))
 
+    def plain_rows(group: list[int]) -> BatchGeneration:
+        return plain_generate_batch(engine.runner, [prompts[i] for i in group],
+                                    cfg.max_new_tokens, eos,
+                                    [Sampling(cfg.temperature, seed=i) for i in group])
+
+    def speculative_rows(group: list[int]) -> BatchGeneration:
+        return decoder.generate([prompts[i] for i in group], cfg.max_new_tokens, eos,
+                                [Sampling(cfg.temperature, seed=i) for i in group])
+
     def run(group: list[int]) -> tuple[BatchGeneration, BatchGeneration]:
-        chosen = [prompts[i] for i in group]
-        return (plain_generate_batch(engine.runner, chosen, cfg.max_new_tokens, eos,
-                                     [Sampling(cfg.temperature, seed=i) for i in group]),
-                decoder.generate(chosen, cfg.max_new_tokens, eos,
-                                 [Sampling(cfg.temperature, seed=i) for i in group]))
+        return plain_rows(group), speculative_rows(group)
 
     if cfg.warmup_prompts:  # each group size once: a new size compiles its steps on CUDA
         for size in sorted({len(g) for g in groups}, reverse=True):
-            run(max((g for g in groups if len(g) == size),  # the caches at their final length
-                    key=lambda g: max(len(prompts[i]) for i in g)))
+            group = max((g for g in groups if len(g) == size),  # the caches at their final
+                        key=lambda g: max(len(prompts[i]) for i in g))  # length
+            # Speculative first: its cache (room for every round's drafts) is the longer, and
+            # plain decoding then runs over the same one. The other way round, the target's
+            # steps compile for plain's cache and again for the longer one.
+            speculative_rows(group)
+            plain_rows(group)
     progress = Progress(f"benchmark batch {batch}", total=len(prompts), unit="prompt")
     runs = []
     for group in groups:
