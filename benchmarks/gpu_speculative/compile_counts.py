@@ -250,7 +250,8 @@ def main(argv: list[str] | None = None) -> None:
     result["b1_speculative_identical_to_eager"] = summary["identical_outputs"]
     for size in args.batch_sizes:
         measured = phase(f"batch {size}",
-                         lambda s=size: measure_batched(engine, prompts, cfg, None, s, eager))
+                         lambda s=size: measure_batched(engine, prompts, cfg, None, s,
+                                                           [g.tokens for g in eager]))
         result[f"batch_{size}_identical_to_eager"] = {
             k: measured[k] for k in ("identical_outputs", "plain_identical_outputs",
                                      "near_ties", "groups")}
