@@ -465,9 +465,9 @@ class EmbeddedSpeculativeEngine:
         self._static_caches: list[StaticDraftCache] = []  # one per drafter layer
         # width -> [T, T] causal mask. The captured steps' widths are made here: a compiled
         # step that filled the dict would fail its own guard and compile a second time.
-        self._causal: dict[int, torch.Tensor] = {
-            width: torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
-            for width in (1, num_steps + 1)}  # [T, T]
+        self._causal: dict[int, torch.Tensor] = {}
+        for width in (1, num_steps + 1):
+            self._causal_mask(width)
         # EAGLE-3: step 0 over anchors and a chain step; DFlash: the context's keys and values
         # and the block's logits. Over static drafter buffers their shapes are fixed, so on
         # CUDA they are compiled (CUDA graphs).
@@ -616,6 +616,13 @@ class EmbeddedSpeculativeEngine:
         hidden = self.drafter.project_aux(aux)  # [1, T, H]
         return self.drafter.step(ids, hidden, positions, past_kv, mask)
 
+    def _causal_mask(self, width: int) -> torch.Tensor:
+        """[T, T] lower-triangular, made once per width."""
+        if width not in self._causal:
+            self._causal[width] = torch.ones(width, width, dtype=torch.bool,
+                                             device=self.device).tril()  # [T, T]
+        return self._causal[width]
+
     def _static_mask(self, slots: torch.Tensor, seen: int | torch.Tensor,
                      positions: torch.Tensor) -> torch.Tensor:
         """[1, 1, T, C+T]: the queries at `positions` [T] see the slots [C] below `seen` (an
@@ -623,10 +630,7 @@ class EmbeddedSpeculativeEngine:
         (less what the drafter's sliding window hides)."""
         width = positions.shape[0]
         past = (slots < seen)[None].expand(width, -1)  # [T, C]
-        if width not in self._causal:  # another width, run eagerly: made once
-            self._causal[width] = torch.ones(width, width, dtype=torch.bool,
-                                             device=self.device).tril()  # [T, T]
-        mask = torch.cat([past, self._causal[width]], dim=-1)[None, None]  # [1, 1, T, C+T]
+        mask = torch.cat([past, self._causal_mask(width)], dim=-1)[None, None]  # [1, 1, T, C+T]
         return self._windowed(mask, positions, torch.cat([slots, positions]))
 
     def _padded_anchors(self, aux: torch.Tensor, drafted_upto: int, n: int
