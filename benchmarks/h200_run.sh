@@ -25,6 +25,12 @@
 # .gpu/g stay home): put its directory under .gpu/d (e.g. .gpu/d/best-drafter/, 28 MB), then
 #   keep a, keep b, keep d, and
 #   start WAIT_S CONFIG --set deploy.drafter=/tmp/keep/best-drafter [--set ...]
+# The same drafter on vLLM (deploy.engine=vllm, issue 46): carry vLLM as benchmarks/vllm_gpu.sh
+# says (keep v1, v2, v3, vd1, vd2; .gpu/d may travel with vd2), and `start` installs it into
+# /tmp/vsite before the run; the server runs in that site:
+#   start WAIT_S CONFIG --set deploy.engine=vllm --set deploy.drafter=/tmp/keep/best-drafter \
+#     --set 'deploy.vllm_command=["env","PYTHONPATH=/tmp/vsite","python3","-m",
+#            "vllm.entrypoints.cli.main","serve"]' --set 'benchmark.concurrency=[1,4,16]'
 # COMMAND=compare runs `draftsmith compare CONFIG --variant ...` instead of `draftsmith run`
 # (the same arguments follow CONFIG); each variant's drafter is then one N of `collect`.
 # A run that stopped (the machine kept) resumes with `start` again: the finished stages are
@@ -101,6 +107,10 @@ case "$cmd" in
     cat "$KEEP"/smollm2.part_* > /tmp/smollm2.gguf && sha256sum /tmp/smollm2.gguf
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
       "$KEEP"/*.whl >/dev/null 2>&1 || echo "wheel install failed"
+    # vLLM, when carried (benchmarks/vllm_gpu.sh), goes into a site of its own
+    if ls "$KEEP"/vllm.tar.xz.part_* >/dev/null 2>&1 && [ ! -d /tmp/vsite/vllm ]; then
+      bash benchmarks/vllm_gpu.sh install
+    fi
     rm -rf "$DS" && mkdir -p "$DS" && cp -r draftsmith flows tasks blocks deployments examples \
       pyproject.toml "$DS"/
     cd "$DS" || exit 1

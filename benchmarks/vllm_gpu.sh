@@ -28,7 +28,7 @@ case "$cmd" in
     { mkdir -p "$VSITE"
       cat "$KEEP"/vllm.tar.xz.part_* | xz -d | tar xf - -C "$VSITE" && echo "vllm unpacked"
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
-        --target "$VSITE" "$KEEP"/*.whl 2>&1 | tail -3
+        --target "$VSITE" "$KEEP"/vd/*.whl 2>&1 | tail -3
       # /tmp/vsite holds only what the image lacks: nothing of the image's is shadowed
       PYTHONPATH="$VSITE" python3 -c "import vllm, torch; print('vllm', vllm.__version__, \
 'torch', torch.__version__, torch.cuda.get_device_name())" 2>&1 | tail -5

@@ -49,13 +49,15 @@ n=0
 for part in vllm.tar.xz.part_*; do
   n=$((n + 1)); rm -rf "$REPO/.gpu/v$n" && mkdir -p "$REPO/.gpu/v$n" && cp "$part" "$REPO/.gpu/v$n/"
 done
-# The wheels in folders of at most 40 MiB: a call carries 64 MiB with the repository.
+# The wheels in folders of at most 40 MiB (a call carries 64 MiB with the repository), each
+# under vd/, so that on the device they stay apart from the Prefect wheels that `keep` puts
+# beside them (a few of the same packages at other versions).
 rm -rf "$REPO"/.gpu/vd*
 folder=1 size=0
 for whl in deps/*.whl; do
   bytes=$(stat -c %s "$whl")
   if [ $((size + bytes)) -gt $((40 << 20)) ]; then folder=$((folder + 1)); size=0; fi
-  mkdir -p "$REPO/.gpu/vd$folder" && cp "$whl" "$REPO/.gpu/vd$folder/"
+  mkdir -p "$REPO/.gpu/vd$folder/vd" && cp "$whl" "$REPO/.gpu/vd$folder/vd/"
   size=$((size + bytes))
 done
 du -sh "$REPO"/.gpu/v*
