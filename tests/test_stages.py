@@ -397,7 +397,7 @@ def test_a_batch_row_that_leaves_greedy_decoding_is_a_bug_unless_at_a_near_tie(
 
 
 def test_a_difference_within_float32_rounding_is_a_near_tie():
-    from draftsmith.bench.benchmark import first_difference
+    from draftsmith.bench.identity import first_difference
 
     class Runner:  # the target's logits after the prompt and the reference's first token
         def new_cache(self, capacity):
@@ -414,6 +414,39 @@ def test_a_difference_within_float32_rounding_is_a_near_tie():
     clear = first_difference(Runner(), [1, 2], [7, 3], [7, 6])
     assert clear["near_tie"] is False and clear["gap"] == pytest.approx(22.281305)
     assert first_difference(Runner(), [1], [7, 3], [7])["near_tie"] is False  # a cut output
+
+
+def test_a_served_output_that_differs_is_weighed_by_the_target(random_target, monkeypatch):
+    """The vLLM benchmark's identity check: a served greedy output that leaves the plain
+    server's is weighed by the target at the first difference, a near tie or a wrong token;
+    identical outputs load nothing."""
+    from draftsmith.bench import identity
+    from draftsmith.config import TargetConfig
+    from draftsmith.serve.embedded import TargetRunner, plain_generate
+    from draftsmith.target import load_target_model
+
+    cfg = TargetConfig(model=random_target.path)
+    runner = TargetRunner(load_target_model(random_target.path), aux_layer_ids=[0])
+    prompts = [[5, 6, 7], [8, 9]]
+    reference = [plain_generate(runner, p, 6, None).tokens for p in prompts]
+    logits, _ = runner.forward(prompts[1] + reference[1][:2], runner.new_cache(8))  # [T, V]
+    least_likely = int(logits[-1].argmin())
+    runner.close()
+    served = [reference[0], reference[1][:2] + [least_likely] + reference[1][3:]]
+
+    (wrong,) = identity.weigh_differences(random_target.path, cfg, prompts, reference, served)
+    assert (wrong["prompt"], wrong["position"], wrong["near_tie"]) == (1, 2, False)
+    assert wrong["gap"] == pytest.approx(float(logits[-1].max() - logits[-1].min()), rel=1e-4)
+    monkeypatch.setattr(identity, "NEAR_TIE", 2.0)  # no gap exceeds twice the largest logit
+    (tie,) = identity.weigh_differences(random_target.path, cfg, prompts, reference, served)
+    assert tie["near_tie"] is True
+
+    def no_target(*args, **kwargs):
+        raise AssertionError("identical outputs need no target")
+
+    monkeypatch.setattr("draftsmith.target.load_target_model", no_target)
+    assert identity.weigh_differences(random_target.path, cfg, prompts, reference,
+                                      reference) == []
 
 
 def test_batches_with_a_tree_are_refused_naming_both_settings(chain, random_target,

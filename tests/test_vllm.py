@@ -188,6 +188,8 @@ def test_benchmark_through_vllm_reads_its_counters_and_matches_the_baseline(vllm
     summary = report["summary"]
     assert summary["engine"] == "vllm"
     assert summary["identical_outputs"] == "8/8" and summary["lossless"] is True
+    assert summary["target_dtype"] == vllm_chain.target_cfg.dtype
+    assert summary["measured_on"]["device"].startswith("cpu (")  # this run's server, no GPU
     assert summary["acceptance_length"] > 1.5 and isinstance(summary["speedup"], float)
     assert set(summary["speedups"]) == {"1", "4"}  # concurrency -> speedup (JSON keys)
     sets = report["sets"]

@@ -24,6 +24,7 @@ from draftsmith.artifacts import (
     stage_output,
 )
 from draftsmith.bench.charts import markdown_table, plot_benchmark
+from draftsmith.bench.identity import first_difference
 from draftsmith.bench.parts import BenchmarkParts, device_label
 from draftsmith.bench.suite import prompt_conversation, sets_markdown, suite_prompts, with_sets
 from draftsmith.bench.sweep import measure_sweep
@@ -313,27 +314,6 @@ def repeated_speedups(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     speedups = [p["speedup"] for p in pairs]
     return {"speedup": round(statistics.median(speedups), 3),
             "speedup_spread": [min(speedups), max(speedups)], "speedup_pairs": pairs}
-
-
-# A near tie, as a share of the largest logit's size: float32 sums in another order (a batch's
-# longer, holed cache) move logits by about 1e-6 of it, a wrong token by far more.
-NEAR_TIE = 1e-4
-
-
-def first_difference(runner, prompt: list[int], reference: list[int], got: list[int]) -> dict:
-    """Where `got` leaves `reference` (plain greedy decoding of `prompt`) and the target's
-    logit gap there between its token and the one taken, from one forward of the prompt and
-    the reference up to that point: a `near_tie` when float32 rounding could explain it."""
-    pairs = enumerate(zip(reference, got, strict=False))
-    position = next((i for i, (a, b) in pairs if a != b), None)
-    if position is None:  # one is a prefix of the other: no token to weigh
-        return {"position": min(len(reference), len(got)), "gap": None, "near_tie": False}
-    sequence = prompt + reference[:position]
-    logits, _ = runner.forward(sequence, runner.new_cache(len(sequence)))  # [T, V]
-    last = logits[-1].float()  # [V]
-    gap = float(last[reference[position]] - last[got[position]])
-    return {"position": position, "gap": gap,
-            "near_tie": abs(gap) <= NEAR_TIE * float(last.abs().max())}
 
 
 def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
