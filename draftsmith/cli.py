@@ -266,7 +266,7 @@ def deploy(
     from draftsmith.serve.gpus import GpusBusyError, require_free_gpus
     from draftsmith.serve.holders import PortBusyError, require_free_port
     from draftsmith.serve.process import ManagedProcess
-    from draftsmith.serve.readiness import ReadinessError
+    from draftsmith.serve.readiness import ReadinessError, ServerInstallError
     from draftsmith.serve.sglang_launch import build_launch, wait_until_ready
     from draftsmith.target import resolve_target
 
@@ -299,7 +299,7 @@ def deploy(
         with ManagedProcess(launch.argv, log_file, launch.env, name="sglang") as process:
             wait_until_ready(launch.url, pipeline_config.deploy, str(drafter), process)
             _serve_until_exit(process, launch.url, log_file)
-    except (GpusBusyError, PortBusyError, ReadinessError) as err:
+    except (GpusBusyError, PortBusyError, ReadinessError, ServerInstallError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
 
@@ -329,7 +329,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
 
     from draftsmith.serve.engine_adapter import LaunchError
     from draftsmith.serve.holders import PortBusyError, require_free_port
-    from draftsmith.serve.readiness import ReadinessError
+    from draftsmith.serve.readiness import ReadinessError, ServerInstallError
     from draftsmith.serve.vllm_launch import build_launch, start_vllm
 
     try:
@@ -346,7 +346,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         require_free_port("deploy", pipeline_config.deploy.host, pipeline_config.deploy.port)
         process, _ = start_vllm(launch, log_file, "vllm",
                                 pipeline_config.deploy.startup_timeout_s)
-    except (LaunchError, ReadinessError, PortBusyError) as err:
+    except (LaunchError, ReadinessError, ServerInstallError, PortBusyError) as err:
         console.print(f"[red]{err}[/red]")
         raise typer.Exit(1) from None
     try:

@@ -166,6 +166,7 @@ def run_vllm_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: 
                      specs: list[ShardSpec], rows: dict[str, list[dict]],
                      aux_ids: list[int]) -> dict[str, Any]:
     from draftsmith.extract.sglang_backend import default_dump_dir
+    from draftsmith.serve.vllm_launch import STARTUP_FIXES
     from draftsmith.target import DTYPES
 
     v = cfg.vllm
@@ -180,7 +181,7 @@ def run_vllm_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: 
     process = ManagedProcess(argv, server_log, env=env, name="vllm-capture").start()
     url = f"http://{v.host}:{v.port}"
     try:
-        wait_for_port(v.host, v.port, process, v.startup_timeout_s)
+        wait_for_port(v.host, v.port, process, v.startup_timeout_s, fixes=STARTUP_FIXES)
         if httpx.get(f"{url}/health", timeout=60).status_code != 200:
             raise VLLMCaptureError(f"{url}/health did not answer 200")
         client = VLLMCaptureClient(url, target.path, dump_dir, v.concurrency, len(aux_ids),

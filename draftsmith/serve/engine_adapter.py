@@ -44,7 +44,8 @@ class EngineAdapter(ABC, Generic[LaunchT]):
                          process: ManagedProcess | None = None,
                          timeout_s: float | None = None) -> dict[str, Any]:
         """Every readiness check, the drafter the server serves among them; returns what the
-        server reported that the deployment keeps. Raises ReadinessError naming the check."""
+        server reported that the deployment keeps. Raises ReadinessError naming the check
+        (ServerInstallError, not retried, for a server that exited on a missing module)."""
 
     def start(self, launch: LaunchT, cfg: DeployConfig, log_file: Path,
               timeout_s: float) -> tuple[ManagedProcess, dict[str, Any]]:

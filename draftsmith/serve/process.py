@@ -57,9 +57,13 @@ class ManagedProcess:
         self.process: subprocess.Popen | None = None
         self.tail: deque[str] = deque(maxlen=40)
         self._reader: threading.Thread | None = None
+        self._log_start = 0
 
     def start(self) -> ManagedProcess:
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        # The log is appended to (the deploy command's outlives its server): this run's part
+        # starts here.
+        self._log_start = self.log_file.stat().st_size if self.log_file.exists() else 0
         self.process = subprocess.Popen(
             self.argv, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, text=True, bufsize=1, start_new_session=True,
@@ -92,6 +96,18 @@ class ManagedProcess:
 
     def recent_output(self) -> str:
         return "\n".join(self.tail)
+
+    def output(self, drain_s: float = 10.0) -> str:
+        """This run's whole output, read back from the log file. Of an exited process, the
+        output still in the pipe is read first (for up to `drain_s`: a child of its group that
+        is still running holds the pipe open), so recent_output() is complete after it too."""
+        if self._reader is not None and self.exit_code() is not None:
+            self._reader.join(timeout=drain_s)
+        if not self.log_file.is_file():
+            return ""
+        with open(self.log_file, "rb") as written:
+            written.seek(self._log_start)
+            return written.read().decode(errors="replace")
 
     def stop(self, grace_s: float = 30.0) -> None:
         """SIGTERM to the whole group, SIGKILL after `grace_s`; safe to call twice."""

@@ -42,6 +42,13 @@ SPEC_COUNTERS = ("vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_toke
                  "vllm:spec_decode_num_accepted_tokens")
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 EXPORT_FORMAT_SETTING = "export.format"
+# What to do when vLLM exits at start-up, by a piece of the first error it printed.
+STARTUP_FIXES = {
+    "No module named 'flashinfer'": (
+        "install flashinfer-python (a vLLM CUDA requirement), or set "
+        "VLLM_USE_FLASHINFER_SAMPLER=0 in deploy.env (vLLM's sampler then uses its own "
+        "top-k/top-p)"),
+}
 
 
 class VLLMLaunch(ServerLaunch):
@@ -234,9 +241,10 @@ def check_speculative_config(client: httpx.Client, launch: VLLMLaunch) -> dict[s
 def wait_until_ready(launch: VLLMLaunch, process: ManagedProcess | None = None,
                      timeout_s: float = 1800.0) -> dict[str, Any]:
     """Port, health, speculative config, one real completion, in that order; returns what the
-    server reported. Raises ReadinessError naming the check that failed."""
+    server reported. Raises ReadinessError naming the check that failed (ServerInstallError
+    for a server that exited on a missing module)."""
     started = time.monotonic()
-    wait_for_port(launch.host, launch.port, process, timeout_s)
+    wait_for_port(launch.host, launch.port, process, timeout_s, fixes=STARTUP_FIXES)
     with httpx.Client(base_url=launch.url, timeout=120.0) as client:
         health = client.get("/health")
         if health.status_code != 200:
