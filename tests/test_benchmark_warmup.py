@@ -57,7 +57,10 @@ def caches_made(monkeypatch):
 
 
 def test_no_measured_prompt_makes_a_static_cache(target_model, exported_drafter,  # noqa: F811
-                                                 caches_made):
+                                                 caches_made, caplog):
+    """And each warm-up says it runs and how long it took: on a fresh GPU it compiles for
+    minutes with nothing else in the log."""
+    caplog.set_level("INFO", logger="draftsmith.bench.benchmark")
     made, start_warm_up = caches_made
     engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS,
                                             cache="static")
@@ -74,3 +77,7 @@ def test_no_measured_prompt_makes_a_static_cache(target_model, exported_drafter,
     assert batched["identical_outputs"] == f"{len(PROMPTS)}/{len(PROMPTS)}"
     assert ("warm-up", "target, 1 rows") in made and ("warm-up", "drafter") in made
     assert [kind for phase, kind in made if phase == "measured"] == []
+    said = [r.getMessage() for r in caplog.records]
+    for label in ("benchmark plain decoding", "benchmark chain", "benchmark batch 2"):
+        assert any(m.startswith(f"{label}: warming up") for m in said), (label, said)
+        assert any(m.startswith(f"{label}: warm after") for m in said), (label, said)

@@ -8,12 +8,14 @@ vLLM: the OpenAI API and vLLM's Prometheus counters (draftsmith/bench/vllm_bench
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
 import os
 import statistics
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from draftsmith.artifacts import (
@@ -115,6 +117,21 @@ def known(*descriptors: Descriptor | None) -> list[Descriptor]:
     return [d for d in descriptors if d is not None]
 
 
+@contextlib.contextmanager
+def warming_up(label: str, cfg: BenchmarkConfig) -> Iterator[None]:
+    """Say that a warm-up runs (benchmark.warmup_prompts) and how long it took: on a GPU it
+    compiles and captures the steps of each new shape, minutes on a fresh machine with nothing
+    else in the log."""
+    if not cfg.warmup_prompts:
+        yield
+        return
+    log.info("%s: warming up (on a GPU the first time compiles and captures its steps: "
+             "minutes on a fresh machine)", label)
+    started = time.perf_counter()
+    yield
+    log.info("%s: warm after %.0f s", label, time.perf_counter() - started)
+
+
 def longest_first(prompts: list[list[int]], count: int) -> list[list[int]]:
     """The warm-up prompts: the `count` longest. A static cache grows to the longest prompt it
     has been given, and on CUDA each new length compiles and records its steps again (45 s
@@ -140,8 +157,9 @@ def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
                    eos: int | None) -> list[Generation]:
     """The baseline: every prompt decoded without speculation, at cfg.temperature (measured
     once per temperature and shared by every drafting config)."""
-    for prompt in longest_first(prompts, cfg.warmup_prompts):
-        plain_generate(runner, prompt, cfg.max_new_tokens, eos)
+    with warming_up("benchmark plain decoding", cfg):
+        for prompt in longest_first(prompts, cfg.warmup_prompts):
+            plain_generate(runner, prompt, cfg.max_new_tokens, eos)
     return decode_each(prompts, cfg, "benchmark plain decoding",
                        lambda prompt, sampling: plain_generate(runner, prompt,
                                                                cfg.max_new_tokens, eos, sampling))
@@ -228,8 +246,9 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     temperature). Greedy: outputs must be identical to plain greedy decoding. Sampled: each
     token is distributed as the target's own sampling, so outputs differ and only speed is
     compared."""
-    for prompt in longest_first(prompts, cfg.warmup_prompts):
-        engine.generate(prompt, cfg.max_new_tokens, eos)
+    with warming_up(f"benchmark {label}", cfg):
+        for prompt in longest_first(prompts, cfg.warmup_prompts):
+            engine.generate(prompt, cfg.max_new_tokens, eos)
     sampled = cfg.temperature > 0
     per_prompt = []
     round_tokens = []
@@ -341,8 +360,10 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
     def run(group: list[int]) -> tuple[BatchGeneration, BatchGeneration]:
         return plain_rows(group), speculative_rows(group)
 
-    if cfg.warmup_prompts:  # each group size once: a new size compiles its steps on CUDA
-        for size in sorted({len(g) for g in groups}, reverse=True):
+    # Each group size once (the longest prompts): a new size compiles its steps on CUDA.
+    sizes = sorted({len(g) for g in groups}, reverse=True) if cfg.warmup_prompts else []
+    with warming_up(f"benchmark batch {batch}", cfg):
+        for size in sizes:
             group = max((g for g in groups if len(g) == size),  # the caches at their final
                         key=lambda g: max(len(prompts[i]) for i in g))  # length
             # Speculative first: its cache (room for every round's drafts) is the longer, and
