@@ -1,15 +1,19 @@
-"""Where the embedded engine's time goes on a GPU, plain and speculative (issue 46): its
-static path at batch 1 measured 4.1 ms a plain token and a round of 2.7 ms drafting plus
-4.9 ms verifying on an H100, where SmolLM2's kernels should take a fraction of that. For each
-of plain and speculative decoding of the same prompts (after a warm-up on the longest), the
+"""Where the embedded engine's time goes on a GPU, plain and speculative (issue 46): on an H100
+(2026-12-06) its static path took 3.36 ms a plain token and 4.12 ms to verify 4 tokens at
+batch 1, where vLLM's plain stream took 1.97 ms; at batch 16 a plain step took 11.85 ms, more
+than a 4-token verify of every row (9.80 ms). For each of plain and speculative decoding of
+the same prompts (after a warm-up on the longest), one at a time or `--batch` together, the
 profiler gives wall time against GPU busy time (the sum of kernel times), kernels and CUDA
-graph launches per token or round, and the host operations that take the wall time.
+graph launches per step (a token, a round, or a batch's forward), and the host operations
+that take the wall time.
 
 One JSON line per mode in --out, and the profiler's tables in OUT.tables.txt:
 
     # on the GPU, with a drafter made by the recipe (speculators layout)
     python benchmarks/speculative_profile.py --drafter DRAFTER_DIR --device cuda \\
         --out benchmarks/results/gpu_speculative/profile.jsonl
+    python benchmarks/speculative_profile.py --drafter DRAFTER_DIR --device cuda --batch 16 \\
+        --prompts 16 --out benchmarks/results/gpu_speculative/profile.jsonl
     # here: the same on the CPU, a check of the script (no figure to keep)
     python benchmarks/speculative_profile.py --drafter DRAFTER_DIR --device cpu \\
         --prompts 1 --max-new-tokens 16 --out /tmp/profile.jsonl
@@ -31,9 +35,13 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from draftsmith.bench.benchmark import benchmark_prompts, longest_first  # noqa: E402
+from draftsmith.bench.benchmark import benchmark_prompts  # noqa: E402
 from draftsmith.config import BenchmarkConfig, TargetConfig  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate  # noqa: E402
+from draftsmith.serve.embedded_batch import (  # noqa: E402
+    BatchedSpeculativeDecoder,
+    plain_generate_batch,
+)
 from draftsmith.target import load_target_model, load_tokenizer, resolve_target  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "gpu_speculative"))
@@ -56,25 +64,37 @@ def gpu_figures(prof, device: str) -> dict:
     return {"gpu_busy_ms": round(busy_us / 1000, 3), "launches": launches}
 
 
-def run_mode(mode: str, engine, prompts: list[list[int]], max_new_tokens: int,
+def decode(mode: str, engine, group: list[list[int]], max_new_tokens: int,
+           eos: int | None) -> tuple[int, int]:
+    """Plain or speculative decoding of a group of prompts (one at a time for a group of one,
+    as the benchmark's batch 1; together otherwise): tokens made and steps (forwards after
+    the prompts')."""
+    if len(group) == 1:
+        out = (plain_generate(engine.runner, group[0], max_new_tokens, eos) if mode == "plain"
+               else engine.generate(group[0], max_new_tokens, eos))
+        return len(out.tokens), out.verify_rounds
+    batch = (plain_generate_batch(engine.runner, group, max_new_tokens, eos) if mode == "plain"
+             else BatchedSpeculativeDecoder(engine).generate(group, max_new_tokens, eos))
+    return sum(len(row.tokens) for row in batch.rows), batch.forwards
+
+
+def run_mode(mode: str, engine, groups: list[list[list[int]]], max_new_tokens: int,
              device: str, eos: int | None) -> tuple[dict, str]:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
     tokens = steps = 0
     with profile(activities=activities) as prof:
         started = time.perf_counter()
-        for prompt in prompts:
+        for group in groups:
             with record_function(mode):
-                if mode == "plain":
-                    out = plain_generate(engine.runner, prompt, max_new_tokens, eos)
-                else:
-                    out = engine.generate(prompt, max_new_tokens, eos)
-            tokens += len(out.tokens)
-            steps += out.verify_rounds
+                made, forwards = decode(mode, engine, group, max_new_tokens, eos)
+            tokens += made
+            steps += forwards
         if device == "cuda":
             torch.cuda.synchronize()
         wall = time.perf_counter() - started
     row = {"mode": mode, "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-           "prompts": len(prompts), "tokens": tokens, "steps": steps,
+           "batch": len(groups[0]), "prompts": sum(len(g) for g in groups), "tokens": tokens,
+           "steps": steps,
            "wall_ms": round(1000 * wall, 1), "ms_per_step": round(1000 * wall / steps, 3),
            **gpu_figures(prof, device)}
     if "gpu_busy_ms" in row:
@@ -95,6 +115,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--prompts", type=int, default=4, help="of each dev set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--batch", type=int, default=1,
+                        help="prompts decoded together (the benchmark's batch_sizes)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if (args.drafter is None) == (not args.random_weights):
@@ -116,13 +138,19 @@ def main(argv: list[str] | None = None) -> None:
         engine = EmbeddedSpeculativeEngine.load(model, args.drafter, num_steps=3,
                                                 cache="static")
         eos = tokenizer.eos_token_id
-    for prompt in longest_first(prompts, 1):  # compile, record graphs, grow the caches
-        plain_generate(engine.runner, prompt, args.max_new_tokens, eos)
-        engine.generate(prompt, args.max_new_tokens, eos)
+    # The longest prompts first, as the benchmark's warm-up: compile, record graphs, grow the
+    # caches to what every group needs.
+    prompts = sorted(prompts, key=len, reverse=True)
+    groups = [prompts[i:i + args.batch] for i in range(0, len(prompts), args.batch)]
+    groups = [g for g in groups if len(g) == args.batch]  # one shape: no compile while measured
+    if not groups:
+        parser.error(f"--batch {args.batch}: more than the {len(prompts)} prompts")
+    for mode in ("speculative", "plain"):  # speculative first: its caches are the longer
+        decode(mode, engine, groups[0], args.max_new_tokens, eos)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tables = []
     for mode in ("plain", "speculative"):
-        row, table = run_mode(mode, engine, prompts, args.max_new_tokens, args.device, eos)
+        row, table = run_mode(mode, engine, groups, args.max_new_tokens, args.device, eos)
         print(json.dumps(row), flush=True)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
