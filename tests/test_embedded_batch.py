@@ -5,6 +5,8 @@ EAGLE-3, EAGLE-3.1 with a sliding window and DFlash."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -173,6 +175,29 @@ def test_sampled_rows_draw_what_they_draw_alone(target_model, exported_drafter, 
             for i, p in enumerate(prompts)]
     finally:
         engine.runner.close()
+
+
+def test_a_rounds_bookkeeping_is_not_counted_as_verifying(target_model, exported_drafter,  # noqa: F811
+                                                           prompts, monkeypatch):
+    """A batch's round splits as one prompt's does: drafting, the verify forward with its
+    acceptance, and the rest (the cache's slots, the rows' tokens), so that the benchmark's
+    verify figure is the target's forward. Bookkeeping made slow by a known pause must land
+    outside verify."""
+    pause_s = 0.05
+    keep = Slots.keep
+
+    def slow_keep(self, start, kept):
+        time.sleep(pause_s)  # sleeps at least this long: a lower bound, not a timing guess
+        return keep(self, start, kept)
+
+    monkeypatch.setattr(Slots, "keep", slow_keep)
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS)
+    try:
+        batch = BatchedSpeculativeDecoder(engine).generate(prompts[:2], 6, None)
+    finally:
+        engine.runner.close()
+    rest = batch.seconds - batch.prefill_seconds - batch.draft_seconds - batch.verify_seconds
+    assert batch.forwards > 0 and rest >= pause_s * batch.forwards
 
 
 def test_a_tree_drafter_is_refused_naming_the_setting(target_model, exported_drafter):  # noqa: F811

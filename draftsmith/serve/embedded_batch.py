@@ -355,6 +355,8 @@ class BatchedSpeculativeDecoder:
                                              running[:, None].expand(-1, k + 1))  # [B, k+1, V]
             accepted, bonus, host = self._verify(drafts, draft_probs, logits, samplings,
                                                  state.running)  # [B], [B], the same listed
+            verified = time.perf_counter()  # the listing waited for the forward: the rest of
+            # the round is bookkeeping, as one prompt's round counts it
             # Every row's round at once: the verify slots past its accepted drafts die; its
             # tokens (accepted drafts, then the bonus) and aux states go to their positions.
             # What lands past them is overwritten by the next round before anything reads it.
@@ -372,7 +374,7 @@ class BatchedSpeculativeDecoder:
             drafted_upto = torch.where(running, last, drafted_upto)
             result.forwards += 1
             result.draft_seconds += drafted - began
-            result.verify_seconds += time.perf_counter() - drafted
+            result.verify_seconds += verified - drafted
         result.seconds = time.perf_counter() - started
         result.rows = state.generations()
         for generation, counts in zip(result.rows, round_tokens, strict=True):
