@@ -447,6 +447,10 @@ def test_a_served_output_that_differs_is_weighed_by_the_target(random_target, mo
     monkeypatch.setattr("draftsmith.target.load_target_model", no_target)
     assert identity.weigh_differences(random_target.path, cfg, prompts, reference,
                                       reference) == []
+    # In reduced precision differences are expected and unjudged: positions, no target loaded.
+    bf16 = TargetConfig(model=random_target.path, dtype="bfloat16")
+    assert identity.weigh_differences(random_target.path, bf16, prompts, reference, served) == [
+        {"prompt": 1, "position": 2, "gap": None, "near_tie": False}]
 
 
 def test_batches_with_a_tree_are_refused_naming_both_settings(chain, random_target,

@@ -17,11 +17,13 @@ NEAR_TIE = 1e-4
 def first_difference(runner, prompt: list[int], reference: list[int], got: list[int]) -> dict:
     """Where `got` leaves `reference` (plain greedy decoding of `prompt`) and the target's
     logit gap there between its token and the one taken, from one forward of the prompt and
-    the reference up to that point: a `near_tie` when float32 rounding could explain it."""
-    pairs = enumerate(zip(reference, got, strict=False))
-    position = next((i for i, (a, b) in pairs if a != b), None)
-    if position is None:  # one is a prefix of the other: no token to weigh
-        return {"position": min(len(reference), len(got)), "gap": None, "near_tie": False}
+    the reference up to that point: a `near_tie` when float32 rounding could explain it.
+    runner None: the position only."""
+    position = next((i for i, (a, b) in enumerate(zip(reference, got, strict=False))
+                     if a != b), None)
+    if position is None or runner is None:  # a prefix (no token to weigh), or not weighed
+        return {"position": min(len(reference), len(got)) if position is None else position,
+                "gap": None, "near_tie": False}
     sequence = prompt + reference[:position]
     logits, _ = runner.forward(sequence, runner.new_cache(len(sequence)))  # [T, V]
     last = logits[-1].float()  # [V]
@@ -34,9 +36,13 @@ def weigh_differences(target_path: str, target_cfg: TargetConfig, prompts: list[
                       reference: list[list[int]], served: list[list[int]]) -> list[dict]:
     """Each served output that is not its reference (a plain server's greedy output of the
     same prompt) weighed by the target itself (`first_difference`), loaded only when some
-    differ: a server's verify forward and its one-token forward are different kernels, which
-    can fall either way at a near tie and only there."""
+    differ in float32: a server's verify forward and its one-token forward are different
+    kernels, which can fall either way at a near tie and only there. In reduced precision
+    they round apart by far more, so only the positions are given."""
     differing = [i for i, (a, b) in enumerate(zip(reference, served, strict=True)) if a != b]
+    if target_cfg.dtype != "float32":  # differences are expected there and nothing judges
+        return [{"prompt": i, **first_difference(None, prompts[i], reference[i], served[i])}
+                for i in differing]  # them: no target to load beside the server's host
     if not differing:
         return []
     from draftsmith.target import load_target_model
