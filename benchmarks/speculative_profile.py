@@ -1,7 +1,9 @@
 """Where the embedded engine's time goes on a GPU, plain and speculative (issue 46): on an H100
 (2026-12-06) its static path took 3.36 ms a plain token and 4.12 ms to verify 4 tokens at
 batch 1, where vLLM's plain stream took 1.97 ms; at batch 16 a plain step took 11.85 ms, more
-than a 4-token verify of every row (9.80 ms). For each of plain and speculative decoding of
+than a 4-token verify of every row (9.80 ms). This profile found half of the plain step in
+SDPA's attention kernel, which the static path has since replaced (decode_attention.py;
+results/gpu_speculative/lease_2026-12-06d). For each of plain and speculative decoding of
 the same prompts (after a warm-up on the longest), one at a time or `--batch` together, the
 profiler gives wall time against GPU busy time (the sum of kernel times), kernels and CUDA
 graph launches per step (a token, a round, or a batch's forward), and the host operations
@@ -107,6 +109,31 @@ def run_mode(mode: str, engine, groups: list[list[list[int]]], max_new_tokens: i
     return row, tables
 
 
+def forward_costs(engine, prompt: list[int], device: str, repeats: int = 200) -> dict:
+    """The target's forward alone, one token and the verify's k+1, after `prompt`: ms a
+    forward (wall, with a wait for the GPU after each; a plain step and a verify add their
+    reading of the logits and bookkeeping to it)."""
+    runner = engine.runner
+    cache = runner.new_cache(len(prompt) + 64)
+    runner.forward(prompt, cache)
+    costs = {}
+    for width in (1, engine.num_steps + 1):
+        ids = [prompt[-1]] * width
+        for _ in range(3):  # warm: compile and capture this width
+            runner.forward(ids, cache)
+            runner.drop_last(cache, width)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(repeats):
+            logits, _ = runner.forward(ids, cache)
+            logits[-1, 0].item()  # as a step reads its argmax: wait for the GPU
+            runner.drop_last(cache, width)
+        costs[f"ms_forward_{width}"] = round(1000 * (time.perf_counter() - started) / repeats,
+                                             3)
+    return costs
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", type=Path)
@@ -118,6 +145,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1,
                         help="prompts decoded together (the benchmark's batch_sizes)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--trace", action="store_true",
+                        help="also a Chrome trace of each mode over one group's first 16 "
+                             "tokens (OUT.MODE.trace.json.gz): the kernels' order and the "
+                             "GPU's idle gaps within a step")
     args = parser.parse_args(argv)
     if (args.drafter is None) == (not args.random_weights):
         parser.error("give --drafter DIR or --random-weights (one of the two)")
@@ -148,6 +179,11 @@ def main(argv: list[str] | None = None) -> None:
     for mode in ("speculative", "plain"):  # speculative first: its caches are the longer
         decode(mode, engine, groups[0], args.max_new_tokens, eos)
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    if args.batch == 1:
+        costs = {"mode": "forward", **forward_costs(engine, groups[0][0], args.device)}
+        print(json.dumps(costs), flush=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(costs) + "\n")
     tables = []
     for mode in ("plain", "speculative"):
         row, table = run_mode(mode, engine, groups, args.max_new_tokens, args.device, eos)
@@ -156,6 +192,22 @@ def main(argv: list[str] | None = None) -> None:
             f.write(json.dumps(row) + "\n")
         tables.append(table)
     args.out.with_suffix(".tables.txt").write_text("\n\n".join(tables))
+    if args.trace:
+        for mode in ("plain", "speculative"):
+            write_trace(mode, engine, groups[0], args.device, eos,
+                        args.out.with_suffix(f".{mode}.trace.json.gz"))
+
+
+def write_trace(mode: str, engine, group: list[list[int]], device: str, eos: int | None,
+                path: Path) -> None:
+    """A Chrome trace of one group's first 16 tokens (short: a full run's trace is too big
+    to bring back from a lease)."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
+    with profile(activities=activities) as prof:
+        decode(mode, engine, group, 16, eos)
+        if device == "cuda":
+            torch.cuda.synchronize()
+    prof.export_chrome_trace(str(path))  # gzipped by its .gz suffix
 
 
 if __name__ == "__main__":

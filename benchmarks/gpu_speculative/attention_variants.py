@@ -1,0 +1,131 @@
+"""The embedded engine's static-path step costs under each attention and dtype (issue 46).
+
+speculative_profile.py found half of SmolLM2's 3.1 ms plain step on an H100 in SDPA's
+memory-efficient kernel (57 us a layer, float32, a decode step over a 512-slot static cache).
+This times the product's steps with SmolLM2's shapes (random weights, gpu_speculative/
+random_parts.py: costs only, no acceptance) for each variant:
+
+    sdpa     transformers' SDPA attention, as the static path ran until now
+    decode   draftsmith/serve/decode_attention.py: matmuls and one softmax at decode widths
+             (the static path's default since it was measured here)
+    math     SDPA restricted to its math backend (torch.nn.attention.sdpa_kernel)
+    +autotune  inductor's max_autotune_gemm on top (Triton GEMM templates against cuBLAS)
+
+Each variant runs in its own process (a fresh compile). The processes compile at once and take
+turns on the GPU (a lock around the timed part), so the figures do not share the GPU.
+Per variant one JSON line in --out: decoding of the dev-length prompts (plain ms a token;
+speculative ms a round, split as the benchmark splits it), one prompt at a time, with the
+plain tokens of each variant, to compare the variants' outputs. (Batches are left out: in a
+first version, a batch of 12 timed after the batch-1 decoding took 842 ms a forward against
+11.8 ms in the benchmark stage, a cause not looked into; the benchmark stage times batches alone.)
+
+    python benchmarks/gpu_speculative/attention_variants.py --device cuda --out OUT.jsonl
+    python benchmarks/gpu_speculative/attention_variants.py --device cpu --prompts 1 \\
+        --max-new-tokens 4 --variants sdpa decode --out /tmp/variants.jsonl   # a check here
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+VARIANTS = ("sdpa", "decode", "math", "decode+autotune", "bf16:sdpa", "bf16:decode")
+
+
+def measure(variant: str, args) -> dict:
+    from random_parts import dev_length_prompts, random_eagle3_drafter, smollm2_shaped_target
+
+    from draftsmith.serve.embedded import (
+        EmbeddedSpeculativeEngine,
+        StaticTargetRunner,
+        plain_generate,
+    )
+
+    dtype, _, attention = variant.rpartition(":")
+    attention, _, tune = attention.partition("+")
+    if tune:
+        import torch._inductor.config as inductor_config
+        inductor_config.max_autotune_gemm = True
+    model = smollm2_shaped_target(args.device)
+    if dtype:
+        model = model.to(getattr(torch, {"bf16": "bfloat16"}[dtype]))
+    backend = contextlib.nullcontext()
+    if attention == "math":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        backend = sdpa_kernel([SDPBackend.MATH])
+    with backend:
+        engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
+                                           cache="static")
+        width = engine.num_steps + 1
+        if attention != "decode":  # the target's own attention, as the static path ran before
+            aux_layer_ids = engine.runner.aux_layer_ids
+            engine.runner.close()
+            engine.runner = StaticTargetRunner(model, aux_layer_ids, (1, width),
+                                               decode_attention=False)
+        prompts = sorted(dev_length_prompts(3 * args.prompts), key=len, reverse=True)
+        started = time.perf_counter()
+        for generate in (lambda p: engine.generate(p, args.max_new_tokens, None),
+                         lambda p: plain_generate(engine.runner, p, args.max_new_tokens, None)):
+            generate(prompts[0])  # compile and capture at the longest prompt's cache
+        row = {"variant": variant, "device": torch.cuda.get_device_name()
+               if args.device == "cuda" else "cpu", "warm_s": round(time.perf_counter() - started)}
+        with open(args.out.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # the GPU to this variant alone
+            plain = [plain_generate(engine.runner, p, args.max_new_tokens, None)
+                     for p in prompts]
+            spec = [engine.generate(p, args.max_new_tokens, None) for p in prompts]
+    tokens = sum(len(g.tokens) - 1 for g in plain)
+    rounds = sum(g.verify_rounds for g in spec)
+    row.update({
+        "ms_per_plain_token": round(1000 * sum(g.verify_seconds for g in plain) / tokens, 3),
+        "ms_per_round": {
+            "draft": round(1000 * sum(g.draft_seconds for g in spec) / rounds, 3),
+            "verify": round(1000 * sum(g.verify_seconds for g in spec) / rounds, 3),
+            "other": round(1000 * sum(g.seconds - g.prefill_seconds - g.draft_seconds
+                                      - g.verify_seconds for g in spec) / rounds, 3)},
+        "width": width, "steps": engine.steps_ran(),
+        "attention": model.config._attn_implementation,
+        "plain_tokens": [g.tokens for g in plain],
+    })
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--prompts", type=int, default=2, help="of each dev set's lengths")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
+    parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    if args.one:
+        row = measure(args.one, args)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        return
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    common = ["--device", args.device, "--prompts", str(args.prompts), "--max-new-tokens",
+              str(args.max_new_tokens), "--out", str(args.out)]
+    children = {v: subprocess.Popen([sys.executable, __file__, "--one", v, *common])
+                for v in args.variants}
+    for variant, child in children.items():
+        print(f"{variant}: rc {child.wait()}", flush=True)
+    for line in args.out.read_text().splitlines():
+        row = json.loads(line)
+        print(json.dumps({k: v for k, v in row.items() if k != "plain_tokens"}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
