@@ -22,6 +22,8 @@ first version, a batch of 12 timed after the batch-1 decoding took 842 ms a forw
     python benchmarks/gpu_speculative/attention_variants.py --device cuda --out OUT.jsonl
     python benchmarks/gpu_speculative/attention_variants.py --device cpu --prompts 1 \\
         --max-new-tokens 4 --variants sdpa decode --out /tmp/variants.jsonl   # a check here
+    python benchmarks/gpu_speculative/attention_variants.py --summarize RUNS.jsonl ... \\
+        --out summary.json
 """
 
 from __future__ import annotations
@@ -101,6 +103,30 @@ def measure(variant: str, args) -> dict:
     return row
 
 
+def summarize(paths: list[Path]) -> dict:
+    """Per variant over the runs in `paths`: each figure's runs (low to high), and how many
+    prompts' plain tokens equal those of the first run of SDPA in the same dtype."""
+    rows = [json.loads(line) for path in paths for line in path.read_text().splitlines()]
+    reference = {}
+    for row in rows:
+        dtype = row["variant"].rpartition(":")[0] or "float32"
+        if row["variant"].endswith("sdpa"):
+            reference.setdefault(dtype, row["plain_tokens"])
+    summary = {}
+    for variant in dict.fromkeys(row["variant"] for row in rows):
+        runs = [row for row in rows if row["variant"] == variant]
+        dtype = variant.rpartition(":")[0] or "float32"
+        same = [sum(a == b for a, b in zip(row["plain_tokens"], reference[dtype], strict=True))
+                for row in runs]
+        summary[variant] = {
+            "device": runs[0]["device"], "runs": len(runs),
+            "ms_per_plain_token": sorted(row["ms_per_plain_token"] for row in runs),
+            "ms_per_round": {part: sorted(row["ms_per_round"][part] for row in runs)
+                             for part in ("draft", "verify", "other")},
+            "plain_tokens_as_sdpa": [f"{n}/{len(reference[dtype])}" for n in same]}
+    return summary
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cuda")
@@ -109,7 +135,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     parser.add_argument("--one", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--summarize", nargs="+", type=Path, metavar="JSONL",
+                        help="no run: fold earlier runs' lines into --out (JSON)")
     args = parser.parse_args(argv)
+    if args.summarize:
+        args.out.write_text(json.dumps(summarize(args.summarize), indent=1) + "\n")
+        return
     if args.one:
         row = measure(args.one, args)
         with open(args.out, "a") as f:
