@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from draftsmith.generate.transformers_backend import (  # noqa: E402
+from draftsmith.model.grouped_attention import (  # noqa: E402
     grouped_decode_attention,
     grouped_decode_flex,
     grouped_decode_matmul,

@@ -2,12 +2,12 @@
 (2026-12-06) its static path took 3.36 ms a plain token and 4.12 ms to verify 4 tokens at
 batch 1, where vLLM's plain stream took 1.97 ms; at batch 16 a plain step took 11.85 ms, more
 than a 4-token verify of every row (9.80 ms). This profile found half of the plain step in
-SDPA's attention kernel, which the static path has since replaced (decode_attention.py;
-results/gpu_speculative/lease_2026-12-06d). For each of plain and speculative decoding of
-the same prompts (after a warm-up on the longest), one at a time or `--batch` together, the
-profiler gives wall time against GPU busy time (the sum of kernel times), kernels and CUDA
-graph launches per step (a token, a round, or a batch's forward), and the host operations
-that take the wall time.
+SDPA's attention kernel, which the static path has since replaced (grouped_verify_matmul in
+draftsmith/model/grouped_attention.py; results/gpu_speculative/lease_2026-12-06d). For each
+of plain and speculative decoding of the same prompts (after a warm-up on the longest), one
+at a time or `--batch` together, the profiler gives wall time against GPU busy time (the sum
+of kernel times), kernels and CUDA graph launches per step (a token, a round, or a batch's
+forward), and the host operations that take the wall time.
 
 One JSON line per mode in --out, and the profiler's tables in OUT.tables.txt:
 

@@ -48,7 +48,7 @@ def test_a_run_on_the_cpu_times_each_variant(tmp_path):
                             "--variants", "sdpa", "decode", "--out", str(out)])
     rows = {row["variant"]: row for row in map(json.loads, out.read_text().splitlines())}
     assert rows["sdpa"]["attention"] == "sdpa"
-    assert rows["decode"]["attention"] == "draftsmith_decode"
+    assert rows["decode"]["attention"] == "draftsmith_grouped_verify_matmul"
     for row in rows.values():
         assert row["ms_per_plain_token"] > 0 and row["ms_per_round"]["verify"] > 0
     assert rows["decode"]["plain_tokens"] == rows["sdpa"]["plain_tokens"]

@@ -8,14 +8,16 @@ import torch
 
 from draftsmith.generate.transformers_backend import (
     CACHE_LENGTH_STEP,
-    DECODE_ATTENTION,
     TransformersGenerator,
     cache_bucket,
     cache_length,
+    resolve_cache,
+)
+from draftsmith.model.grouped_attention import (
+    DECODE_ATTENTION,
     grouped_decode_attention,
     grouped_decode_flex,
     grouped_decode_matmul,
-    resolve_cache,
 )
 
 

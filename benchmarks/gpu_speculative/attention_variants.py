@@ -6,8 +6,8 @@ This times the product's steps with SmolLM2's shapes (random weights, gpu_specul
 random_parts.py: costs only, no acceptance) for each variant:
 
     sdpa     transformers' SDPA attention, as the static path ran until now
-    decode   draftsmith/serve/decode_attention.py: matmuls and one softmax at decode widths
-             (the static path's default since it was measured here)
+    decode   the matmul decode step (draftsmith/model/grouped_attention.py, grouped_verify_matmul)
+             at up to 16 queries (the static path's default since it was measured here)
     math     SDPA restricted to its math backend (torch.nn.attention.sdpa_kernel)
     +autotune  inductor's max_autotune_gemm on top (Triton GEMM templates against cuBLAS)
 

@@ -53,12 +53,10 @@ import torch
 
 from draftsmith.compiling import allocate_static_cache
 from draftsmith.errors import InputError
+from draftsmith.model.grouped_attention import DECODE_ATTENTION, use_decode_attention
 
 log = logging.getLogger(__name__)
 
-GROUPED_DECODE = "draftsmith_grouped_decode"
-GROUPED_DECODE_MATMUL = "draftsmith_grouped_decode_matmul"
-GROUPED_DECODE_FLEX = "draftsmith_grouped_decode_flex"
 CACHE_LENGTH_STEP = 128
 # The static caches' share of the GPU memory free once the target is loaded; the rest is for
 # the prefill's and the decode step's activations and the CUDA graphs' pools.
@@ -77,96 +75,6 @@ class Completion:
     completion_tokens: int
     finish_reason: str  # "stop" (end of turn) or "length"
     token_ids: list[int] | None = None  # the completion's tokens, end of turn included
-
-
-def _grouped_decode(attend, module, query: torch.Tensor, key: torch.Tensor,
-                    value: torch.Tensor, attention_mask: torch.Tensor | None, dropout: float,
-                    scaling: float | None, **kwargs):
-    """transformers' SDPA attention, except for one-token decode steps of a grouped-query
-    model with a mask, which `attend` computes. Heads are ordered as repeat_kv orders them
-    (query head h reads KV head h // groups), so query [B, nkv * g, 1, d] viewed as
-    [B, nkv, g, d] puts each KV head's g query heads on the query axis; the mask [B, 1, 1, S]
-    broadcasts over them."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    groups = getattr(module, "num_key_value_groups", 1)
-    batch, heads, q_len, head_dim = query.shape
-    if q_len != 1 or groups == 1 or attention_mask is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask,
-                                      dropout=dropout, scaling=scaling, **kwargs)
-    grouped = query.reshape(batch, key.shape[1], groups, head_dim)  # [B, nkv, g, d]
-    scale = scaling if scaling is not None else head_dim ** -0.5
-    out = attend(grouped, key, value, attention_mask, dropout, scale)  # [B, nkv, g, d]
-    return out.reshape(batch, 1, heads, head_dim), None  # [B, 1, nh, d]
-
-
-def _sdpa_step(grouped, key, value, mask, dropout: float, scale: float) -> torch.Tensor:
-    return torch.nn.functional.scaled_dot_product_attention(
-        grouped, key, value, attn_mask=mask, dropout_p=dropout, scale=scale)  # [B, nkv, g, d]
-
-
-def _matmul_step(grouped, key, value, mask, dropout: float, scale: float) -> torch.Tensor:
-    """Two batched matmuls with a float32 softmax, which torch.compile fuses (decode runs
-    without dropout)."""
-    scores = (grouped @ key.transpose(-1, -2)).float() * scale  # [B, nkv, g, S]
-    scores = (scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool
-              else scores + mask)  # [B, nkv, g, S]
-    return scores.softmax(-1).to(value.dtype) @ value  # [B, nkv, g, d]
-
-
-def _flex_step(grouped, key, value, mask, dropout: float, scale: float) -> torch.Tensor:
-    """torch's flex attention with the padding mask as a block mask, so blocks of the cache
-    that no row sees (left padding, positions not yet written) are not read at all. Compiled
-    (as generate compiles the static cache's decode step) it is flex decoding's split-KV
-    Triton kernel; in eager mode torch computes it unfused, which only tests do. Additive
-    masks count as masks only: a position is seen when its bias is above the dtype's min."""
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
-    rows = mask[:, 0, -1, :]  # [B, S]: the decode step's own row of the mask
-    seen = rows if rows.dtype == torch.bool else rows > torch.finfo(rows.dtype).min  # [B, S]
-
-    def visible(b, h, q_idx, kv_idx):
-        return seen[b, kv_idx]
-
-    blocks = create_block_mask(visible, B=grouped.shape[0], H=None, Q_LEN=grouped.shape[2],
-                               KV_LEN=key.shape[2], device=grouped.device)
-    return flex_attention(grouped, key, value, block_mask=blocks, scale=scale)  # [B, nkv, g, d]
-
-
-def grouped_decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0,
-                             scaling: float | None = None, **kwargs):
-    """The static cache's decode attention: SDPA, reading each KV head once."""
-    return _grouped_decode(_sdpa_step, module, query, key, value, attention_mask, dropout,
-                           scaling, **kwargs)
-
-
-def grouped_decode_matmul(module, query, key, value, attention_mask, dropout: float = 0.0,
-                          scaling: float | None = None, **kwargs):
-    """grouped_decode_attention's decode step as two batched matmuls (`_matmul_step`)."""
-    return _grouped_decode(_matmul_step, module, query, key, value, attention_mask, dropout,
-                           scaling, **kwargs)
-
-
-def grouped_decode_flex(module, query, key, value, attention_mask, dropout: float = 0.0,
-                        scaling: float | None = None, **kwargs):
-    """grouped_decode_attention's decode step as flex attention (`_flex_step`)."""
-    return _grouped_decode(_flex_step, module, query, key, value, attention_mask, dropout,
-                           scaling, **kwargs)
-
-
-DECODE_ATTENTION = {"sdpa": (GROUPED_DECODE, grouped_decode_attention),
-                    "matmul": (GROUPED_DECODE_MATMUL, grouped_decode_matmul),
-                    "flex": (GROUPED_DECODE_FLEX, grouped_decode_flex)}
-
-
-def register_grouped_decode() -> None:
-    """Make the decode attentions implementations transformers knows (masks as SDPA's)."""
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    for name, function in DECODE_ATTENTION.values():
-        AttentionInterface.register(name, function)
-        ALL_MASK_ATTENTION_FUNCTIONS.register(name, sdpa_mask)
 
 
 def resolve_cache(cache: str, device: torch.device) -> str:
@@ -238,8 +146,7 @@ class TransformersGenerator:
         self.cache_budget_bytes = cache_budget_bytes
         self._rows_said: set[int] = set()  # cache lengths whose smaller batches were logged
         if cache == "static":
-            register_grouped_decode()
-            model.set_attn_implementation(DECODE_ATTENTION[decode_attention][0])
+            use_decode_attention(model, decode_attention)
 
     def static_cache(self, rows: int, length: int):
         """The StaticCache for a batch: the previous batch's, emptied, when the shape is the

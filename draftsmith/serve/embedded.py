@@ -42,8 +42,8 @@ from draftsmith.compiling import (
 from draftsmith.config import draft_token_budget
 from draftsmith.export.convert import read_drafter
 from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
+from draftsmith.model.grouped_attention import use_verify_attention
 from draftsmith.model.kinds import Drafter, build_drafter, kind_of
-from draftsmith.serve.decode_attention import use_decode_attention
 
 
 class Sampling:
@@ -199,8 +199,8 @@ class StaticTargetRunner(TargetRunner):
     and, on CUDA, captured into CUDA graphs and replayed (`captured_step`); None: on CUDA
     only. Other widths (the prompt) run eagerly. Chains only: a tree's verify forward takes
     its own positions and mask. decode_attention: the target's attention at decode widths
-    runs as matmuls (decode_attention.py) until close(); False keeps the model's own (SDPA),
-    for comparisons."""
+    runs as matmuls (model/grouped_attention.py) until close(); False keeps the model's own
+    (SDPA), for comparisons."""
 
     LENGTH_STEP = 256  # cache lengths are rounded up to this, so similar requests share one
     cache_kind = "static"
@@ -208,11 +208,11 @@ class StaticTargetRunner(TargetRunner):
     def __init__(self, model, aux_layer_ids: list[int], step_widths: tuple[int, ...] = (),
                  compile_steps: bool | None = None, decode_attention: bool = True):
         super().__init__(model, aux_layer_ids)
-        # SDPA's kernel for a few queries over a long static cache is slow (decode_attention.py
+        # SDPA's kernel for a few queries over a long static cache is slow (grouped_attention.py
         # says how slow); until close(), the target attends through matmuls at such widths.
         self._attention_before = model.config._attn_implementation
         if decode_attention:
-            use_decode_attention(model)
+            use_verify_attention(model)
         self._kv: dict[int, StaticCache] = {}  # rows -> cache
         if compile_steps is None:
             compile_steps = cuda_graphs(model.device)

@@ -1,5 +1,7 @@
-"""The static path's decode attention (draftsmith/serve/decode_attention.py): SDPA's results at
-decode widths, SDPA itself elsewhere, and the runner that installs it gives it back."""
+"""The matmul decode step over several queries (draftsmith/model/grouped_attention.py), as the
+embedded engine's static path verifies k + 1 tokens with it: SDPA's results at decode widths,
+SDPA itself elsewhere, and the static runner that installs it gives the model its own back.
+(One query, and the generate stage's use: test_generate_backend.py.)"""
 
 from __future__ import annotations
 
@@ -9,10 +11,11 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from draftsmith.serve.decode_attention import (
-    DECODE_ATTENTION,
+from draftsmith.model import grouped_attention
+from draftsmith.model.grouped_attention import (
     DECODE_WIDTH,
-    decode_attention_forward,
+    VERIFY_ATTENTION,
+    grouped_verify_matmul,
 )
 from draftsmith.serve.embedded import StaticTargetRunner, TargetRunner
 
@@ -43,35 +46,28 @@ def holed_mask(width: int, batch: int = 2) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("width", [1, 4, DECODE_WIDTH])
-def test_decode_attention_is_sdpas_attention(width):
+def test_the_matmul_step_is_sdpas_attention(width):
     q, k, v = qkv(width)
     mask = holed_mask(width)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.3,
                                               enable_gqa=True).transpose(1, 2)  # [B, T, H, D]
-    out, weights = decode_attention_forward(Module(), q, k, v, mask, scaling=0.3)
+    out, weights = grouped_verify_matmul(Module(), q, k, v, mask, scaling=0.3)
     assert weights is None
     assert out.shape == (2, width, HEADS, DIM)
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
     additive = torch.zeros(mask.shape, dtype=q.dtype).masked_fill(~mask, float("-inf"))
-    out_additive, _ = decode_attention_forward(Module(), q, k, v, additive, scaling=0.3)
+    out_additive, _ = grouped_verify_matmul(Module(), q, k, v, additive, scaling=0.3)
     torch.testing.assert_close(out_additive, expected, rtol=1e-12, atol=1e-12)
 
 
-def test_one_query_without_a_mask_sees_every_key():
-    q, k, v = qkv(1)
-    expected = F.scaled_dot_product_attention(q, k, v, enable_gqa=True).transpose(1, 2)
-    out, _ = decode_attention_forward(Module(), q, k, v, None)
-    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
-
-
-@pytest.mark.parametrize("width, masked", [(DECODE_WIDTH + 1, True), (4, False)])
+@pytest.mark.parametrize("width, masked", [(DECODE_WIDTH + 1, True), (4, False), (1, False)])
 def test_prompts_and_unmasked_blocks_go_through_sdpa(width, masked):
-    """Wider than DECODE_WIDTH (a prompt), or several queries with no mask, whose meaning
-    (causal from the first key) is SDPA's: the result is SDPA's own, bit for bit."""
+    """Wider than DECODE_WIDTH (a prompt), or no mask (for several queries, SDPA's causal from
+    the first key): the result is SDPA's own, bit for bit."""
     q, k, v = qkv(width, dtype=torch.float32)
     mask = holed_mask(width) if masked else None
     expected, _ = sdpa_attention_forward(Module(), q, k, v, mask, scaling=0.25)
-    out, _ = decode_attention_forward(Module(), q, k, v, mask, scaling=0.25)
+    out, _ = grouped_verify_matmul(Module(), q, k, v, mask, scaling=0.25)
     assert torch.equal(out, expected)
 
 
@@ -83,9 +79,10 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def test_the_static_runner_attends_through_it_until_closed():
-    """Its steps give the logits SDPA gives on the dynamic cache, and close() gives the model
-    its own attention back."""
+def test_the_static_runner_attends_through_it_until_closed(monkeypatch):
+    """Its 1- and 4-token steps run the matmul step (the cache's mask reaches it) and give the
+    logits SDPA gives on the dynamic cache, and close() gives the model its own attention
+    back."""
     model = tiny_llama()
     assert model.config._attn_implementation == "sdpa"
     prompt, chain = list(range(3, 40)), [7, 8, 9, 10]
@@ -96,12 +93,39 @@ def test_the_static_runner_attends_through_it_until_closed():
     dynamic.close()
 
     static = StaticTargetRunner(model, [0, 2], step_widths=(1, 4))
-    assert model.config._attn_implementation == DECODE_ATTENTION
+    assert model.config._attn_implementation == VERIFY_ATTENTION[0]
+    widths = []
+    step = grouped_attention._verify_matmul_step
+
+    def counted(grouped, *args):
+        widths.append(grouped.shape[2] // (HEADS // KV_HEADS))
+        return step(grouped, *args)
+
+    monkeypatch.setattr(grouped_attention, "_verify_matmul_step", counted)
     cache = static.new_cache(64)
     static.forward(prompt, cache)
+    assert widths == []  # the prompt: SDPA
     logits, aux = static.forward(chain, cache)
+    static.drop_last(cache, 3)
+    one, _ = static.forward(chain[1:2], cache)
+    assert widths == [4] * 3 + [1] * 3  # a step of each width, in each of the 3 layers
+    torch.testing.assert_close(one, expected[1:2], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logits, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(aux, expected_aux, rtol=1e-5, atol=1e-5)
     assert torch.equal(logits.argmax(-1), expected.argmax(-1))
     static.close()
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_a_query_that_sees_no_key_attends_to_nothing_as_in_sdpa():
+    """A batch's left-padded short prompt: its padding's queries see no key. Their output is
+    zeros, as SDPA's, not NaN, which the cache would carry into the row's later steps."""
+    q, k, v = qkv(4)
+    mask = holed_mask(4)
+    mask[1, :, :2] = False  # row 1's first two queries: padding
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask,
+                                              enable_gqa=True).transpose(1, 2)  # [B, T, H, D]
+    out, _ = grouped_verify_matmul(Module(), q, k, v, mask)
+    assert not out.isnan().any()
+    assert torch.equal(out[1, :2], torch.zeros_like(out[1, :2]))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
