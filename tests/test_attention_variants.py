@@ -4,19 +4,13 @@ run on the CPU gives each variant its line, decode attention's tokens equal to S
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.scripts import benchmark_script
 
 
 def variants_module():
-    spec = importlib.util.spec_from_file_location(
-        "attention_variants", REPO / "benchmarks" / "gpu_speculative" / "attention_variants.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("gpu_speculative/attention_variants.py")
 
 
 def line(variant: str, plain_ms: float, tokens: list[list[int]]) -> str:

@@ -3,20 +3,17 @@ a benchmark stage's report (here the embedded report kept beside the summary).""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests.scripts import benchmark_script
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "benchmarks" / "results" / "general"
 
 
 def summary_module():
-    spec = importlib.util.spec_from_file_location("general_summary",
-                                                  REPO / "benchmarks" / "general" / "summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("general/summary.py")
 
 
 META = {"drafter": "d", "kind": "eagle3.1", "prompts": 564, "epochs": 4, "hardware": "cpu"}

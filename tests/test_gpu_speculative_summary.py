@@ -3,21 +3,15 @@ fold into one row each, with the fields issue 46 names."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.scripts import benchmark_script
 
 
 def summary_module():
-    spec = importlib.util.spec_from_file_location(
-        "gpu_summary", REPO / "benchmarks" / "gpu_speculative" / "summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return benchmark_script("gpu_speculative/summary.py")
 
 
 def report(cache: str, speedup: float, plain_ms: float, alone: bool | None = True) -> dict:

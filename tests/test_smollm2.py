@@ -29,6 +29,7 @@ from draftsmith.smollm2_target import (
     sha256_of,
 )
 from tests.conftest import REPO
+from tests.scripts import benchmark_script
 from tests.vllm_chain import VLLM_TEST_ENV, free_port
 
 pytestmark = [pytest.mark.timeout(1800)]  # the first test builds the target (fetch + convert)
@@ -348,7 +349,6 @@ def test_a_drafter_made_elsewhere_is_measured_in_the_embedded_engine(smollm2_run
     deployed (its smoke generation on the suite's first prompt, there being no merge output)
     and benchmarked per set of the evaluation suite by a run of its own, in the embedded
     engine on this CPU; `benchmarks/general/summary.py` turns the report into rows."""
-    import importlib.util
 
     from draftsmith.config import parse_config
     from draftsmith.figures import ExportFigures
@@ -362,10 +362,7 @@ def test_a_drafter_made_elsewhere_is_measured_in_the_embedded_engine(smollm2_run
     run = run_in_process(parse_config(raw), outputs["target"])
     assert [s.name for s in run.order] == ["deploy", "benchmark"]
     report = Path(run.outputs["benchmark"].figures["report"]).with_suffix(".json")
-    spec = importlib.util.spec_from_file_location(
-        "general_summary", REPO / "benchmarks" / "general" / "summary.py")
-    summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(summary)
+    summary = benchmark_script("general/summary.py")
     path = tmp_path / "summary.json"
     summary.main(["embedded", str(report), "--drafter", "elsewhere", "--kind", "eagle3",
                   "--prompts", "18", "--epochs", "2", "--hardware", "2-core CPU",

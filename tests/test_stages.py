@@ -7,7 +7,6 @@ the next stage can read it.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -29,6 +28,7 @@ from draftsmith.config import (
     TrainConfig,
 )
 from tests.conftest import REPO
+from tests.scripts import benchmark_script
 
 
 @pytest.fixture(scope="module")
@@ -619,10 +619,7 @@ def test_a_benchmark_cut_off_keeps_what_it_measured(chain, random_target, random
     assert first_part["target_dtype"] == "float32" and first_part["engine"] == "embedded"
 
     # The parts alone make the same rows as the report (gpu_speculative/summary.py).
-    spec = importlib.util.spec_from_file_location(
-        "gpu_summary", REPO / "benchmarks" / "gpu_speculative" / "summary.py")
-    gpu_summary = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gpu_summary)
+    gpu_summary = benchmark_script("gpu_speculative/summary.py")
     part_files = sorted(tmp_path.glob("benchmark-part/*/part.json"))
     assert gpu_summary.rows_of(gpu_summary.read_reports(part_files), "d") == \
         gpu_summary.rows_of(gpu_summary.read_reports([resumed.dir / "report.json"]), "d")
