@@ -545,6 +545,27 @@ def test_the_static_cache_is_reused_when_it_fits_and_grown_when_not(target_model
         runner.close()
 
 
+def test_a_new_batch_size_keeps_the_graphs_of_the_others(target_model, prompts):
+    """A cache for a new number of rows leaves the other caches' captured steps in place (the
+    benchmark's batch sizes, or a batch-1 decoding between two batches, capture once); a
+    cache that replaces a shorter one drops them all, since a graph names its cache by id."""
+    runner = StaticTargetRunner(target_model, AUX_IDS, (1,), compile_steps=True)
+    captures = runner._captured.compiled._captures
+    try:
+        cache = runner.new_cache(40)
+        runner.forward(prompts[0], cache)
+        runner.forward(prompts[0][-1:], cache)
+        assert len(captures) == 1
+        runner.new_batch_cache(4, 40)
+        assert len(captures) == 1
+        runner.forward(prompts[0][-1:], cache)
+        assert len(captures) == 1  # replayed, not captured again
+        runner.new_cache(StaticTargetRunner.LENGTH_STEP + 1)
+        assert len(captures) == 0
+    finally:
+        runner.close()
+
+
 def test_a_generation_that_fills_the_cache_exactly_is_the_same(target_model, exported_drafter,
                                                               prompts, monkeypatch):
     """With no rounding up, the cache holds exactly prompt + max_new_tokens + num_steps

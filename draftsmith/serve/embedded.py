@@ -237,8 +237,10 @@ class StaticTargetRunner(TargetRunner):
         slots; a longer one otherwise (one per batch size, kept)."""
         kv = self._kv.get(rows)
         if kv is None or kv.layers[0].max_cache_len < capacity:
-            self._kv.pop(rows, None)  # the old cache's memory goes before the new one is made
-            self._captured.forget()  # and the graphs that hold it
+            if kv is not None:  # the old cache's memory goes before the new one is made,
+                del self._kv[rows]
+                self._captured.forget()  # and the graphs that hold it (a new cache may take
+                # its id, which names a graph's cache); other batch sizes' graphs are kept
             kv = self._kv[rows] = self._static_cache(rows, capacity)
         else:
             kv.reset()
