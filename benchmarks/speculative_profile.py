@@ -16,6 +16,9 @@ One JSON line per mode in --out, and the profiler's tables in OUT.tables.txt:
         --out benchmarks/results/gpu_speculative/profile.jsonl
     python benchmarks/speculative_profile.py --drafter DRAFTER_DIR --device cuda --batch 16 \\
         --prompts 16 --out benchmarks/results/gpu_speculative/profile.jsonl
+    # here: a --trace file's CUDA graphs (the verify step, the drafter's round) and kernels
+    python benchmarks/speculative_profile.py --graph-launches OUT.speculative.trace.json.gz \\
+        --out graphs.jsonl
     # here: the same on the CPU, a check of the script (no figure to keep)
     python benchmarks/speculative_profile.py --drafter DRAFTER_DIR --device cpu \\
         --prompts 1 --max-new-tokens 16 --out /tmp/profile.jsonl
@@ -134,6 +137,40 @@ def forward_costs(engine, prompt: list[int], device: str, repeats: int = 200) ->
     return costs
 
 
+def graph_launches(trace_path: Path, top: int = 6) -> list[dict]:
+    """From a --trace file: the CUDA graphs launched, grouped by their kernel count (the
+    target's verify step, the drafter's round, ...), with each group's median span and GPU
+    busy time per launch (us) and its costliest kernels."""
+    import gzip
+    from collections import Counter, defaultdict
+    from statistics import median
+
+    with gzip.open(trace_path) as f:
+        events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X"]
+    launches = {e["args"].get("correlation") for e in events
+                if e.get("cat") == "cuda_runtime" and e["name"] == "cudaGraphLaunch"}
+    kernels = defaultdict(list)  # a launch's correlation id -> its kernels
+    for e in events:
+        if e.get("cat") == "kernel" and e["args"].get("correlation") in launches:
+            kernels[e["args"]["correlation"]].append(e)
+    by_size = defaultdict(list)
+    for graph in kernels.values():
+        by_size[len(graph)].append(graph)
+    rows = []
+    for size, graphs in sorted(by_size.items(), key=lambda item: -len(item[1])):
+        names = Counter()
+        for graph in graphs:
+            for k in graph:
+                names[k["name"][:80]] += k["dur"] / len(graphs)
+        rows.append({
+            "kernels": size, "launches": len(graphs),
+            "span_us": round(median(max(k["ts"] + k["dur"] for k in g) - min(k["ts"] for k in g)
+                                    for g in graphs)),
+            "busy_us": round(median(sum(k["dur"] for k in g) for g in graphs)),
+            "top_kernels_us": {name: round(us, 1) for name, us in names.most_common(top)}})
+    return rows
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--drafter", type=Path)
@@ -149,7 +186,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="also a Chrome trace of each mode over one group's first 16 "
                              "tokens (OUT.MODE.trace.json.gz): the kernels' order and the "
                              "GPU's idle gaps within a step")
+    parser.add_argument("--graph-launches", type=Path, metavar="TRACE",
+                        help="no run: summarize a --trace file's CUDA graph launches into --out")
     args = parser.parse_args(argv)
+    if args.graph_launches:
+        rows = graph_launches(args.graph_launches)
+        args.out.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        return
     if (args.drafter is None) == (not args.random_weights):
         parser.error("give --drafter DIR or --random-weights (one of the two)")
     if args.random_weights:
