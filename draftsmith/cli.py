@@ -16,6 +16,7 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from draftsmith.config import EXAMPLES_DIR, ConfigError, PipelineConfig, load_config
 from draftsmith.plan import select_stages
@@ -28,6 +29,12 @@ app = typer.Typer(
     add_completion=False,
 )
 console = Console(stderr=True)
+
+
+def say(style: str, message: object) -> None:
+    """Print `message` to stderr in `style`, as written: errors quote values such as
+    [chat, code, math], which rich markup would take for tags and drop."""
+    console.print(Text(str(message), style=style))
 
 EXAMPLES = EXAMPLES_DIR
 SetOption = Annotated[list[str] | None, typer.Option(
@@ -47,7 +54,7 @@ def _load(config_path: Path, overrides: list[str] | None) -> PipelineConfig:
     try:
         return load_config(config_path, overrides or [])
     except ConfigError as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
 
 
@@ -75,7 +82,7 @@ def _run_flow(config: PipelineConfig, selected: list[str]) -> dict[str, dict]:
     try:
         return pipeline(full_config=config.model_dump(mode="json"), stages=selected)
     except InputError as err:  # the run log above has the traceback; the fix is in the text
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
 
 
@@ -90,7 +97,7 @@ def _summary(results: dict[str, dict]) -> tuple[Table, list[str]]:
     table.add_column("result", overflow="fold")
     rows, problems = stage_rows(results)
     for row in rows:
-        table.add_row(row.stage, row.state, row.result)
+        table.add_row(row.stage, row.state, Text(row.result))  # error text, as written
     return table, problems
 
 
@@ -98,7 +105,7 @@ def _finish(results: dict[str, dict]) -> None:
     table, problems = _summary(results)
     Console().print(table)
     for problem in problems:
-        console.print(f"[red]{problem}[/red]")
+        say("red", problem)
     if problems:
         raise typer.Exit(1)
 
@@ -157,7 +164,7 @@ def compare(
         variants = [parse_variant(v) for v in variant]
         check_variants(variants)
     except ConfigError as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
     _local_api()
     from flows.compare import VariantForm
@@ -170,7 +177,7 @@ def compare(
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:
-        table.add_row(*("-" if row.get(c) is None else str(row[c]) for c in columns))
+        table.add_row(*(Text("-" if row.get(c) is None else str(row[c])) for c in columns))
     Console().print(table)
 
 
@@ -182,7 +189,7 @@ def _select(only: str | None, from_: str | None, to: str | None) -> list[str]:
     try:
         return select_stages(only, from_, to)
     except ConfigError as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
 
 
@@ -202,12 +209,12 @@ def plan_command(
     pipeline_config = _load(config, set_)
     selected = _select(only, from_, to)
     for warning in pipeline_config.warnings():
-        console.print(f"[yellow]warning: {warning}[/yellow]")
+        say("yellow", f"warning: {warning}")
     try:
         target = resolve_target(pipeline_config.target)
         rows = RunPlan(pipeline_config, target, selected).preview()
     except (ConfigError, FileNotFoundError) as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
     table = Table(title=f"draftsmith plan: {config}", show_header=True)
     for column in ("stage", "key", "status", "why"):
@@ -217,7 +224,7 @@ def plan_command(
     for row in rows:
         colour = colours.get(row.status, "white")
         table.add_row(row.stage, row.key or "-", f"[{colour}]{row.status}[/{colour}]",
-                      row.reason)
+                      Text(row.reason))
     Console(width=160).print(table)
 
 
@@ -236,8 +243,8 @@ def validate(
     findings = check_config(pipeline_config, deep=deep)  # config.warnings() among them
     print("\n".join(format_findings(findings)))
     if any(f.level == "error" for f in findings):
-        console.print(f"[red]{config}: {sum(f.level == 'error' for f in findings)} problem(s) "
-                      "a run would fail on[/red]")
+        say("red", f"{config}: {sum(f.level == 'error' for f in findings)} problem(s) a run "
+                   "would fail on")
         raise typer.Exit(1)
     console.print(f"[green]{config}: valid[/green] (run_root {pipeline_config.run_root}, "
                   f"{len(pipeline_config.data.sources)} data sources)")
@@ -287,7 +294,7 @@ def deploy(
         launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family,
                               model_path)
     except (LaunchError, ValueError) as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
     if dry_run:
         _print_launch(launch)
@@ -300,7 +307,7 @@ def deploy(
             wait_until_ready(launch.url, pipeline_config.deploy, str(drafter), process)
             _serve_until_exit(process, launch.url, log_file)
     except (GpusBusyError, PortBusyError, ReadinessError, ServerInstallError) as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(1) from None
 
 
@@ -336,7 +343,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         launch = build_launch(pipeline_config.deploy, pipeline_config.target, drafter, family,
                               model_path)
     except (LaunchError, ValueError) as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
     if dry_run:
         _print_launch(launch)
@@ -347,7 +354,7 @@ def _deploy_vllm(pipeline_config, drafter: Path, family: str, model_path: str | 
         process, _ = start_vllm(launch, log_file, "vllm",
                                 pipeline_config.deploy.startup_timeout_s)
     except (LaunchError, ReadinessError, ServerInstallError, PortBusyError) as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(1) from None
     try:
         _serve_until_exit(process, launch.url, log_file)
@@ -365,7 +372,7 @@ def _export_errors(action):
     try:
         return action()
     except (InputError, FileNotFoundError) as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
 
 
@@ -456,8 +463,8 @@ def _pairs(items: list[str] | None, flag: str) -> dict[str, str]:
     for item in items or []:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            console.print(f"[red]{flag} {item!r}: expected KEY=VALUE, e.g. "
-                          f"{flag} NCCL_SOCKET_IFNAME=eth0[/red]")
+            say("red", f"{flag} {item!r}: expected KEY=VALUE, e.g. "
+                       f"{flag} NCCL_SOCKET_IFNAME=eth0")
             raise typer.Exit(2)
         out[key] = value
     return out
@@ -469,8 +476,8 @@ def _hosts(items: list[str] | None) -> dict[str, str | None]:
     for item in items or []:
         name, _, address = item.partition("=")
         if not name or name in out:
-            console.print(f"[red]--host {item!r}: expected NAME or NAME=ADDRESS, each name "
-                          "once, e.g. --host gpu-a=10.0.0.1 --host gpu-b=10.0.0.2[/red]")
+            say("red", f"--host {item!r}: expected NAME or NAME=ADDRESS, each name once, "
+                       "e.g. --host gpu-a=10.0.0.1 --host gpu-b=10.0.0.2")
             raise typer.Exit(2)
         out[name] = address or None
     return out
@@ -539,7 +546,7 @@ def prefect_setup(
     try:
         ids = setup(pipeline_config, options, config_path=config, overrides=list(set_ or []))
     except ValueError as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
     for name, deployment_id in ids.items():
         print(f"{name}\t{deployment_id}")
@@ -573,7 +580,7 @@ def prefect_notify_new_data(
     try:
         event_id = notify_new_data(path, source)
     except FileNotFoundError as err:
-        console.print(f"[red]{err}[/red]")
+        say("red", err)
         raise typer.Exit(2) from None
     print(event_id)
 

@@ -50,6 +50,15 @@ def test_validate_names_a_bad_key_and_exits_2():
     assert "train.epoch" in text(result) and "unknown key" in text(result)
 
 
+def test_an_error_quoting_a_list_keeps_its_brackets(tmp_path):
+    """A config error's example, `benchmark.suite (e.g. [chat, code, math])`, is printed as
+    written: rich markup had taken `[chat, code, math]` for a tag and dropped it."""
+    result = runner.invoke(app, ["validate", str(REPO / "examples/tiny.yaml"),
+                                 "--set", f"deploy.drafter={tmp_path}"])
+    assert result.exit_code == 2
+    assert "set benchmark.suite (e.g. [chat, code, math])" in text(result)
+
+
 def test_plan_prints_every_stage_with_its_status_and_runs_nothing(tmp_path, random_target_dir):
     import yaml
 
