@@ -45,4 +45,5 @@ def test_a_run_on_the_cpu_times_each_variant(tmp_path):
     assert rows["decode"]["attention"] == "draftsmith_grouped_verify_matmul"
     for row in rows.values():
         assert row["ms_per_plain_token"] > 0 and row["ms_per_round"]["verify"] > 0
+        assert row["identical_outputs"] == "3/3"  # the benchmark stage's own check
     assert rows["decode"]["plain_tokens"] == rows["sdpa"]["plain_tokens"]

@@ -11,11 +11,14 @@ random_parts.py: costs only, no acceptance) for each variant:
     math     SDPA restricted to its math backend (torch.nn.attention.sdpa_kernel)
     +autotune  inductor's max_autotune_gemm on top (Triton GEMM templates against cuBLAS)
 
-Each variant runs in its own process (a fresh compile). The processes compile at once and take
-turns on the GPU (a lock around the timed part), so the figures do not share the GPU.
-Per variant one JSON line in --out: decoding of the dev-length prompts (plain ms a token;
-speculative ms a round, split as the benchmark splits it), one prompt at a time, with the
-plain tokens of each variant, to compare the variants' outputs. (Batches are left out: in a
+Each variant is measured by the benchmark stage's own functions (plain_decoding,
+measure_embedded: the figures a report gives), in its own process (a fresh compile). The
+processes compile at once and take turns on the GPU (a lock around the timed part), so the
+figures do not share the GPU. Per variant one JSON line in --out: decoding of the dev-length
+prompts one at a time (plain ms a token; speculative ms a round, split as the benchmark splits
+it; speculative outputs against plain), with the plain tokens of each variant, to compare the
+variants' outputs. (The H100's runs of 2026-12-06 timed the same steps with the script's own
+arithmetic, the same definitions.) (Batches are left out: in a
 first version, a batch of 12 timed after the batch-1 decoding took 842 ms a forward against
 11.8 ms in the benchmark stage, a cause not looked into; the benchmark stage times batches alone.)
 
@@ -46,13 +49,13 @@ VARIANTS = ("sdpa", "decode", "math", "decode+autotune", "bf16:sdpa", "bf16:deco
 
 
 def measure(variant: str, args) -> dict:
+    """The benchmark stage's own measurement (plain_decoding, measure_embedded) of one variant,
+    after a warm-up outside the GPU's lock."""
     from random_parts import dev_length_prompts, random_eagle3_drafter, smollm2_shaped_target
 
-    from draftsmith.serve.embedded import (
-        EmbeddedSpeculativeEngine,
-        StaticTargetRunner,
-        plain_generate,
-    )
+    from draftsmith.bench.benchmark import measure_embedded, plain_decoding
+    from draftsmith.config import BenchmarkConfig
+    from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, StaticTargetRunner
 
     dtype, _, attention = variant.rpartition(":")
     attention, _, tune = attention.partition("+")
@@ -75,31 +78,26 @@ def measure(variant: str, args) -> dict:
             engine.runner.close()
             engine.runner = StaticTargetRunner(model, aux_layer_ids, (1, width),
                                                decode_attention=False)
-        prompts = sorted(dev_length_prompts(3 * args.prompts), key=len, reverse=True)
+        prompts = dev_length_prompts(3 * args.prompts)
+        cfg = BenchmarkConfig(num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+                              warmup_prompts=1)
+
+        def measured(prompts: list[list[int]]) -> tuple[dict, list]:
+            plain = plain_decoding(engine.runner, prompts, cfg, None)
+            return measure_embedded(engine, prompts, cfg, None, variant, plain)[0], plain
+
         started = time.perf_counter()
-        for generate in (lambda p: engine.generate(p, args.max_new_tokens, None),
-                         lambda p: plain_generate(engine.runner, p, args.max_new_tokens, None)):
-            generate(prompts[0])  # compile and capture at the longest prompt's cache
+        measured(prompts[:1])  # compile and capture, other variants still on the GPU
         row = {"variant": variant, "device": torch.cuda.get_device_name()
                if args.device == "cuda" else "cpu", "warm_s": round(time.perf_counter() - started)}
         with open(args.out.with_suffix(".lock"), "w") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # the GPU to this variant alone
-            plain = [plain_generate(engine.runner, p, args.max_new_tokens, None)
-                     for p in prompts]
-            spec = [engine.generate(p, args.max_new_tokens, None) for p in prompts]
-    tokens = sum(len(g.tokens) - 1 for g in plain)
-    rounds = sum(g.verify_rounds for g in spec)
-    row.update({
-        "ms_per_plain_token": round(1000 * sum(g.verify_seconds for g in plain) / tokens, 3),
-        "ms_per_round": {
-            "draft": round(1000 * sum(g.draft_seconds for g in spec) / rounds, 3),
-            "verify": round(1000 * sum(g.verify_seconds for g in spec) / rounds, 3),
-            "other": round(1000 * sum(g.seconds - g.prefill_seconds - g.draft_seconds
-                                      - g.verify_seconds for g in spec) / rounds, 3)},
-        "width": width, "steps": engine.steps_ran(),
-        "attention": model.config._attn_implementation,
-        "plain_tokens": [g.tokens for g in plain],
-    })
+            summary, plain = measured(prompts)
+    row.update({key: summary[key] for key in ("ms_per_plain_token", "ms_per_round",
+                                               "identical_outputs")})
+    row.update({"width": width, "steps": engine.steps_ran(),
+                "attention": model.config._attn_implementation,
+                "plain_tokens": [g.tokens for g in plain]})
     return row
 
 
