@@ -36,6 +36,7 @@ def say(style: str, message: object) -> None:
     [chat, code, math], which rich markup would take for tags and drop."""
     console.print(Text(str(message), style=style))
 
+
 EXAMPLES = EXAMPLES_DIR
 SetOption = Annotated[list[str] | None, typer.Option(
     "--set", help="Override a config value, e.g. --set train.epochs=2 (repeatable).")]
