@@ -115,7 +115,7 @@ def oracle(engine, reference: list[int], prompt_len: int, wrong_at: int | None, 
 
     def draft(tokens, aux, drafted_upto, cache, sampling):
         drafts, probs, cache = real(tokens, aux, drafted_upto, cache, sampling)
-        calls.append((list(tokens), drafts))
+        calls.append((list(tokens), listed(drafts)))
         done = len(tokens) - prompt_len
         truth = (reference[done:] + [0] * NUM_STEPS)[:NUM_STEPS]
         if wrong_at is not None:
@@ -731,7 +731,7 @@ def recording_drafts(engine) -> list[list[int]]:
 
     def recorded(*args, **kwargs):
         out = draft(*args, **kwargs)
-        drafts.append(list(out[0]))
+        drafts.append(listed(out[0]))  # a copy: a captured step's output is overwritten
         return out
 
     engine._draft = recorded
@@ -835,6 +835,56 @@ def test_captured_steps_read_nothing_on_the_host(which, temperature, target_mode
         engine.runner.close()
 
 
+def listed(drafts: list[int] | torch.Tensor) -> list[int]:
+    """Drafts as a list, wherever a round left them (a greedy static round: on the device)."""
+    return drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
+
+
+def test_a_greedy_round_reads_the_gpu_once_after_its_verify(target_model, exported_drafter,
+                                                             prompts, monkeypatch):
+    """On CUDA the host runs ahead of the GPU: a greedy round over static buffers hands its
+    drafts to the verify forward on the device, and reads the GPU once, after the verify
+    (the drafts and the target's verdicts together). A read between drafting and verifying
+    would hold the target's launches until the drafter's kernels had run. Off CUDA the same
+    flow shows as the order of the host's reads, with the steps replayed as CUDA's are."""
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS,
+                                            cache="static")
+    events: list = []
+    draft, forward, tolist = engine._draft, engine.runner.forward, torch.Tensor.tolist
+
+    def drafting(*args):
+        events.append("draft")
+        return draft(*args)
+
+    def verifying(ids, cache):
+        events.append(("verify", type(ids)))
+        return forward(ids, cache)
+
+    def reading(tensor):
+        events.append("read")
+        return tolist(tensor)
+
+    monkeypatch.setattr(engine, "_draft", drafting)
+    monkeypatch.setattr(engine.runner, "forward", verifying)
+    monkeypatch.setattr(torch.Tensor, "tolist", reading)
+    mode = HostReads()
+    mode.inside, mode.reads = True, events  # .item(), int(tensor) and the like, in order
+    try:
+        plain = plain_generate(engine.runner, prompts[1], 20, None).tokens
+        events.clear()
+        with mode:
+            got = engine.generate(prompts[1], 20, None)
+    finally:
+        engine.runner.close()
+    assert got.tokens == plain
+    rounds = events[events.index("draft"):]
+    assert rounds == ["draft", ("verify", torch.Tensor), "read"] * len(got.round_tokens)
+
+
 # The drafter's static cache (deploy.embedded_cache=static, chains) ----------------------------
 
 @pytest.mark.parametrize("which", ["eagle3", "eagle31", "dflash"])
@@ -869,7 +919,7 @@ def test_the_static_drafter_cache_drafts_what_the_dynamic_one_drafts(
                                                         drafted_upto, dynamic_cache, Sampling())
                 got, _, cache = static._draft(sequence[:known], aux[:, :n], drafted_upto,
                                               cache, Sampling())
-                assert got == want
+                assert listed(got) == want
                 drafted_upto, known = n, known + advance
             assert [(c.k.data_ptr(), c.v.data_ptr()) for c in layers] == buffers
         assert static._new_drafter_cache(10) is cache  # reused while it fits

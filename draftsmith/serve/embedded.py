@@ -44,6 +44,17 @@ from draftsmith.export.convert import read_drafter
 from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
 from draftsmith.model.grouped_attention import use_verify_attention
 from draftsmith.model.kinds import Drafter, build_drafter, kind_of
+from draftsmith.serve.round_clock import RoundClock
+
+
+def on_device(values: list[int] | list[bool], device: torch.device) -> torch.Tensor:
+    """values [N] on `device`, enqueued without waiting for it. torch.tensor(values,
+    device=cuda) copies from pageable memory and synchronizes the stream first: the host would
+    wait for every kernel already enqueued (a round's drafting, before its verify)."""
+    host = torch.tensor(values)  # [N]
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class Sampling:
@@ -122,13 +133,14 @@ class TargetRunner:
         self._aux.remove()
 
     @torch.inference_mode()
-    def forward(self, input_ids: list[int], cache: DynamicCache,
+    def forward(self, input_ids: list[int] | torch.Tensor, cache: DynamicCache,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None):
         """Returns logits [T, V] and aux states [1, T, K*H] for the new tokens. position_ids
         [1, T] and a boolean attention_mask [1, 1, T, S+T] verify a tree; both default to the
         causal continuation of the cache."""
-        ids = torch.tensor([input_ids], device=self.model.device)  # [1, T]
+        ids = (input_ids if isinstance(input_ids, torch.Tensor)
+               else on_device(input_ids, self.model.device))[None]  # [1, T]
         extra = {} if position_ids is None else {"position_ids": position_ids,
                                                  "attention_mask": attention_mask}
         logits, aux = self.step(ids, cache, **extra)  # [1, T, V], [1, T, K*H]
@@ -288,7 +300,7 @@ class StaticTargetRunner(TargetRunner):
         return kv
 
     @torch.inference_mode()
-    def forward(self, input_ids: list[int], cache: StaticTargetCache,
+    def forward(self, input_ids: list[int] | torch.Tensor, cache: StaticTargetCache,
                 position_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None):
         """As TargetRunner.forward, for the causal continuation of the cache only."""
@@ -300,7 +312,8 @@ class StaticTargetRunner(TargetRunner):
                 f"the target's static cache holds {cache.capacity} positions; "
                 f"{cache.length} + {len(input_ids)} do not fit (new_cache was given too small "
                 "a capacity)")
-        ids = torch.tensor([input_ids], device=self.model.device)  # [1, T]
+        ids = (input_ids if isinstance(input_ids, torch.Tensor)
+               else on_device(input_ids, self.model.device))[None]  # [1, T]
         logits, aux = self.step_for(len(input_ids))(ids, cache.kv)  # [1, T, V], [1, T, K*H]
         cache.length += len(input_ids)
         return logits[0], aux  # [T, V], [1, T, K*H]
@@ -476,6 +489,7 @@ class EmbeddedSpeculativeEngine:
         self.device = target_model.device
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
+        self.round_clock = RoundClock(self.device)
         self._static_caches: list[StaticDraftCache] = []  # one per drafter layer
         # width -> [T, T] causal mask. The captured steps' widths are made here: a compiled
         # step that filled the dict would fail its own guard and compile a second time.
@@ -677,12 +691,12 @@ class EmbeddedSpeculativeEngine:
         if sampling.greedy:
             # The anchors' ids, their first position and the last real anchor's index: one
             # copy to the device a round.
-            packed = torch.tensor(tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)
-                                  + [drafted_upto, new - 1], device=dev)  # [W + 2]
+            packed = on_device(tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)
+                               + [drafted_upto, new - 1], dev)  # [W + 2]
             draft_round = self.greedy_round if width == self.num_steps + 1 else \
                 self.greedy_round_steps  # the prompt's width runs eagerly
             drafts = draft_round(packed, anchors, cache.slots, cache.k, cache.v)  # [1, k]
-            return drafts[0].tolist(), [], cache
+            return drafts[0], [], cache  # [k], left on the device for the verify
         ids = torch.tensor([tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)],
                            device=dev)  # [1, W]
         positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)  # [W]
@@ -906,32 +920,39 @@ class EmbeddedSpeculativeEngine:
                             prefill_seconds=time.perf_counter() - started)
         drafter_cache, drafted_upto = self._new_drafter_cache(
             len(prompt) + max_new_tokens + 2 * (self.num_steps + 1)), 0
+        clock = self.round_clock
         while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_id:
             n = len(tokens) - 1
             if self.is_tree:
-                began = time.perf_counter()
+                clock.start()
                 tree, drafter_cache = self._draft_tree(tokens, aux, drafted_upto, drafter_cache)
-                drafted = time.perf_counter()
+                clock.end("draft")
                 positions = torch.tensor([[n] + [n + d for d in tree.depths]],
                                          device=self.device)  # [1, N+1]
                 logits, new_aux = self.runner.forward([tokens[n], *tree.tokens], cache,
                                                       positions, tree.attention(n, self.device))
+                clock.end("verify")
                 path, next_token = self._verify_tree(tree, logits, sampling)
-                result.draft_seconds += drafted - began
-                result.verify_seconds += time.perf_counter() - drafted
+                spent = clock.read()
+                result.draft_seconds += spent["draft"]
+                result.verify_seconds += spent["verify"]
                 kept = [0, *path]
                 _keep_cache_positions(cache, list(range(n)) + [n + i for i in kept])
                 accepted_tokens = [tree.tokens[i - 1] for i in path]
             else:
-                began = time.perf_counter()
+                clock.start()
                 drafts, draft_probs, drafter_cache = self._draft(tokens, aux, drafted_upto,
                                                                  drafter_cache, sampling)
-                drafted = time.perf_counter()
-                logits, new_aux = self.runner.forward([tokens[n], *drafts], cache)  # [k+1, V]
-                accepted, next_token = self.verify_chain(drafts, draft_probs, logits, sampling)
-                result.draft_seconds += drafted - began
-                result.verify_seconds += time.perf_counter() - drafted
-                kept = list(range(accepted + 1))
+                clock.end("draft")
+                logits, new_aux = self.runner.forward(self.verify_ids(tokens[n], drafts),
+                                                      cache)  # [k+1, V]
+                clock.end("verify")
+                drafts, accepted, next_token = self.verify_chain(drafts, draft_probs, logits,
+                                                                 sampling)
+                spent = clock.read()
+                result.draft_seconds += spent["draft"]
+                result.verify_seconds += spent["verify"]
+                kept = slice(0, accepted + 1)
                 if len(drafts) > accepted:
                     self.runner.drop_last(cache, len(drafts) - accepted)
                 accepted_tokens = drafts[:accepted]
@@ -964,6 +985,7 @@ class EmbeddedSpeculativeEngine:
                 n = known - 1
                 drafts, _, drafter_cache = self._draft(tokens[:known], aux[:, :n], drafted_upto,
                                                        drafter_cache, Sampling())
+                drafts = drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
                 accepted = 0
                 while (accepted < len(drafts) and known + accepted < len(tokens)
                        and drafts[accepted] == tokens[known + accepted]):
@@ -974,22 +996,37 @@ class EmbeddedSpeculativeEngine:
         result.seconds = time.perf_counter() - started
         return result
 
+    def verify_ids(self, last: int, drafts: list[int] | torch.Tensor) -> list[int] | torch.Tensor:
+        """The verify forward's tokens: the last known one, then the drafts. Drafts left on
+        the device (a greedy round over static buffers) stay there: the host enqueues the
+        verify without waiting for them."""
+        if isinstance(drafts, torch.Tensor):
+            return torch.cat([on_device([last], drafts.device), drafts])  # [k+1]
+        return [last, *drafts]
+
     @staticmethod
-    def verify_chain(drafts: list[int], draft_probs: list[torch.Tensor], logits: torch.Tensor,
-                     sampling: Sampling) -> tuple[int, int]:
-        """(drafts accepted, the target's own next token). logits [k+1, V]: row i is the
-        target's prediction for the position of draft i (row k: the bonus position)."""
+    def verify_chain(drafts: list[int] | torch.Tensor, draft_probs: list[torch.Tensor],
+                     logits: torch.Tensor, sampling: Sampling) -> tuple[list[int], int, int]:
+        """(the drafts, listed; how many were accepted; the target's own next token). logits
+        [k+1, V]: row i is the target's prediction for the position of draft i (row k: the
+        bonus position). Drafts still on the device are read with the verdicts, in the
+        round's one read of the GPU."""
         if sampling.greedy:
-            verified = logits.argmax(-1).tolist()
+            verified = logits.argmax(-1)  # [k+1]
+            if isinstance(drafts, torch.Tensor):
+                listed = torch.cat([drafts, verified]).tolist()
+                drafts, verified = listed[:len(drafts)], listed[len(drafts):]
+            else:
+                verified = verified.tolist()
             accepted = 0
             while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
                 accepted += 1
-            return accepted, verified[accepted]
+            return drafts, accepted, verified[accepted]
         p = sampling.probs(logits)  # [k+1, V]
         for i, (token, q) in enumerate(zip(drafts, draft_probs, strict=True)):
             if sampling.uniform() >= acceptance_probability(p[i], q, token):
-                return i, sampling.draw(residual_distribution(p[i], q))
-        return len(drafts), sampling.draw(p[len(drafts)])
+                return drafts, i, sampling.draw(residual_distribution(p[i], q))
+        return drafts, len(drafts), sampling.draw(p[len(drafts)])
 
     @staticmethod
     def _verify_tree(tree: DraftTree, logits: torch.Tensor,

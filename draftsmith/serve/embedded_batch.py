@@ -33,8 +33,10 @@ from draftsmith.serve.embedded import (
     Sampling,
     TargetRunner,
     has_sliding_window_layers,
+    on_device,
     truncate_output,
 )
+from draftsmith.serve.round_clock import RoundClock
 
 
 class Slots:
@@ -209,10 +211,10 @@ class _Rows:
 
     def last_positions(self) -> torch.Tensor:
         """Each row's last known token's position [B]."""
-        return torch.tensor([len(t) - 1 for t in self.tokens], device=self.device)
+        return on_device([len(t) - 1 for t in self.tokens], self.device)
 
     def live(self) -> torch.Tensor:
-        return torch.tensor(self.running, device=self.device)  # [B]
+        return on_device(self.running, self.device)  # [B]
 
     def add(self, row: int, produced: list[int]) -> list[int]:
         """Append a round's tokens to a running row, cut at max_new_tokens and EOS; the row
@@ -338,25 +340,24 @@ class BatchedSpeculativeDecoder:
         result = BatchGeneration(rows=[], prefill_seconds=time.perf_counter() - started)
         round_tokens: list[list[int]] = [[] for _ in prompts]
         drafted_upto = torch.zeros(rows, dtype=torch.long, device=dev)  # [B]
+        clock = RoundClock(dev)
         while any(state.running):
-            began = time.perf_counter()
+            clock.start()
             last = state.last_positions()  # [B]: n, each row's last known token
             running = state.live()  # [B]
             drafts, draft_probs = self._draft(drafter_kv, token_at, aux_at, drafted_upto, last,
                                               running, samplings, first=not result.forwards)
-            if dev.type == "cuda":  # so that the draft/verify split is the GPU's work, not
-                torch.cuda.synchronize(dev)  # the launches' (greedy drafts stay on the GPU)
-            drafted = time.perf_counter()
+            clock.end("draft")
             verify_ids = torch.cat([token_at.gather(1, last[:, None]), drafts],
                                    dim=1)  # [B, k+1]
             verify_positions = last[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
             start = target.slots.used
             logits, new_aux = target.forward(verify_ids, verify_positions,
                                              running[:, None].expand(-1, k + 1))  # [B, k+1, V]
+            clock.end("verify")
             accepted, bonus, host = self._verify(drafts, draft_probs, logits, samplings,
                                                  state.running)  # [B], [B], the same listed
-            verified = time.perf_counter()  # the listing waited for the forward: the rest of
-            # the round is bookkeeping, as one prompt's round counts it
+            spent = clock.read()  # the listing waited for the forward
             # Every row's round at once: the verify slots past its accepted drafts die; its
             # tokens (accepted drafts, then the bonus) and aux states go to their positions.
             # What lands past them is overwritten by the next round before anything reads it.
@@ -373,8 +374,8 @@ class BatchedSpeculativeDecoder:
                     round_tokens[row].append(len(kept))
             drafted_upto = torch.where(running, last, drafted_upto)
             result.forwards += 1
-            result.draft_seconds += drafted - began
-            result.verify_seconds += verified - drafted
+            result.draft_seconds += spent["draft"]
+            result.verify_seconds += spent["verify"]
         result.seconds = time.perf_counter() - started
         result.rows = state.generations()
         for generation, counts in zip(result.rows, round_tokens, strict=True):
@@ -488,8 +489,8 @@ class BatchedSpeculativeDecoder:
                 accepted.append(0)
                 bonus.append(0)
                 continue
-            a, token = self.engine.verify_chain(drafts[row].tolist(), draft_probs[row],
-                                                logits[row], samplings[row])
+            _, a, token = self.engine.verify_chain(drafts[row].tolist(), draft_probs[row],
+                                                   logits[row], samplings[row])
             accepted.append(a)
             bonus.append(token)
         return (torch.tensor(accepted, device=self.device),
