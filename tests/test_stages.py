@@ -508,6 +508,15 @@ def test_repeated_speed_pairs_alternate_and_the_speedup_is_their_median(
     assert figures["speedup_spread"] == [min(speedups), max(speedups)]
     assert pairs[0]["greedy_tokens_per_s"] == figures["greedy_tokens_per_s"]
     assert figures["lossless"] is True
+    # Every pair says where its time went; the report's step costs are the median pair's,
+    # the one whose speedup it gives.
+    for pair in pairs:
+        assert pair["ms_per_plain_token"] > 0 and pair["speedup_limit"] > 0
+        assert set(pair["ms_per_round"]) == {"draft", "verify", "other"}
+    median = speedups.index(statistics.median_low(speedups))
+    assert figures["step_costs_from"] == f"speed pair {median + 1} of 3"
+    for key in ("ms_per_plain_token", "ms_per_round", "speedup_limit"):
+        assert figures[key] == pairs[median][key]
 
 
 def test_benchmark_sweep_measures_each_drafting_config_once(chain, random_target,

@@ -239,6 +239,19 @@ def step_costs(per_prompt: list[dict], acceptance: float) -> dict:
             "speedup_limit": round(acceptance * plain_ms / verify_ms, 3) if verify_ms else None}
 
 
+def timings(greedy: Generation, speculative: Generation) -> dict:
+    """One prompt's times, plain and speculative, as step_costs reads them."""
+    return {"verify_rounds": speculative.verify_rounds,
+            "speculative_s": speculative.seconds,
+            "prefill_s": speculative.prefill_seconds,
+            "draft_s": speculative.draft_seconds,
+            "verify_s": speculative.verify_seconds,
+            "greedy_s": greedy.seconds,
+            "greedy_prefill_s": greedy.prefill_seconds,
+            "greedy_decode_s": greedy.verify_seconds,
+            "plain_steps": greedy.verify_rounds}
+
+
 def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
                      eos: int | None, label: str,
                      plain: list[Generation]) -> tuple[dict, list[dict]]:
@@ -261,18 +274,10 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
             "prompt_tokens": len(prompt),
             "completion_tokens": len(speculative.tokens),
             "plain_tokens": len(greedy.tokens),
-            "verify_rounds": speculative.verify_rounds,
             "round_tokens": sum(speculative.round_tokens),
             "accepted_by_position": accepted_by_position(speculative.round_tokens,
                                                          engine.num_steps),
-            "speculative_s": speculative.seconds,
-            "prefill_s": speculative.prefill_seconds,
-            "draft_s": speculative.draft_seconds,
-            "verify_s": speculative.verify_seconds,
-            "greedy_s": greedy.seconds,
-            "greedy_prefill_s": greedy.prefill_seconds,
-            "greedy_decode_s": greedy.verify_seconds,
-            "plain_steps": greedy.verify_rounds,
+            **timings(greedy, speculative),
             "identical": None if sampled else speculative.tokens == greedy.tokens,
         })
 
@@ -299,17 +304,19 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     return summary, per_prompt
 
 
-def decoding_rate(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
-                  side: str) -> float:
-    """Tokens/s of decoding every prompt once more, plain or speculative, at cfg.temperature
-    (the same seeds as the measurement)."""
+def decode_again(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
+                 side: str) -> list[Generation]:
+    """Every prompt decoded once more, plain or speculative, at cfg.temperature (the same
+    seeds as the measurement)."""
     def decode(prompt: list[int], sampling: Sampling) -> Generation:
         if side == "plain":
             return plain_generate(engine.runner, prompt, cfg.max_new_tokens, eos, sampling)
         return engine.generate(prompt, cfg.max_new_tokens, eos, sampling)
 
-    runs = decode_each(prompts, cfg, f"benchmark repeat, {side}", decode)
-    return sum(len(r.tokens) for r in runs) / sum(r.seconds for r in runs)
+    return decode_each(prompts, cfg, f"benchmark repeat, {side}", decode)
+
+
+STEP_COSTS = ("ms_per_plain_token", "ms_per_round", "speedup_limit")
 
 
 def repeated_speedups(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
@@ -317,22 +324,33 @@ def repeated_speedups(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     """benchmark.repeats pairs of plain and speculative tokens/s: the first is the measurement
     (plain decoding first), each later pair decodes every prompt again both ways with the
     order alternating, so that a machine whose load drifts favours neither side. The speedup
-    is the pairs' median, with their spread, as for vLLM."""
+    is the pairs' median, with their spread, as for vLLM. Each pair has its step costs; the
+    report's are the median pair's (`step_costs_from`), so that they explain the speedup it
+    gives: a first pass that still compiled, or shared the machine, explains neither."""
     pairs = [{"order": "plain first", "greedy_tokens_per_s": first["greedy_tokens_per_s"],
               "speculative_tokens_per_s": first["speculative_tokens_per_s"],
-              "speedup": first["speedup"]}]
+              "speedup": first["speedup"], **{key: first[key] for key in STEP_COSTS}}]
     for repeat in range(1, cfg.repeats):
         order = ("speculative", "plain") if repeat % 2 else ("plain", "speculative")
-        rates = {side: decoding_rate(engine, prompts, cfg, eos, side) for side in order}
+        runs = {side: decode_again(engine, prompts, cfg, eos, side) for side in order}
+        rates = {side: sum(len(r.tokens) for r in done) / sum(r.seconds for r in done)
+                 for side, done in runs.items()}
+        acceptance, _ = acceptance_figures([r.round_tokens for r in runs["speculative"]],
+                                           engine.num_steps)
         pairs.append({"order": f"{order[0]} first",
                       "greedy_tokens_per_s": round(rates["plain"], 1),
                       "speculative_tokens_per_s": round(rates["speculative"], 1),
-                      "speedup": round(rates["speculative"] / rates["plain"], 3)})
+                      "speedup": round(rates["speculative"] / rates["plain"], 3),
+                      **step_costs([timings(g, s) for g, s in zip(
+                          runs["plain"], runs["speculative"], strict=True)], acceptance)})
         log.info("benchmark: speed pair %d of %d (%s first): %.3fx", repeat + 1, cfg.repeats,
                  order[0], pairs[-1]["speedup"])
     speedups = [p["speedup"] for p in pairs]
+    median_pair = speedups.index(statistics.median_low(speedups))
     return {"speedup": round(statistics.median(speedups), 3),
-            "speedup_spread": [min(speedups), max(speedups)], "speedup_pairs": pairs}
+            "speedup_spread": [min(speedups), max(speedups)], "speedup_pairs": pairs,
+            **{key: pairs[median_pair][key] for key in STEP_COSTS},
+            "step_costs_from": f"speed pair {median_pair + 1} of {len(pairs)}"}
 
 
 def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
