@@ -76,6 +76,10 @@ def test_a_row_measured_beside_other_gpu_work_says_so(tmp_path):
     kept = summary.merge_rows(path, again)  # the same engine, drafter, cache and batch: replaced
     assert len(kept) == 1 and kept[0]["speedup"] == 2.5
     assert json.loads(path.read_text()) == kept
+    bf16 = report("static", 1.6, 1.6)
+    bf16["summary"]["target_dtype"] = "bfloat16"
+    both = summary.merge_rows(path, summary.rows_of([bf16], drafter="general"))
+    assert [row["dtype"] for row in both] == ["float32", "bfloat16"]  # another dtype: kept
 
 
 def vllm_report(measured_on: dict | None = None) -> dict:

@@ -147,12 +147,13 @@ def read_reports(paths: list[Path]) -> list[dict]:
 
 
 def merge_rows(path: Path, new: list[dict]) -> list[dict]:
-    """The file's rows, those of the same engine, drafter, target cache and batch replaced."""
+    """The file's rows, those of the same engine, drafter, target cache, batch (or
+    concurrency) and dtype replaced."""
     rows = json.loads(path.read_text()) if path.is_file() else []
 
     def key(row: dict) -> tuple:
         return (row["engine"], row["drafter"], row.get("target_cache"), row.get("batch"),
-                row.get("concurrency"))
+                row.get("concurrency"), row.get("dtype"))
 
     replaced = {key(r) for r in new}
     rows = [r for r in rows if key(r) not in replaced] + new

@@ -300,8 +300,24 @@ def measure_embedded(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
     }
     if lossless is False:
         bad = [i for i, p in enumerate(per_prompt) if not p["identical"]]
-        log.error("benchmark %s: outputs differ from greedy decoding on prompts %s", label, bad)
+        level, why = identity_log(engine, lossless)
+        log.log(level, "benchmark %s: outputs differ from greedy decoding on prompts %s%s",
+                label, bad, why)
     return summary, per_prompt
+
+
+def identity_log(engine, lossless: bool | None) -> tuple[int, str]:
+    """How outputs that leave greedy decoding are logged: an error where identity is exact (a
+    float32 target) unless they all leave at near ties; in a lower precision a warning that
+    says why (the deploy check treats it alike)."""
+    import torch
+
+    dtype = next(engine.runner.model.parameters()).dtype
+    if dtype in (torch.float32, torch.float64):
+        return (logging.WARNING if lossless else logging.ERROR), ""
+    return logging.WARNING, (f" (a {str(dtype).removeprefix('torch.')} target: a verify "
+                             "forward rounds otherwise than one-token steps, so near ties "
+                             "flip; identity is exact in float32)")
 
 
 def decode_again(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int | None,
@@ -433,8 +449,9 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
         **costs,
     }
     if differences:
-        log.log(logging.WARNING if summary["lossless"] else logging.ERROR,
-                "benchmark batch %d: outputs leave greedy decoding at %s", batch, differences)
+        level, why = identity_log(engine, summary["lossless"])
+        log.log(level, "benchmark batch %d: outputs leave greedy decoding at %s%s", batch,
+                differences, why)
     return summary
 
 
