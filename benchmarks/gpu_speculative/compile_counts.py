@@ -44,6 +44,7 @@ from random_parts import CONFIG, DRAFT_VOCAB, dev_length_prompts  # noqa: E402
 import draftsmith.compiling as compiling  # noqa: E402
 import draftsmith.serve.embedded as embedded  # noqa: E402
 from draftsmith.bench.benchmark import (  # noqa: E402
+    decode_again,
     measure_batched,
     measure_embedded,
     plain_decoding,
@@ -189,6 +190,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--prompts", type=int, default=12)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the target's and drafter's (the benchmark's target.dtype)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     torch.set_num_threads(max(torch.get_num_threads(), 1))
@@ -202,6 +205,7 @@ def main(argv: list[str] | None = None) -> None:
     torch._dynamo.utils.set_compilation_metrics_limit(10_000)
 
     target, drafter = parts(args.layers)
+    target, drafter = target.to(getattr(torch, args.dtype)), drafter.to(getattr(torch, args.dtype))
     prompts = dev_length_prompts(args.prompts)
     cfg = BenchmarkConfig(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                           warmup_prompts=1)
@@ -210,7 +214,8 @@ def main(argv: list[str] | None = None) -> None:
     with torch.inference_mode():
         eager = [plain_generate(reference_runner, p, cfg.max_new_tokens, None) for p in prompts]
     reference_runner.close()
-    result = {"variant": args.variant, "layers": args.layers, "prompts": args.prompts,
+    result = {"variant": args.variant, "dtype": args.dtype, "layers": args.layers,
+              "prompts": args.prompts,
               "max_new_tokens": args.max_new_tokens, "torch": torch.__version__,
               "eager_reference_s": round(time.perf_counter() - started, 2), "phases": []}
     records.take()
@@ -248,6 +253,9 @@ def main(argv: list[str] | None = None) -> None:
     summary, _ = phase("b1 speculative",
                        lambda: measure_embedded(engine, prompts, cfg, None, "random", eager))
     result["b1_speculative_identical_to_eager"] = summary["identical_outputs"]
+    # The benchmark's later speed pairs decode every prompt again: nothing left to compile.
+    phase("b1 again", lambda: [decode_again(engine, prompts, cfg, None, side)
+                               for side in ("speculative", "plain")])
     for size in args.batch_sizes:
         measured = phase(f"batch {size}",
                          lambda s=size: measure_batched(engine, prompts, cfg, None, s,
