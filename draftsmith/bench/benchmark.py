@@ -333,6 +333,7 @@ def decode_again(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: in
 
 
 STEP_COSTS = ("ms_per_plain_token", "ms_per_round", "speedup_limit")
+PAIRS_AGREE = 1.1  # speed pairs further apart than this are worth a warning
 
 
 def repeated_speedups(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
@@ -363,6 +364,14 @@ def repeated_speedups(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
                  order[0], pairs[-1]["speedup"])
     speedups = [p["speedup"] for p in pairs]
     median_pair = speedups.index(statistics.median_low(speedups))
+    if max(speedups) > PAIRS_AGREE * min(speedups):
+        log.warning(
+            "benchmark: the speed pairs disagree, %s: the machine's load changed between them, "
+            "or the first pass was not warm yet. The report gives the median pair's figures; "
+            "for steadier ones raise benchmark.warmup_prompts (now %d) or benchmark.repeats "
+            "(now %d), and keep other work off the device",
+            ", ".join(f"{p['speedup']:.2f}x ({p['order']})" for p in pairs),
+            cfg.warmup_prompts, cfg.repeats)
     return {"speedup": round(statistics.median(speedups), 3),
             "speedup_spread": [min(speedups), max(speedups)], "speedup_pairs": pairs,
             **{key: pairs[median_pair][key] for key in STEP_COSTS},

@@ -99,8 +99,8 @@ class Generation:
     tokens: list[int]
     seconds: float
     round_tokens: list[int] = field(default_factory=list)  # tokens kept per verify forward
-    # Wall time of the prompt's forward (to the first token), then drafting and verifying
-    # (each phase ends in a host sync, so no extra ones).
+    # Wall time of the prompt's forward (to the first token), then drafting and verifying as
+    # the round's RoundClock times them (on CUDA, on the GPU's own timeline).
     prefill_seconds: float = 0.0
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0
