@@ -35,3 +35,16 @@ def test_phases_out_of_order_or_unfinished_are_refused():
         clock.read()
     with pytest.raises(RuntimeError, match="start\\(\\) first"):
         RoundClock(torch.device("cpu")).end("draft")
+
+
+def test_a_round_adds_its_phases_to_the_generation():
+    from draftsmith.serve.embedded import Generation
+
+    clock, result = RoundClock(torch.device("cpu")), Generation(tokens=[], seconds=0.0)
+    for _ in range(2):
+        clock.start()
+        time.sleep(0.01)
+        clock.end("draft")
+        clock.end("verify")
+        clock.add_to(result)
+    assert result.draft_seconds >= 0.02 and 0 <= result.verify_seconds < result.draft_seconds

@@ -933,9 +933,7 @@ class EmbeddedSpeculativeEngine:
                                                       positions, tree.attention(n, self.device))
                 clock.end("verify")
                 path, next_token = self._verify_tree(tree, logits, sampling)
-                spent = clock.read()
-                result.draft_seconds += spent["draft"]
-                result.verify_seconds += spent["verify"]
+                clock.add_to(result)
                 kept = [0, *path]
                 _keep_cache_positions(cache, list(range(n)) + [n + i for i in kept])
                 accepted_tokens = [tree.tokens[i - 1] for i in path]
@@ -949,9 +947,7 @@ class EmbeddedSpeculativeEngine:
                 clock.end("verify")
                 drafts, accepted, next_token = self.verify_chain(drafts, draft_probs, logits,
                                                                  sampling)
-                spent = clock.read()
-                result.draft_seconds += spent["draft"]
-                result.verify_seconds += spent["verify"]
+                clock.add_to(result)
                 kept = slice(0, accepted + 1)
                 if len(drafts) > accepted:
                     self.runner.drop_last(cache, len(drafts) - accepted)

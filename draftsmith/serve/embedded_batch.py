@@ -357,7 +357,7 @@ class BatchedSpeculativeDecoder:
             clock.end("verify")
             accepted, bonus, host = self._verify(drafts, draft_probs, logits, samplings,
                                                  state.running)  # [B], [B], the same listed
-            spent = clock.read()  # the listing waited for the forward
+            clock.add_to(result)  # the listing waited for the forward
             # Every row's round at once: the verify slots past its accepted drafts die; its
             # tokens (accepted drafts, then the bonus) and aux states go to their positions.
             # What lands past them is overwritten by the next round before anything reads it.
@@ -374,8 +374,6 @@ class BatchedSpeculativeDecoder:
                     round_tokens[row].append(len(kept))
             drafted_upto = torch.where(running, last, drafted_upto)
             result.forwards += 1
-            result.draft_seconds += spent["draft"]
-            result.verify_seconds += spent["verify"]
         result.seconds = time.perf_counter() - started
         result.rows = state.generations()
         for generation, counts in zip(result.rows, round_tokens, strict=True):

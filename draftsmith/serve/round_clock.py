@@ -52,6 +52,12 @@ class RoundClock:
             spans = [end - begin for begin, end in pairwise(self._times)]
         return dict(zip(self.phases, spans, strict=True))
 
+    def add_to(self, result) -> None:
+        """read(), each phase's seconds added to result's `<phase>_seconds` (a Generation's
+        draft_seconds and verify_seconds)."""
+        for phase, seconds in self.read().items():
+            setattr(result, f"{phase}_seconds", getattr(result, f"{phase}_seconds") + seconds)
+
     def _mark(self) -> None:
         if self.on_gpu:
             self._events[self._next].record()
