@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +13,15 @@ import torch
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# A Prefect home of this test process's own. Prefect keeps cached task results in its home's
+# storage/, named by cache key, and a stage's key is its plan and run root: on a machine whose
+# pytest base folder repeats (/tmp/pytest-of-root/pytest-0 on a fresh CI host), a task run in
+# the user's home found the result an earlier suite left there, and never ran.
+PREFECT_TEST_HOME = tempfile.mkdtemp(prefix="draftsmith-test-prefect-home-")
+os.environ["PREFECT_HOME"] = PREFECT_TEST_HOME
+# Prefect 3.7's default for the results' folder is ~/.prefect/storage whatever the home.
+os.environ["PREFECT_RESULTS_LOCAL_STORAGE_PATH"] = os.path.join(PREFECT_TEST_HOME, "storage")
+atexit.register(shutil.rmtree, PREFECT_TEST_HOME, ignore_errors=True)
 # One thread per process, children included (OMP_NUM_THREADS): the models here are tiny, and on
 # a busy 2-core machine a second OpenMP thread waits for a core at every op. A 3-layer target's
 # sampled generation took 810 ms with two threads and 21 ms with one (load average 6.5).

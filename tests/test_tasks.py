@@ -95,3 +95,29 @@ def test_resolving_the_target_fails_an_input_error_at_once(prefect_api, monkeypa
     resolve_only()
     assert states[0].is_failed() and "no" in states[0].message
     assert len(calls) == attempts
+
+
+def test_a_cached_stage_result_goes_to_the_suites_prefect_home_not_the_users(prefect_api):
+    """Prefect stores a cached task's result under its home, by cache key. The suite has a home
+    of its own (tests/conftest.py): results left in the user's home by an earlier suite on the
+    same paths were found there, and a stage the test meant to run did not."""
+    import uuid
+    from pathlib import Path
+
+    from prefect import flow, task
+
+    from tests.conftest import PREFECT_TEST_HOME
+
+    key = f"draftsmith-suite-home-{uuid.uuid4().hex}"
+
+    @task(cache_key_fn=lambda *_: key, persist_result=True)
+    def stage() -> int:
+        return 1
+
+    @flow
+    def run() -> int:
+        return stage()
+
+    assert run() == 1
+    assert (Path(PREFECT_TEST_HOME) / "storage" / key).is_file()
+    assert not (Path.home() / ".prefect" / "storage" / key).exists()
