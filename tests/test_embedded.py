@@ -108,21 +108,42 @@ def test_eos_stops_generation(engine, prompts):
         check_bookkeeping(got)
 
 
-def oracle(engine, reference: list[int], prompt_len: int, wrong_at: int | None, calls: list):
-    """Wrap the engine's drafting: run it (so its caches advance as usual) but propose the
-    target's own greedy continuation, wrong from index `wrong_at` on."""
-    real = engine._draft
+def oracle(monkeypatch, engine, reference: list[int], prompt: list[int], wrong_at: int | None,
+           calls: list) -> None:
+    """Wrap the engine's drafting (`_draft`, and `greedy_round`, with which a greedy round
+    over static buffers drafts the next one ahead): run it, so its caches advance as usual,
+    and record (the tokens drafted after, the drafts) in `calls`; but propose the target's own
+    greedy continuation, wrong from index `wrong_at` on."""
+    real_draft, real_round = engine._draft, engine.greedy_round
 
-    def draft(tokens, aux, drafted_upto, cache, sampling):
-        drafts, probs, cache = real(tokens, aux, drafted_upto, cache, sampling)
-        calls.append((list(tokens), listed(drafts)))
-        done = len(tokens) - prompt_len
-        truth = (reference[done:] + [0] * NUM_STEPS)[:NUM_STEPS]
+    def truth_after(known: int) -> list[int]:
+        truth = (reference[known - len(prompt):] + [0] * NUM_STEPS)[:NUM_STEPS]
         if wrong_at is not None:
             truth = [t if i < wrong_at else (t + 1) % 512 for i, t in enumerate(truth)]
-        return truth, probs, cache
+        return truth
 
-    return draft
+    def draft(tokens, aux, drafted_upto, cache, sampling):
+        drafts, probs, cache = real_draft(tokens, aux, drafted_upto, cache, sampling)
+        calls.append((list(tokens), listed(drafts)))
+        truth = truth_after(len(tokens))
+        return (torch.tensor(truth) if isinstance(drafts, torch.Tensor) else truth), probs, cache
+
+    def draft_round(packed, anchors, *buffers):
+        drafts = real_round(packed, anchors, *buffers)  # [1, k]
+        start, last = packed[anchors.shape[1]:].tolist()  # the anchors' first position, last
+        known = start + last + 2  # the tokens drafted after: up to the last anchor's next
+        calls.append(([*prompt, *reference][:known], drafts[0].tolist()))
+        return torch.tensor([truth_after(known)])  # [1, k]
+
+    monkeypatch.setattr(engine, "_draft", draft)
+    monkeypatch.setattr(engine, "greedy_round", draft_round)
+
+
+def drafted_rounds(calls: list, generation: Generation) -> list:
+    """The recorded drafts that were verified: a round that drafts ahead drafts once more
+    than it verifies, when the budget ends the generation."""
+    assert len(calls) - generation.verify_rounds in (0, 1)
+    return calls[:generation.verify_rounds]
 
 
 @pytest.mark.parametrize(("wrong_at", "per_round"), [(None, NUM_STEPS + 1), (1, 2), (0, 1)])
@@ -130,7 +151,7 @@ def test_acceptance_with_drafts_that_agree(engine, prompts, monkeypatch, wrong_a
     prompt, max_new = prompts[1], 22
     reference = plain_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
     calls: list = []
-    monkeypatch.setattr(engine, "_draft", oracle(engine, reference, len(prompt), wrong_at, calls))
+    oracle(monkeypatch, engine, reference, prompt, wrong_at, calls)
     got = engine.generate(prompt, max_new, None)
     assert got.tokens == reference[:max_new]
     check_bookkeeping(got)
@@ -138,7 +159,7 @@ def test_acceptance_with_drafts_that_agree(engine, prompts, monkeypatch, wrong_a
     assert got.round_tokens[:-1] == [per_round] * (len(got.round_tokens) - 1)
     assert 1 <= got.round_tokens[-1] <= per_round
     assert got.acceptance_length == pytest.approx((max_new - 1) / len(got.round_tokens))
-    assert len(calls) == len(got.round_tokens)
+    assert len(drafted_rounds(calls, got)) == len(got.round_tokens)
 
 
 def scratch_drafts(drafter: Eagle3Drafter, model, tokens: list[int],
@@ -168,17 +189,27 @@ def scratch_drafts(drafter: Eagle3Drafter, model, tokens: list[int],
     return drafts
 
 
-@pytest.mark.parametrize("wrong_at", [None, 2])
-def test_drafts_equal_drafting_from_scratch(engine, drafter, target_model, prompts, monkeypatch,
-                                            wrong_at):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("wrong_at", [None, 0, 2])
+def test_drafts_equal_drafting_from_scratch(exported_drafter, drafter, target_model, prompts,
+                                            monkeypatch, wrong_at, cache):
     """The engine's incremental state (aux states kept from verify forwards, the drafter's
-    step-0 cache, target cache crops) gives the drafts a from-scratch computation gives."""
-    prompt, max_new = prompts[2], 16
-    reference = plain_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
-    calls: list = []
-    monkeypatch.setattr(engine, "_draft", oracle(engine, reference, len(prompt), wrong_at, calls))
-    engine.generate(prompt, max_new, None)
-    assert len(calls) >= 4
+    step-0 cache, target cache crops; over static buffers, the next round's anchors taken
+    on the device from the verify) gives the drafts a from-scratch computation gives, with
+    every round accepting all, none or some drafts. The round drafted ahead and never
+    verified is checked too."""
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS,
+                                            cache=cache)
+    try:
+        prompt, max_new = prompts[2], 16
+        reference = plain_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
+        calls: list = []
+        oracle(monkeypatch, engine, reference, prompt, wrong_at, calls)
+        got = engine.generate(prompt, max_new, None)
+    finally:
+        engine.runner.close()
+    assert got.tokens == reference[:max_new]
+    assert len(drafted_rounds(calls, got)) >= 4
     for tokens, drafts in calls:
         assert len(drafts) == NUM_STEPS
         assert drafts == scratch_drafts(drafter, target_model, tokens)
@@ -220,8 +251,7 @@ def test_eagle31_drafts_equal_drafting_from_scratch(target_model, eagle31_drafte
         assert len(prompt) > 2 * EAGLE31["sliding_window"]
         reference = plain_generate(engine.runner, prompt, max_new + NUM_STEPS, None).tokens
         calls: list = []
-        monkeypatch.setattr(engine, "_draft",
-                            oracle(engine, reference, len(prompt), wrong_at, calls))
+        oracle(monkeypatch, engine, reference, prompt, wrong_at, calls)
         assert engine.generate(prompt, max_new, None).tokens == reference[:max_new]
         for tokens, drafts in calls:
             assert drafts == scratch_drafts(drafter31, target_model, tokens,
@@ -482,8 +512,7 @@ def test_partly_accepted_rounds_are_the_same_on_the_static_cache(
         reference = plain_generate(dynamic.runner, prompt, max_new + NUM_STEPS, None).tokens
         generated = []
         for engine in (dynamic, static):
-            monkeypatch.setattr(engine, "_draft",
-                                oracle(engine, reference, len(prompt), wrong_at, []))
+            oracle(monkeypatch, engine, reference, prompt, wrong_at, [])
             generated.append(engine.generate(prompt, max_new, None))
         expected, got = generated
         assert got.tokens == expected.tokens == reference[:max_new]
@@ -840,13 +869,14 @@ def listed(drafts: list[int] | torch.Tensor) -> list[int]:
     return drafts.tolist() if isinstance(drafts, torch.Tensor) else drafts
 
 
-def test_a_greedy_round_reads_the_gpu_once_after_its_verify(target_model, exported_drafter,
-                                                             prompts, monkeypatch):
-    """On CUDA the host runs ahead of the GPU: a greedy round over static buffers hands its
-    drafts to the verify forward on the device, and reads the GPU once, after the verify
-    (the drafts and the target's verdicts together). A read between drafting and verifying
-    would hold the target's launches until the drafter's kernels had run. Off CUDA the same
-    flow shows as the order of the host's reads, with the steps replayed as CUDA's are."""
+def test_a_greedy_round_drafts_the_next_before_it_reads_the_gpu(target_model, exported_drafter,
+                                                                prompts, monkeypatch):
+    """On CUDA the host runs ahead of the GPU. A greedy round over static buffers hands its
+    drafts to the verify forward on the device, enqueues the next round's drafting from that
+    verify, and only then reads the GPU, once (the drafts and the target's verdicts
+    together): the drafter's kernels run while the host keeps the accepted tokens, and the
+    target's verify launches never wait for the host. Off CUDA the same flow shows as the
+    order of the host's reads, with the steps replayed as CUDA's are."""
     from draftsmith.serve import embedded
 
     monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
@@ -854,11 +884,16 @@ def test_a_greedy_round_reads_the_gpu_once_after_its_verify(target_model, export
     engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS,
                                             cache="static")
     events: list = []
-    draft, forward, tolist = engine._draft, engine.runner.forward, torch.Tensor.tolist
+    draft, draft_round = engine._draft, engine.greedy_round
+    forward, tolist = engine.runner.forward, torch.Tensor.tolist
 
     def drafting(*args):
         events.append("draft")
         return draft(*args)
+
+    def drafting_ahead(*args):
+        events.append("draft")
+        return draft_round(*args)
 
     def verifying(ids, cache):
         events.append(("verify", type(ids)))
@@ -869,6 +904,7 @@ def test_a_greedy_round_reads_the_gpu_once_after_its_verify(target_model, export
         return tolist(tensor)
 
     monkeypatch.setattr(engine, "_draft", drafting)
+    monkeypatch.setattr(engine, "greedy_round", drafting_ahead)
     monkeypatch.setattr(engine.runner, "forward", verifying)
     monkeypatch.setattr(torch.Tensor, "tolist", reading)
     mode = HostReads()
@@ -882,7 +918,8 @@ def test_a_greedy_round_reads_the_gpu_once_after_its_verify(target_model, export
         engine.runner.close()
     assert got.tokens == plain
     rounds = events[events.index("draft"):]
-    assert rounds == ["draft", ("verify", torch.Tensor), "read"] * len(got.round_tokens)
+    assert rounds == ["draft", *[("verify", torch.Tensor), "draft", "read"]
+                      * len(got.round_tokens)]
 
 
 # The drafter's static cache (deploy.embedded_cache=static, chains) ----------------------------

@@ -20,6 +20,7 @@ from tests.test_dflash import BLOCK
 from tests.test_embedded import (  # noqa: F401 (fixtures)
     NUM_STEPS,
     dflash_drafter_dir,
+    drafted_rounds,
     drafter,
     eagle31_drafter,
     exported_drafter,
@@ -117,14 +118,15 @@ def test_rows_accepting_different_counts_keep_to_their_own_tokens(
         references = [plain_generate(engine.runner, p, max_new + NUM_STEPS, None).tokens
                       for p in prompts]
         alone = []
-        real = engine._draft
+        real_draft, real_round = engine._draft, engine.greedy_round
         for prompt, reference, wrong in zip(prompts, references, wrong_at, strict=True):
             calls: list = []
-            monkeypatch.setattr(engine, "_draft", real)  # what the oracle wraps
-            monkeypatch.setattr(engine, "_draft", oracle(engine, reference, len(prompt), wrong,
-                                                         calls))
-            engine.generate(prompt, max_new, None)
-            alone.append([drafts for _, drafts in calls])
+            # what the oracle wraps
+            monkeypatch.setattr(engine, "_draft", real_draft)
+            monkeypatch.setattr(engine, "greedy_round", real_round)
+            oracle(monkeypatch, engine, reference, prompt, wrong, calls)
+            alone.append([drafts for _, drafts in drafted_rounds(
+                calls, engine.generate(prompt, max_new, None))])
         decoder = BatchedSpeculativeDecoder(engine)
         drafted: list[list[list[int]]] = [[] for _ in prompts]
         monkeypatch.setattr(decoder, "_draft", row_oracle(decoder, references, prompts,

@@ -57,6 +57,28 @@ def on_device(values: list[int] | list[bool], device: torch.device) -> torch.Ten
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class HostRead:
+    """A device tensor's values copied to the host without the host waiting for them until
+    `wait()`: it can enqueue more work behind the copy first (the next round's drafting), and
+    that work runs on the GPU while the host reads. `.tolist()` would wait for all of it."""
+
+    def __init__(self, values: torch.Tensor):
+        self._done: torch.cuda.Event | None = None
+        if values.device.type != "cuda":
+            self._values = values
+            return
+        self._values = torch.empty(values.shape, dtype=values.dtype,
+                                   pin_memory=True)  # values' shape, on the host
+        self._values.copy_(values, non_blocking=True)
+        self._done = torch.cuda.Event()
+        self._done.record()
+
+    def wait(self) -> list:
+        if self._done is not None:
+            self._done.synchronize()
+        return self._values.tolist()
+
+
 class Sampling:
     """Greedy (temperature 0) or temperature sampling, seeded."""
 
@@ -446,6 +468,27 @@ class DraftTree:
         return torch.cat([cached, visible], dim=1)[None, None].to(device)  # [1, 1, N+1, S]
 
 
+@dataclass
+class _Budget:
+    """When a generation stops: max_new_tokens after the prompt, or its first EOS."""
+
+    prompt_length: int
+    max_new_tokens: int
+    eos_id: int | None
+
+    def spent(self, tokens: list[int]) -> bool:
+        return (len(tokens) - self.prompt_length >= self.max_new_tokens
+                or tokens[-1] == self.eos_id)
+
+    def keep(self, tokens: list[int], produced: list[int], result: Generation) -> None:
+        """A round's tokens onto `tokens`, as many as the budget takes, and their count onto
+        the result's rounds."""
+        produced = truncate_output(produced, self.max_new_tokens
+                                   - (len(tokens) - self.prompt_length), self.eos_id)
+        tokens += produced
+        result.round_tokens.append(len(produced))
+
+
 class EmbeddedSpeculativeEngine:
     """How a round drafts follows the drafter's kind (draftsmith/model/registry.py): EAGLE-3
     step by step (`_draft`, or `_draft_tree` with topk > 1), DFlash a whole block in one
@@ -490,6 +533,13 @@ class EmbeddedSpeculativeEngine:
         self.draft_to_target = drafter.draft_to_target_ids()  # [D]
         self.vocab_size = drafter.config.vocab_size
         self.round_clock = RoundClock(self.device)
+        # A round that drafts the next one before it reads the GPU times two rounds at once.
+        self.next_round_clock = RoundClock(self.device)
+        # How greedy chain rounds run: over static drafter buffers each round drafts the next
+        # on the device, from its own verify, before the host reads its verdicts.
+        self._greedy_rounds = self._rounds
+        if self._draft == self._draft_static:
+            self._greedy_rounds = self._rounds_drafting_ahead
         self._static_caches: list[StaticDraftCache] = []  # one per drafter layer
         # width -> [T, T] causal mask. The captured steps' widths are made here: a compiled
         # step that filled the dict would fail its own guard and compile a second time.
@@ -918,10 +968,23 @@ class EmbeddedSpeculativeEngine:
         tokens = [*prompt, sampling.pick(logits[-1])]
         result = Generation(tokens=[], seconds=0.0,
                             prefill_seconds=time.perf_counter() - started)
-        drafter_cache, drafted_upto = self._new_drafter_cache(
-            len(prompt) + max_new_tokens + 2 * (self.num_steps + 1)), 0
+        drafter_cache = self._new_drafter_cache(
+            len(prompt) + max_new_tokens + 2 * (self.num_steps + 1))
+        rounds = self._greedy_rounds if sampling.greedy and not self.is_tree else self._rounds
+        rounds(tokens, aux, cache, drafter_cache, _Budget(len(prompt), max_new_tokens, eos_id),
+               sampling, result)
+        result.tokens = truncate_output(tokens[len(prompt):], max_new_tokens, eos_id)
+        result.seconds = time.perf_counter() - started
+        return result
+
+    def _rounds(self, tokens: list[int], aux: torch.Tensor, cache, drafter_cache,
+                budget: _Budget, sampling: Sampling, result: Generation) -> None:
+        """Draft, verify, read the verdicts, keep what was accepted: round after round, until
+        the budget is spent. tokens (the prompt and the prefill's token) grows in place; aux
+        [1, n, K*H] holds the target's aux states of the positions drafted from."""
+        drafted_upto = 0
         clock = self.round_clock
-        while len(tokens) - len(prompt) < max_new_tokens and tokens[-1] != eos_id:
+        while not budget.spent(tokens):
             n = len(tokens) - 1
             if self.is_tree:
                 clock.start()
@@ -945,22 +1008,66 @@ class EmbeddedSpeculativeEngine:
                 logits, new_aux = self.runner.forward(self.verify_ids(tokens[n], drafts),
                                                       cache)  # [k+1, V]
                 clock.end("verify")
-                drafts, accepted, next_token = self.verify_chain(drafts, draft_probs, logits,
-                                                                 sampling)
+                accepted, next_token = self.verify_chain(drafts, draft_probs, logits, sampling)
                 clock.add_to(result)
                 kept = slice(0, accepted + 1)
                 if len(drafts) > accepted:
                     self.runner.drop_last(cache, len(drafts) - accepted)
                 accepted_tokens = drafts[:accepted]
             drafted_upto = n
-            produced = truncate_output([*accepted_tokens, next_token],
-                                       max_new_tokens - (len(tokens) - len(prompt)), eos_id)
-            tokens += produced
-            result.round_tokens.append(len(produced))
+            budget.keep(tokens, [*accepted_tokens, next_token], result)
             aux = torch.cat([aux, new_aux[:, kept]], dim=1)  # [1, n+a+1, K*H]
-        result.tokens = truncate_output(tokens[len(prompt):], max_new_tokens, eos_id)
-        result.seconds = time.perf_counter() - started
-        return result
+
+    @torch.inference_mode()
+    def _rounds_drafting_ahead(self, tokens: list[int], aux: torch.Tensor,
+                               cache: StaticTargetCache, drafter_cache: StaticDraftCache,
+                               budget: _Budget, sampling: Sampling, result: Generation) -> None:
+        """Greedy chain rounds over static buffers, each drafting the next before it reads
+        the GPU. The next round's anchors are this round's verify positions: their ids are the
+        target's argmax there (the accepted drafts equal it, then the bonus token), their aux
+        states the verify's, and the last real one sits at the accepted count, all on the
+        device. So the drafter's graph is enqueued right behind the verify, and it runs while
+        the host reads the verdicts and keeps the accepted tokens: the GPU does not wait for
+        the host between rounds. The rows past the accepted count are the padding that
+        `_draft_static` makes otherwise; what they hold is never read. A generation's last
+        round drafts one round that is never verified."""
+        if budget.spent(tokens):
+            return
+        k, dev = self.num_steps, self.device
+        clock, next_clock = self.round_clock, self.next_round_clock
+        clock.start()
+        drafts, _, _ = self._draft(tokens, aux, 0, drafter_cache, sampling)  # [k], the prompt's
+        clock.end("draft")
+        while True:
+            n = len(tokens) - 1
+            logits, new_aux = self.runner.forward(self.verify_ids(tokens[n], drafts),
+                                                  cache)  # [k+1, V], [1, k+1, K*H]
+            clock.end("verify")
+            verified = logits.argmax(-1)  # [k+1]
+            verdicts = HostRead(torch.cat([drafts, verified]))  # [2k+1]
+            accepted = (drafts == verified[:k]).long().cumprod(0).sum()  # []
+            next_clock.start()
+            drafts = self.greedy_round(
+                torch.cat([verified, on_device([n], dev), accepted.view(1)]),  # [k+3]
+                new_aux, drafter_cache.slots, drafter_cache.k, drafter_cache.v)[0]  # [k]
+            next_clock.end("draft")
+            listed = verdicts.wait()
+            clock.add_to(result)
+            accepted_tokens = self.accepted_prefix(listed[:k], listed[k:])
+            if len(accepted_tokens) < k:
+                self.runner.drop_last(cache, k - len(accepted_tokens))
+            budget.keep(tokens, [*accepted_tokens, listed[k + len(accepted_tokens)]], result)
+            if budget.spent(tokens):
+                return
+            clock, next_clock = next_clock, clock
+
+    @staticmethod
+    def accepted_prefix(drafts: list[int], verified: list[int]) -> list[int]:
+        """The drafts up to the first that the target's own token (verified) differs from."""
+        accepted = 0
+        while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
+            accepted += 1
+        return drafts[:accepted]
 
     @torch.inference_mode()
     def replay(self, prompt: list[int], output: list[int]) -> Generation:
@@ -1001,28 +1108,20 @@ class EmbeddedSpeculativeEngine:
         return [last, *drafts]
 
     @staticmethod
-    def verify_chain(drafts: list[int] | torch.Tensor, draft_probs: list[torch.Tensor],
-                     logits: torch.Tensor, sampling: Sampling) -> tuple[list[int], int, int]:
-        """(the drafts, listed; how many were accepted; the target's own next token). logits
-        [k+1, V]: row i is the target's prediction for the position of draft i (row k: the
-        bonus position). Drafts still on the device are read with the verdicts, in the
-        round's one read of the GPU."""
+    def verify_chain(drafts: list[int], draft_probs: list[torch.Tensor],
+                     logits: torch.Tensor, sampling: Sampling) -> tuple[int, int]:
+        """(how many drafts were accepted, the target's own next token). logits [k+1, V]:
+        row i is the target's prediction for the position of draft i (row k: the bonus
+        position)."""
         if sampling.greedy:
-            verified = logits.argmax(-1)  # [k+1]
-            if isinstance(drafts, torch.Tensor):
-                listed = torch.cat([drafts, verified]).tolist()
-                drafts, verified = listed[:len(drafts)], listed[len(drafts):]
-            else:
-                verified = verified.tolist()
-            accepted = 0
-            while accepted < len(drafts) and drafts[accepted] == verified[accepted]:
-                accepted += 1
-            return drafts, accepted, verified[accepted]
+            verified = logits.argmax(-1).tolist()  # k+1
+            accepted = len(EmbeddedSpeculativeEngine.accepted_prefix(drafts, verified))
+            return accepted, verified[accepted]
         p = sampling.probs(logits)  # [k+1, V]
         for i, (token, q) in enumerate(zip(drafts, draft_probs, strict=True)):
             if sampling.uniform() >= acceptance_probability(p[i], q, token):
-                return drafts, i, sampling.draw(residual_distribution(p[i], q))
-        return drafts, len(drafts), sampling.draw(p[len(drafts)])
+                return i, sampling.draw(residual_distribution(p[i], q))
+        return len(drafts), sampling.draw(p[len(drafts)])
 
     @staticmethod
     def _verify_tree(tree: DraftTree, logits: torch.Tensor,

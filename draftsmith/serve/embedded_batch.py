@@ -487,8 +487,8 @@ class BatchedSpeculativeDecoder:
                 accepted.append(0)
                 bonus.append(0)
                 continue
-            _, a, token = self.engine.verify_chain(drafts[row].tolist(), draft_probs[row],
-                                                   logits[row], samplings[row])
+            a, token = self.engine.verify_chain(drafts[row].tolist(), draft_probs[row],
+                                                logits[row], samplings[row])
             accepted.append(a)
             bonus.append(token)
         return (torch.tensor(accepted, device=self.device),
