@@ -13,6 +13,7 @@ import torch
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, Sampling, plain_generate
 from draftsmith.serve.embedded_batch import (
     BatchedSpeculativeDecoder,
+    BatchTarget,
     Slots,
     plain_generate_batch,
 )
@@ -132,7 +133,11 @@ def test_rows_accepting_different_counts_keep_to_their_own_tokens(
         monkeypatch.setattr(decoder, "_draft", row_oracle(decoder, references, prompts,
                                                           wrong_at, drafted))
         batch = decoder.generate(prompts, max_new, None)
-        assert drafted == alone
+        # A greedy batch drafts ahead: a row drafts once more than it verifies when it ends.
+        assert all(len(d) - len(row.round_tokens) in (0, 1)
+                   for d, row in zip(drafted, batch.rows, strict=True))
+        assert [d[:len(row.round_tokens)] for d, row in zip(drafted, batch.rows,
+                                                               strict=True)] == alone
         for row, reference, wrong in zip(batch.rows, references, wrong_at, strict=True):
             assert row.tokens == reference[:max_new]
             per_round = NUM_STEPS + 1 if wrong is None else wrong + 1
@@ -157,6 +162,24 @@ def test_rows_that_stop_early_leave_the_others_as_they_were(target_model, export
         assert len(lengths) > 1  # rows did stop at different times
         plain = plain_generate_batch(engine.runner, prompts, 24, eos)
         assert [r.tokens for r in plain.rows] == [a.tokens for a in alone]
+    finally:
+        engine.runner.close()
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_row_whose_first_token_ends_it_leaves_the_others_as_they_were(
+        target_model, drafter_dir, prompts, cache):  # noqa: F811
+    """A row that ends with the prompt's own token (its EOS) never runs a round; the rows
+    beside it draft and verify round after round, with it in the batch."""
+    engine = loaded(target_model, drafter_dir, cache)
+    try:
+        eos = plain_generate(engine.runner, prompts[1], 1, None).tokens[0]
+        alone = [engine.generate(p, 16, eos) for p in prompts]
+        assert alone[1].tokens == [eos] and alone[1].round_tokens == []
+        assert max(len(a.tokens) for a in alone) > 8  # others go on for rounds
+        batch = BatchedSpeculativeDecoder(engine).generate(prompts, 16, eos)
+        assert [r.tokens for r in batch.rows] == [a.tokens for a in alone]
+        assert [r.round_tokens for r in batch.rows] == [a.round_tokens for a in alone]
     finally:
         engine.runner.close()
 
@@ -200,6 +223,56 @@ def test_a_rounds_bookkeeping_is_not_counted_as_verifying(target_model, exported
         engine.runner.close()
     rest = batch.seconds - batch.prefill_seconds - batch.draft_seconds - batch.verify_seconds
     assert batch.forwards > 0 and rest >= pause_s * batch.forwards
+
+
+def test_a_greedy_batch_drafts_the_next_round_before_it_reads_the_gpu(
+        target_model, exported_drafter, prompts, monkeypatch):  # noqa: F811
+    """A greedy batch round enqueues the next round's drafting (its anchors are on the device
+    once the verify's tokens and aux states are scattered) before its one read of the GPU:
+    on CUDA the drafter's launches go out while the GPU verifies. Sampled rows draw on the
+    host, so there each verify is read before the next drafting."""
+    engine = loaded(target_model, (exported_drafter, "eagle3"), "static")
+    events: list = []
+    tolist, verify = torch.Tensor.tolist, BatchTarget.forward
+
+    def reading(tensor):
+        events.append("read")
+        return tolist(tensor)
+
+    def verifying(self, ids, positions, live, last_only=False):
+        if not last_only:  # the prompts' forward
+            events.append("verify")
+        return verify(self, ids, positions, live, last_only)
+
+    def order(samplings) -> tuple[list, int]:
+        decoder = BatchedSpeculativeDecoder(engine)
+        draft = decoder._draft
+
+        def drafting(*args, **kwargs):
+            events.append("draft")
+            return draft(*args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(decoder, "_draft", drafting)
+            patch.setattr(BatchTarget, "forward", verifying)
+            patch.setattr(torch.Tensor, "tolist", reading)
+            events.clear()
+            batch = decoder.generate(prompts, 12, None, samplings)
+        return events[events.index("draft"):], batch.forwards
+
+    try:
+        greedy, rounds = order(None)
+        assert rounds > 2
+        assert greedy == ["draft", *["verify", "draft", "read"] * rounds]
+        sampled, rounds = order([Sampling(0.8, seed=row) for row in range(len(prompts))])
+        assert rounds > 2
+        verifies = [i for i, e in enumerate(sampled) if e == "verify"]
+        drafts = [i for i, e in enumerate(sampled) if e == "draft"]
+        assert len(verifies) == rounds and len(drafts) == rounds
+        for verified, next_draft in zip(verifies, drafts[1:], strict=False):
+            assert "read" in sampled[verified:next_draft]
+    finally:
+        engine.runner.close()
 
 
 def test_a_tree_drafter_is_refused_naming_the_setting(target_model, exported_drafter):  # noqa: F811

@@ -30,6 +30,7 @@ from draftsmith.compiling import fixed_address
 from draftsmith.serve.embedded import (
     EmbeddedSpeculativeEngine,
     Generation,
+    HostRead,
     Sampling,
     TargetRunner,
     has_sliding_window_layers,
@@ -340,14 +341,18 @@ class BatchedSpeculativeDecoder:
         result = BatchGeneration(rows=[], prefill_seconds=time.perf_counter() - started)
         round_tokens: list[list[int]] = [[] for _ in prompts]
         drafted_upto = torch.zeros(rows, dtype=torch.long, device=dev)  # [B]
-        clock = RoundClock(dev)
-        while any(state.running):
+        # Greedy rounds draft the next round before they read the GPU (as
+        # EmbeddedSpeculativeEngine's do): its anchors are on the device by then, and the
+        # drafter's launches go out while the GPU verifies. Two clocks, one per round in flight.
+        ahead = all(s.greedy for s in samplings)
+        clock, next_clock = RoundClock(dev), RoundClock(dev)
+        last, running = state.last_positions(), state.live()  # [B]: n, each row's last token
+        if any(state.running):
             clock.start()
-            last = state.last_positions()  # [B]: n, each row's last known token
-            running = state.live()  # [B]
             drafts, draft_probs = self._draft(drafter_kv, token_at, aux_at, drafted_upto, last,
-                                              running, samplings, first=not result.forwards)
+                                              running, samplings, first=True)  # [B, k]
             clock.end("draft")
+        while any(state.running):
             verify_ids = torch.cat([token_at.gather(1, last[:, None]), drafts],
                                    dim=1)  # [B, k+1]
             verify_positions = last[:, None] + torch.arange(k + 1, device=dev)  # [B, k+1]
@@ -355,9 +360,8 @@ class BatchedSpeculativeDecoder:
             logits, new_aux = target.forward(verify_ids, verify_positions,
                                              running[:, None].expand(-1, k + 1))  # [B, k+1, V]
             clock.end("verify")
-            accepted, bonus, host = self._verify(drafts, draft_probs, logits, samplings,
-                                                 state.running)  # [B], [B], the same listed
-            clock.add_to(result)  # the listing waited for the forward
+            accepted, bonus, verdicts = self._verify(drafts, draft_probs, logits, samplings,
+                                                     state.running)  # [B], [B], to be listed
             # Every row's round at once: the verify slots past its accepted drafts die; its
             # tokens (accepted drafts, then the bonus) and aux states go to their positions.
             # What lands past them is overwritten by the next round before anything reads it.
@@ -368,12 +372,31 @@ class BatchedSpeculativeDecoder:
             token_at.scatter_(1, last[:, None] + 1 + columns, made)
             aux_at.scatter_(1, verify_positions[..., None].expand(-1, -1, aux_at.shape[-1]),
                             new_aux)
+            drafted_upto = torch.where(running, last, drafted_upto)
+            if ahead:  # a row that ends in this round drafts once more, for nothing
+                next_clock.start()
+                next_last = torch.where(running, last + accepted + 1, last).clamp(
+                    max=token_at.shape[1] - 1)  # [B]
+                next_drafts, next_probs = self._draft(drafter_kv, token_at, aux_at,
+                                                      drafted_upto, next_last, running,
+                                                      samplings, first=False)
+                next_clock.end("draft")
+            host = verdicts()
+            clock.add_to(result)  # the listing waited for the forward
             for row, (a, next_token, row_drafts) in enumerate(zip(*host, strict=True)):
                 if state.running[row]:
                     kept = state.add(row, [*row_drafts[:a], next_token])
                     round_tokens[row].append(len(kept))
-            drafted_upto = torch.where(running, last, drafted_upto)
             result.forwards += 1
+            last, running = state.last_positions(), state.live()
+            if ahead:
+                drafts, draft_probs = next_drafts, next_probs
+                clock, next_clock = next_clock, clock
+            elif any(state.running):
+                clock.start()
+                drafts, draft_probs = self._draft(drafter_kv, token_at, aux_at, drafted_upto,
+                                                  last, running, samplings, first=False)
+                clock.end("draft")
         result.seconds = time.perf_counter() - started
         result.rows = state.generations()
         for generation, counts in zip(result.rows, round_tokens, strict=True):
@@ -387,6 +410,9 @@ class BatchedSpeculativeDecoder:
         aux [B, W, K*H], positions [B, W] and live [B, W]."""
         new = last - drafted_upto  # [B]
         width = int(new.max()) if first else self.num_steps + 1
+        # A running row has at most num_steps + 1; a row that ended with its first token
+        # never drafted, and has its whole prompt (its drafts are dropped).
+        new = new.clamp(max=width)  # [B]
         offsets = torch.arange(width, device=self.device)  # [W]
         positions = drafted_upto[:, None] + offsets  # [B, W]
         # A row that finished with its first token keeps its prompt's anchors live, so that
@@ -471,16 +497,21 @@ class BatchedSpeculativeDecoder:
     def _verify(self, drafts: torch.Tensor, draft_probs: list[list[torch.Tensor]],
                 logits: torch.Tensor, samplings: list[Sampling], running: list[bool]):
         """Per row, the drafts accepted [B] and the target's own next token [B], on the
-        device, and on the host the same with the drafts (accepted, next, drafts per row).
-        drafts [B, k], logits [B, k+1, V]. A finished row's figures mean nothing."""
+        device, and what lists the same on the host with the drafts (accepted, next, drafts
+        per row): greedy, a read of the GPU left to the caller's time (`HostRead`), so that
+        it can enqueue more work first. drafts [B, k], logits [B, k+1, V]. A finished row's
+        figures mean nothing."""
         if all(s.greedy for s in samplings):
             verified = logits.argmax(-1)  # [B, k+1]
             accepted = (drafts == verified[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B]
             bonus = verified.gather(1, accepted[:, None])[:, 0]  # [B]
-            host = torch.cat([accepted[:, None], bonus[:, None], drafts],
-                             dim=1).tolist()  # one wait for the device a round
-            return accepted, bonus, ([r[0] for r in host], [r[1] for r in host],
-                                     [r[2:] for r in host])
+            read = HostRead(torch.cat([accepted[:, None], bonus[:, None], drafts],
+                                      dim=1))  # [B, k+2]: one wait for the device a round
+
+            def listed():
+                host = read.wait()
+                return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
+            return accepted, bonus, listed
         accepted, bonus = [], []
         for row, on in enumerate(running):
             if not on:
@@ -491,5 +522,6 @@ class BatchedSpeculativeDecoder:
                                                 logits[row], samplings[row])
             accepted.append(a)
             bonus.append(token)
+        listed = (accepted, bonus, drafts.tolist())
         return (torch.tensor(accepted, device=self.device),
-                torch.tensor(bonus, device=self.device), (accepted, bonus, drafts.tolist()))
+                torch.tensor(bonus, device=self.device), lambda: listed)
