@@ -7,6 +7,12 @@ SmolLM2-shaped random parts (random_parts.py): the count is the same on any devi
 figure is the difference between generating 48 and 24 tokens, divided by the extra rounds, so
 the prompt's forward drops out.
 
+`after_read_per_round` counts only the operations between a round's read of the GPU (the
+verdicts' `.tolist()`) and the replay of the next verify forward: while the host runs those,
+the GPU has only what was enqueued before the read to work on. A round that drafts the next
+one before it reads leaves the drafter's graph there; a round that drafts after it reads
+leaves the GPU idle for its drafting's host part.
+
     python benchmarks/gpu_speculative/host_ops.py \
         --out benchmarks/results/gpu_speculative/host_ops.json
 """
@@ -40,14 +46,31 @@ class Counting(TorchDispatchMode):
         super().__init__()
         self.counts: collections.Counter = collections.Counter()
         self.inside = False
+        self.after_read: int | None = None  # operations since the last read, until a verify
+        self.after_reads: list[int] = []  # per read, those operations
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self.inside:
-            self.counts[str(func)] += 1
+            self.count(str(func))
         return func(*args, **(kwargs or {}))
 
+    def count(self, operation: str) -> None:
+        self.counts[operation] += 1
+        if self.after_read is not None:
+            self.after_read += 1
 
-def counted_captures(mode: Counting) -> None:
+    def read(self) -> None:
+        self.after_read = 0
+
+    def verify_replayed(self) -> None:
+        if self.after_read is not None:
+            self.after_reads.append(self.after_read)
+        self.after_read = None
+
+
+def counted_captures(mode: Counting, verify_steps: list) -> None:
+    """Captured steps count as their replay and input copies; a replay of one of
+    `verify_steps` (the target's) ends the count since the last read."""
     replay = compiling.CapturedStep.__call__
 
     def call(self, *args, **kwargs):
@@ -57,11 +80,22 @@ def counted_captures(mode: Counting) -> None:
             return replay(self, *args, **kwargs)
         finally:
             mode.inside = False
-            mode.counts["<graph replay>"] += 1
-            mode.counts["<input buffer copy>"] += sum(
-                isinstance(x, torch.Tensor) and not compiling.is_fixed(x) for x in leaves)
+            mode.count("<graph replay>")
+            for _ in range(sum(isinstance(x, torch.Tensor) and not compiling.is_fixed(x)
+                               for x in leaves)):
+                mode.count("<input buffer copy>")
+            if self in verify_steps:
+                mode.verify_replayed()
 
     compiling.CapturedStep.__call__ = call
+    tolist = torch.Tensor.tolist
+
+    def read(tensor):
+        if not mode.inside:
+            mode.read()
+        return tolist(tensor)
+
+    torch.Tensor.tolist = read
 
 
 def per_extra(mode: Counting, run, short: int, long: int) -> tuple[dict, float]:
@@ -78,6 +112,14 @@ def per_extra(mode: Counting, run, short: int, long: int) -> tuple[dict, float]:
     return {op: round(n / per, 2) for op, n in extra.most_common()}, sum(extra.values()) / per
 
 
+def after_reads(mode: Counting, run, tokens: int) -> list[int]:
+    """Per read of a run of `tokens` new tokens, the operations until the next verify."""
+    mode.after_reads, mode.after_read = [], None
+    with mode:
+        run(tokens)
+    return mode.after_reads
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -87,10 +129,10 @@ def main(argv: list[str] | None = None) -> None:
     embedded.cuda_graphs = lambda device: True
     embedded.compiled_once = lambda fn, **_options: fn
     mode = Counting()
-    counted_captures(mode)
     model = smollm2_shaped_target("cpu")
     engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
                                        cache="static")
+    counted_captures(mode, [engine.runner._captured.compiled])
     prompt = list(range(1000, 1060))
     engine.generate(prompt, 8, None)  # captures made before counting
     plain_generate(engine.runner, prompt, 8, None)
@@ -98,7 +140,9 @@ def main(argv: list[str] | None = None) -> None:
         mode, lambda tokens: engine.generate(prompt, tokens, None), 24, 48)
     plain_ops, plain_total = per_extra(
         mode, lambda tokens: plain_generate(engine.runner, prompt, tokens, None), 24, 48)
+    speculative = after_reads(mode, lambda tokens: engine.generate(prompt, tokens, None), 48)
     result = {"per_round": round(round_total, 2), "per_plain_token": round(plain_total, 2),
+              "after_read_per_round": collections.Counter(speculative).most_common(),
               "round_operations": round_ops, "plain_operations": plain_ops,
               "num_steps": 3, "steps_ran": engine.steps_ran()}
     print(json.dumps(result, indent=1))
