@@ -970,7 +970,7 @@ class EmbeddedSpeculativeEngine:
                             prefill_seconds=time.perf_counter() - started)
         drafter_cache = self._new_drafter_cache(
             len(prompt) + max_new_tokens + 2 * (self.num_steps + 1))
-        rounds = self._greedy_rounds if sampling.greedy and not self.is_tree else self._rounds
+        rounds = self._greedy_rounds if sampling.greedy else self._rounds
         rounds(tokens, aux, cache, drafter_cache, _Budget(len(prompt), max_new_tokens, eos_id),
                sampling, result)
         result.tokens = truncate_output(tokens[len(prompt):], max_new_tokens, eos_id)
