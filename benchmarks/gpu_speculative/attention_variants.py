@@ -147,9 +147,10 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     common = ["--device", args.device, "--prompts", str(args.prompts), "--max-new-tokens",
               str(args.max_new_tokens), "--out", str(args.out)]
-    children = {v: subprocess.Popen([sys.executable, __file__, "--one", v, *common])
-                for v in args.variants}
-    for variant, child in children.items():
+    # A list, not a dict: a variant named twice is two runs.
+    children = [(v, subprocess.Popen([sys.executable, __file__, "--one", v, *common]))
+                for v in args.variants]
+    for variant, child in children:
         print(f"{variant}: rc {child.wait()}", flush=True)
     for line in args.out.read_text().splitlines():
         row = json.loads(line)
