@@ -11,7 +11,8 @@ the prompt's forward drops out.
 verdicts' `.tolist()`) and the replay of the next verify forward: while the host runs those,
 the GPU has only what was enqueued before the read to work on. A round that drafts the next
 one before it reads leaves the drafter's graph there; a round that drafts after it reads
-leaves the GPU idle for its drafting's host part.
+leaves the GPU idle for its drafting's host part. `--batch N` counts the batched decoder's
+rounds the same way (its prompts' read, before the first round's drafting, is one entry).
 
     python benchmarks/gpu_speculative/host_ops.py \
         --out benchmarks/results/gpu_speculative/host_ops.json
@@ -36,6 +37,7 @@ from random_parts import random_eagle3_drafter, smollm2_shaped_target  # noqa: E
 from draftsmith import compiling  # noqa: E402
 from draftsmith.serve import embedded  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine, plain_generate  # noqa: E402
+from draftsmith.serve.embedded_batch import BatchedSpeculativeDecoder  # noqa: E402
 
 
 class Counting(TorchDispatchMode):
@@ -100,12 +102,12 @@ def counted_captures(mode: Counting, verify_steps: list) -> None:
 
 def per_extra(mode: Counting, run, short: int, long: int) -> tuple[dict, float]:
     """Operations per extra round (or token) between a run of `short` and one of `long`
-    new tokens."""
+    new tokens. run(tokens) -> how many rounds (or tokens) it made."""
     counts, rounds = [], []
     for tokens in (short, long):
         mode.counts.clear()
         with mode:
-            rounds.append(run(tokens).verify_rounds)
+            rounds.append(run(tokens))
         counts.append(mode.counts.copy())
     extra = counts[1] - counts[0]
     per = rounds[1] - rounds[0]
@@ -123,6 +125,8 @@ def after_reads(mode: Counting, run, tokens: int) -> list[int]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--batch", type=int, default=0,
+                        help="also a batch of this many prompts (the batched decoder)")
     args = parser.parse_args(argv)
     # The static path as CUDA runs it: steps captured (here, replayed without graphs), not
     # compiled (the count is the host's, and inductor's CPU build takes minutes).
@@ -137,14 +141,26 @@ def main(argv: list[str] | None = None) -> None:
     engine.generate(prompt, 8, None)  # captures made before counting
     plain_generate(engine.runner, prompt, 8, None)
     round_ops, round_total = per_extra(
-        mode, lambda tokens: engine.generate(prompt, tokens, None), 24, 48)
+        mode, lambda tokens: engine.generate(prompt, tokens, None).verify_rounds, 24, 48)
     plain_ops, plain_total = per_extra(
-        mode, lambda tokens: plain_generate(engine.runner, prompt, tokens, None), 24, 48)
+        mode, lambda tokens: plain_generate(engine.runner, prompt, tokens, None).verify_rounds,
+        24, 48)
     speculative = after_reads(mode, lambda tokens: engine.generate(prompt, tokens, None), 48)
     result = {"per_round": round(round_total, 2), "per_plain_token": round(plain_total, 2),
               "after_read_per_round": collections.Counter(speculative).most_common(),
               "round_operations": round_ops, "plain_operations": plain_ops,
               "num_steps": 3, "steps_ran": engine.steps_ran()}
+    if args.batch:
+        decoder = BatchedSpeculativeDecoder(engine)
+        prompts = [list(range(1000 + 7 * row, 1060 + 7 * row)) for row in range(args.batch)]
+        decoder.generate(prompts, 8, None)  # captures made before counting
+        batch_ops, batch_total = per_extra(
+            mode, lambda tokens: decoder.generate(prompts, tokens, None).forwards, 24, 48)
+        batch_reads = after_reads(mode, lambda tokens: decoder.generate(prompts, tokens, None),
+                                  48)
+        result["batch"] = {"rows": args.batch, "per_round": round(batch_total, 2),
+                           "after_read_per_round": collections.Counter(batch_reads).most_common(),
+                           "round_operations": batch_ops}
     print(json.dumps(result, indent=1))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
