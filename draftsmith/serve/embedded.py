@@ -79,6 +79,12 @@ class HostRead:
         return self._values.tolist()
 
 
+def accepted_counts(drafts: torch.Tensor, verified: torch.Tensor) -> torch.Tensor:
+    """How many of each chain's drafts [..., k] the target keeps, on the device: those before
+    the first that differs from the target's own token there (verified [..., k+1]) -> [...]."""
+    return (drafts == verified[..., :-1]).long().cumprod(-1).sum(-1)
+
+
 class Sampling:
     """Greedy (temperature 0) or temperature sampling, seeded."""
 
@@ -1044,19 +1050,18 @@ class EmbeddedSpeculativeEngine:
                                                   cache)  # [k+1, V], [1, k+1, K*H]
             clock.end("verify")
             verified = logits.argmax(-1)  # [k+1]
-            verdicts = HostRead(torch.cat([drafts, verified]))  # [2k+1]
-            accepted = (drafts == verified[:k]).long().cumprod(0).sum()  # []
+            accepted = accepted_counts(drafts, verified)  # []
+            verdicts = HostRead(torch.cat([accepted.view(1), verified, drafts]))  # [2k+2]
             next_clock.start()
             drafts = self.greedy_round(
                 torch.cat([verified, on_device([n], dev), accepted.view(1)]),  # [k+3]
                 new_aux, drafter_cache.slots, drafter_cache.k, drafter_cache.v)[0]  # [k]
             next_clock.end("draft")
-            listed = verdicts.wait()
+            a, *listed = verdicts.wait()
             clock.add_to(result)
-            accepted_tokens = self.accepted_prefix(listed[:k], listed[k:])
-            if len(accepted_tokens) < k:
-                self.runner.drop_last(cache, k - len(accepted_tokens))
-            budget.keep(tokens, [*accepted_tokens, listed[k + len(accepted_tokens)]], result)
+            if a < k:
+                self.runner.drop_last(cache, k - a)
+            budget.keep(tokens, listed[k + 1:k + 1 + a] + [listed[a]], result)
             if budget.spent(tokens):
                 return
             clock, next_clock = next_clock, clock

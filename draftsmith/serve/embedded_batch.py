@@ -33,6 +33,7 @@ from draftsmith.serve.embedded import (
     HostRead,
     Sampling,
     TargetRunner,
+    accepted_counts,
     has_sliding_window_layers,
     on_device,
     truncate_output,
@@ -381,9 +382,9 @@ class BatchedSpeculativeDecoder:
                                                       drafted_upto, next_last, running,
                                                       samplings, first=False)
                 next_clock.end("draft")
-            host = verdicts()
-            clock.add_to(result)  # the listing waited for the forward
-            for row, (a, next_token, row_drafts) in enumerate(zip(*host, strict=True)):
+            host = verdicts.wait()
+            clock.add_to(result)  # the read waited for the forward
+            for row, (a, next_token, *row_drafts) in enumerate(host):
                 if state.running[row]:
                     kept = state.add(row, [*row_drafts[:a], next_token])
                     round_tokens[row].append(len(kept))
@@ -497,21 +498,16 @@ class BatchedSpeculativeDecoder:
     def _verify(self, drafts: torch.Tensor, draft_probs: list[list[torch.Tensor]],
                 logits: torch.Tensor, samplings: list[Sampling], running: list[bool]):
         """Per row, the drafts accepted [B] and the target's own next token [B], on the
-        device, and what lists the same on the host with the drafts (accepted, next, drafts
-        per row): greedy, a read of the GPU left to the caller's time (`HostRead`), so that
-        it can enqueue more work first. drafts [B, k], logits [B, k+1, V]. A finished row's
+        device, and the same with the drafts for the host, a row each [accepted, next,
+        *drafts], as a `HostRead`: greedy, the GPU is read when the caller waits, so that it
+        can enqueue more work first. drafts [B, k], logits [B, k+1, V]. A finished row's
         figures mean nothing."""
         if all(s.greedy for s in samplings):
             verified = logits.argmax(-1)  # [B, k+1]
-            accepted = (drafts == verified[:, :-1]).long().cumprod(dim=1).sum(dim=1)  # [B]
+            accepted = accepted_counts(drafts, verified)  # [B]
             bonus = verified.gather(1, accepted[:, None])[:, 0]  # [B]
-            read = HostRead(torch.cat([accepted[:, None], bonus[:, None], drafts],
-                                      dim=1))  # [B, k+2]: one wait for the device a round
-
-            def listed():
-                host = read.wait()
-                return [r[0] for r in host], [r[1] for r in host], [r[2:] for r in host]
-            return accepted, bonus, listed
+            return accepted, bonus, HostRead(torch.cat(
+                [accepted[:, None], bonus[:, None], drafts], dim=1))  # [B, k+2]: one read
         accepted, bonus = [], []
         for row, on in enumerate(running):
             if not on:
@@ -522,6 +518,6 @@ class BatchedSpeculativeDecoder:
                                                 logits[row], samplings[row])
             accepted.append(a)
             bonus.append(token)
-        listed = (accepted, bonus, drafts.tolist())
+        host = torch.cat([torch.tensor([accepted, bonus]).T, drafts.cpu()], dim=1)  # [B, k+2]
         return (torch.tensor(accepted, device=self.device),
-                torch.tensor(bonus, device=self.device), lambda: listed)
+                torch.tensor(bonus, device=self.device), HostRead(host))
