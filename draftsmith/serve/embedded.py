@@ -23,12 +23,14 @@ target's own pick, so tree decoding is lossless greedy and distribution-preservi
 
 from __future__ import annotations
 
+import functools
 import inspect
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import DynamicCache, StaticCache
 
 from draftsmith.compiling import (
@@ -55,6 +57,22 @@ def on_device(values: list[int] | list[bool], device: torch.device) -> torch.Ten
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def without_cudnn_attention(decode):
+    """`decode` with SDPA's cuDNN backend left out. cuDNN builds an execution plan for each
+    new shape it meets, tens of milliseconds on the host, and a prompt's forwards have a new
+    shape for each prompt length: in bf16 on an H100 (where SDPA picks cuDNN), a prompt of a
+    length not seen before took 45 ms more in the target's prefill and up to 0.8 s more in
+    the drafter's first round (2026-12-06, lease `f`). The other kernels need no plan."""
+
+    @functools.wraps(decode)
+    def without_cudnn(*args, **kwargs):
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                          SDPBackend.MATH]):
+            return decode(*args, **kwargs)
+
+    return without_cudnn
 
 
 class HostRead:
@@ -201,6 +219,10 @@ class TargetRunner:
         """The `step` that runs forwards of this many tokens."""
         return self.step
 
+    def captured_steps(self) -> list[CapturedOnFailure]:
+        """The steps this runner replays from CUDA graphs (none: every forward is eager)."""
+        return []
+
     @torch.inference_mode()
     def forward_batch(self, ids: torch.Tensor, cache, position_ids: torch.Tensor,
                       attention_mask: torch.Tensor, last_only: bool = False):
@@ -237,8 +259,12 @@ class StaticTargetRunner(TargetRunner):
 
     compile_steps: the forwards whose width is in `step_widths` are compiled (torch.compile)
     and, on CUDA, captured into CUDA graphs and replayed (`captured_step`); None: on CUDA
-    only. Other widths (the prompt) run eagerly. Chains only: a tree's verify forward takes
-    its own positions and mask. decode_attention: the target's attention at decode widths
+    only. A prompt's forward is then padded to the next of a few widths (`prompt_widths`),
+    each captured as it comes from the model's eager forward when a cache is made: an eager
+    prompt forward launched its kernels one by one, 23 ms for SmolLM2 on an H100 against
+    1.6 ms for a captured token. The padding's keys land past the prompt, where the next
+    forward overwrites them. Chains only: a tree's verify forward takes its own positions and
+    mask. decode_attention: the target's attention at decode widths
     runs as matmuls (model/grouped_attention.py) until close(); False keeps the model's own
     (SDPA), for comparisons."""
 
@@ -262,6 +288,10 @@ class StaticTargetRunner(TargetRunner):
         self._forward = compiled_once(model.forward) if self._step_widths else model.forward
         self._captured = captured_step(self._compiled_step, "embedded target step",
                                        model.device, state=_cache_counters, eager=self.step)
+        self._prompt_step = None  # prompts run eagerly at their own width
+        if self._step_widths:  # uncompiled: torch.compile would compile each width again
+            self._prompt_step = captured_step(self._eager_prompt_step, "embedded target prompt",
+                                              model.device, state=_cache_counters)
 
     def close(self) -> None:
         super().close()
@@ -281,20 +311,51 @@ class StaticTargetRunner(TargetRunner):
                 del self._kv[rows]
                 self._captured.forget()  # and the graphs that hold it (a new cache may take
                 # its id, which names a graph's cache); other batch sizes' graphs are kept
+                if rows == 1 and self._prompt_step is not None:
+                    self._prompt_step.forget()
             kv = self._kv[rows] = self._static_cache(rows, capacity)
-        else:
-            kv.reset()
+            if rows == 1 and self._prompt_step is not None:
+                self._capture_prompt_widths(kv)
+        kv.reset()
         return kv
+
+    @torch.inference_mode()
+    def _capture_prompt_widths(self, kv: StaticCache) -> None:
+        """Capture the prompt forward at every width the cache takes, now, so that no prompt
+        is captured inside a measured generation."""
+        for width in prompt_widths(kv.layers[0].max_cache_len):
+            self._prompt_step(torch.zeros(1, width, dtype=torch.long, device=self.model.device),
+                              kv)  # [1, W]
+            kv.reset()  # each width from slot 0, as a prompt comes
+
+    def _prompt_width(self, length: int, cache: StaticTargetCache) -> int | None:
+        """The captured width a forward of `length` tokens is padded to; None: its own width,
+        eagerly (no captured prompt widths, or the padding does not fit the cache)."""
+        if self._prompt_step is None:
+            return None
+        width = next(w for w in prompt_widths(cache.capacity) if w >= length)
+        return width if cache.length + width <= cache.capacity else None
 
     def step_for(self, width: int):
         return self._captured if width in self._step_widths else self.step
 
+    def captured_steps(self) -> list[CapturedOnFailure]:
+        return [self._captured, self._prompt_step] if self._step_widths else []
+
     def _compiled_step(self, ids: torch.Tensor, cache, **extra):
-        """`step` through the compiled forward. One sequence's forward of several tokens gets
-        its causal mask from here (the batched path brings its own)."""
+        """`step` through the compiled forward."""
+        return self._causal_step(self._forward, ids, cache, **extra)
+
+    def _eager_prompt_step(self, ids: torch.Tensor, cache: StaticCache):
+        """A prompt's forward through the model's own forward (captured per width)."""
+        return self._causal_step(self.model.forward, ids, cache)
+
+    def _causal_step(self, forward, ids: torch.Tensor, cache, **extra):
+        """`step` through `forward`. One sequence's forward of several tokens gets its causal
+        mask from here (the batched path brings its own)."""
         if ids.shape[1] > 1 and "attention_mask" not in extra:
             extra = {**extra, **self._causal_inputs(ids.shape[1], cache)}
-        return self._step_through(self._forward, ids, cache, **extra)
+        return self._step_through(forward, ids, cache, **extra)
 
     @staticmethod
     def _causal_inputs(width: int, kv: StaticCache) -> dict[str, torch.Tensor]:
@@ -342,9 +403,25 @@ class StaticTargetRunner(TargetRunner):
                 "a capacity)")
         ids = (input_ids if isinstance(input_ids, torch.Tensor)
                else on_device(input_ids, self.model.device))[None]  # [1, T]
-        logits, aux = self.step_for(len(input_ids))(ids, cache.kv)  # [1, T, V], [1, T, K*H]
-        cache.length += len(input_ids)
-        return logits[0], aux  # [T, V], [1, T, K*H]
+        step = self.step_for(len(input_ids))
+        padded = self._prompt_width(len(input_ids), cache) if step == self.step else None
+        if padded is None:
+            logits, aux = step(ids, cache.kv)  # [1, T, V], [1, T, K*H]
+            cache.length += len(input_ids)
+            return logits[0], aux  # [T, V], [1, T, K*H]
+        return self._padded_forward(ids, padded, cache)
+
+    def _padded_forward(self, ids: torch.Tensor, width: int, cache: StaticTargetCache):
+        """ids [1, T] padded with their last token to `width` and run by the prompt step of
+        that width; the padding's positions are dropped from the cache and the outputs.
+        Returns copies (the graph's outputs are the next replay's): logits [T, V] and aux
+        states [1, T, K*H]."""
+        length = ids.shape[1]
+        padded = torch.cat([ids, ids[:, -1:].expand(1, width - length)], dim=1)  # [1, W]
+        logits, aux = self._prompt_step(padded, cache.kv)  # [1, W, V], [1, W, K*H]
+        cache.length += width
+        self.drop_last(cache, width - length)
+        return logits[0, :length].clone(), aux[:, :length].clone()  # [T, V], [1, T, K*H]
 
     def drop_last(self, cache: StaticTargetCache, count: int) -> None:
         """Wind the counters back; the slots are overwritten by the next forward."""
@@ -355,6 +432,19 @@ class StaticTargetRunner(TargetRunner):
 
 
 EMBEDDED_CACHES = ("auto", "static", "dynamic")
+PROMPT_WIDTH_MIN = 16
+
+
+def prompt_widths(capacity: int) -> list[int]:
+    """The widths a prompt's forward is padded to over a static cache of `capacity` slots:
+    powers of two from PROMPT_WIDTH_MIN below it, then the capacity itself. A prompt pays at
+    most twice its own width, and a cache of 2,048 slots has eight graphs."""
+    widths = []
+    width = PROMPT_WIDTH_MIN
+    while width < capacity:
+        widths.append(width)
+        width *= 2
+    return [*widths, capacity]
 
 
 def has_sliding_window_layers(config) -> bool:
@@ -589,8 +679,7 @@ class EmbeddedSpeculativeEngine:
     def steps_ran(self) -> str:
         """How the fixed-width steps of the static path ran, for the rows that quote their
         timings: CUDA graphs, or eagerly (the dynamic cache, or after a step failed to build)."""
-        steps = [self.runner.step_for(1), *self._captured_drafter_steps()]
-        steps = [step for step in steps if isinstance(step, CapturedOnFailure)]
+        steps = [*self.runner.captured_steps(), *self._captured_drafter_steps()]
         failed = [step.name for step in steps if step.failed]
         if failed:
             return f"eager after a failed capture: {', '.join(failed)}"
@@ -962,6 +1051,7 @@ class EmbeddedSpeculativeEngine:
             depths=[cand_depths[c] for c in chosen])
         return tree, cache
 
+    @without_cudnn_attention
     def generate(self, prompt: list[int], max_new_tokens: int, eos_id: int | None,
                  sampling: Sampling | None = None) -> Generation:
         """Greedy (lossless: token for token plain greedy decoding) or sampled (each token
@@ -1074,6 +1164,7 @@ class EmbeddedSpeculativeEngine:
             accepted += 1
         return drafts[:accepted]
 
+    @without_cudnn_attention
     @torch.inference_mode()
     def replay(self, prompt: list[int], output: list[int]) -> Generation:
         """The rounds greedy chain (or block) decoding makes when the target's tokens are
@@ -1155,6 +1246,7 @@ def _keep_cache_positions(cache: DynamicCache, keep: list[int]) -> None:
         layer.values = layer.values[..., index, :]
 
 
+@without_cudnn_attention
 def plain_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
                    eos_id: int | None, sampling: Sampling | None = None) -> Generation:
     """The baseline: the target alone, one token per forward, with the same KV cache. Greedy

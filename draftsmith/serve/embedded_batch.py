@@ -37,6 +37,7 @@ from draftsmith.serve.embedded import (
     has_sliding_window_layers,
     on_device,
     truncate_output,
+    without_cudnn_attention,
 )
 from draftsmith.serve.round_clock import RoundClock
 
@@ -248,6 +249,7 @@ def _samplings(count: int, samplings: list[Sampling] | None) -> list[Sampling]:
     return samplings
 
 
+@without_cudnn_attention
 @torch.inference_mode()
 def plain_generate_batch(runner: TargetRunner, prompts: list[list[int]], max_new_tokens: int,
                          eos_id: int | None, samplings: list[Sampling] | None = None
@@ -315,6 +317,7 @@ class BatchedSpeculativeDecoder:
             static=self.engine.cache_kind == "static")
         return kv
 
+    @without_cudnn_attention
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], max_new_tokens: int, eos_id: int | None,
                  samplings: list[Sampling] | None = None) -> BatchGeneration:
