@@ -151,13 +151,12 @@ class CapturedStep:
         saved = self._save(args, kwargs)
         try:
             if not self.graphs:  # the outputs' tensors, made once, overwritten by each call
-                outputs = tree_map_only(torch.Tensor, torch.clone, self._run(buffers, spec))
-                return _Capture(None, buffers, outputs)
+                outputs = self._warm_up(buffers, spec, args, kwargs, saved)
+                return _Capture(None, buffers, tree_map_only(torch.Tensor, torch.clone, outputs))
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(side):  # compile, pick kernels and workspaces off the graph
-                for _ in range(self.warmups):
-                    self._run(buffers, spec)
+                self._warm_up(buffers, spec, args, kwargs, saved)
             torch.cuda.current_stream().wait_stream(side)
         finally:
             self._restore(args, kwargs, saved)
@@ -165,6 +164,16 @@ class CapturedStep:
         with torch.cuda.graph(graph):
             outputs = self._run(buffers, spec)  # recorded, not run: the state stays
         return _Capture(graph, buffers, outputs)
+
+    def _warm_up(self, buffers: list[Any], spec: Any, args: tuple, kwargs: dict,
+                 saved: list[torch.Tensor]) -> Any:
+        """Run the step `warmups` times, each from the state it was called with: a step that
+        advances a cache's counter would otherwise write its second warm-up past the first,
+        and a step as wide as the cache out of its bounds (a prompt step, 2026-12-06)."""
+        for _ in range(self.warmups):
+            outputs = self._run(buffers, spec)
+            self._restore(args, kwargs, saved)
+        return outputs
 
     def _save(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
         return [t.clone() for t in self.state(args, kwargs)] if self.state else []

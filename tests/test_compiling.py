@@ -61,6 +61,23 @@ def test_a_captured_step_reads_fixed_tensors_in_place_and_copies_the_rest():
     assert counter.count.item() == 3 and total.item() == 6.0
 
 
+def test_every_warm_up_run_starts_from_the_calls_state():
+    """A captured step runs its warm-ups before it records the graph; a step that advances a
+    counter (a cache's) must see each from where the call found it. The first H100 run of a
+    prompt as wide as its cache wrote its second warm-up past the cache's end (2026-12-06)."""
+    counter = Counter()
+    seen: list[int] = []
+
+    def step(value: torch.Tensor, buffer: torch.Tensor):
+        seen.append(int(counter.count))
+        return counter.step(value, buffer)
+
+    captured = CapturedStep(step, state=counter.state, graphs=False, warmups=2)
+    captured(torch.tensor([1.0]), counter.buffer)
+    assert seen == [0, 0, 0]  # two warm-ups, then the call itself
+    assert counter.count.item() == 1
+
+
 def test_a_captured_steps_outputs_are_overwritten_by_its_next_call():
     """As a CUDA graph's: its output tensors are its own and each replay writes into them, so
     a caller keeps a copy of what it needs past the next call."""
@@ -74,7 +91,7 @@ def test_a_captured_steps_outputs_are_overwritten_by_its_next_call():
 
 def test_a_captured_step_captures_once_per_signature_and_forgets_on_demand():
     counter = Counter()
-    step = CapturedStep(counter.step, graphs=False)
+    step = CapturedStep(counter.step, state=counter.state, graphs=False)
     step(torch.tensor([1.0]), counter.buffer)
     step(torch.tensor([2.0]), counter.buffer)
     assert len(step._captures) == 1  # the same shapes: one capture, replayed
