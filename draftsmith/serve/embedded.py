@@ -61,10 +61,12 @@ def on_device(values: list[int] | list[bool], device: torch.device) -> torch.Ten
 
 def without_cudnn_attention(decode):
     """`decode` with SDPA's cuDNN backend left out. cuDNN builds an execution plan for each
-    new shape it meets, tens of milliseconds on the host, and a prompt's forwards have a new
-    shape for each prompt length: in bf16 on an H100 (where SDPA picks cuDNN), a prompt of a
-    length not seen before took 45 ms more in the target's prefill and up to 0.8 s more in
-    the drafter's first round (2026-12-06, lease `f`). The other kernels need no plan."""
+    new shape it meets, on the host, and a prompt's forwards have a new shape for each prompt
+    length: in bf16 on an H100, where SDPA picks cuDNN for a masked prompt, SmolLM2's eager
+    prefill took 56 ms at a length not seen before against 18 ms at one seen, and 18 ms
+    either way without cuDNN (gpu_speculative/new_shape_cost.py, 2026-12-06); in the
+    benchmark stage the drafter's first round of a new length took up to 0.8 s more. The
+    other kernels need no plan."""
 
     @functools.wraps(decode)
     def without_cudnn(*args, **kwargs):
