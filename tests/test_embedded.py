@@ -856,6 +856,37 @@ def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
         graphed.runner.close()
 
 
+def test_a_prompts_first_round_is_drafted_at_a_captured_width(target_model, exported_drafter,
+                                                              prompts, monkeypatch):
+    """With captured steps, the drafter's first round (over the prompt's anchors) is padded to
+    a prompt width, each width captured when the drafter's cache is made, none later: the
+    tokens and rounds are the dynamic path's."""
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
+    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
+        captures = static.prompt_round.compiled._captures
+        widths: list[int] = []
+        prompt_round = static.prompt_round
+        static.prompt_round = lambda packed, *rest: widths.append(packed.shape[0] - 2) or \
+            prompt_round(packed, *rest)
+        static_drafts, dynamic_drafts = recording_drafts(static), recording_drafts(dynamic)
+        for prompt in prompts[:2]:
+            first = len(dynamic_drafts)
+            got, want = static.generate(prompt, 16, None), dynamic.generate(prompt, 16, None)
+            assert got.tokens == want.tokens
+            assert got.round_tokens == want.round_tokens
+            assert static_drafts[-1] == dynamic_drafts[first]  # the prompt's round (the rest
+            # are drafted ahead, not by _draft)
+        capacity = static._static_caches[0].capacity
+        assert len(captures) == len(prompt_widths(capacity))
+        assert widths[-2:] == [next(w for w in prompt_widths(capacity) if w >= len(prompt))
+                               for prompt in prompts[:2]]
+        assert widths[:-2] == prompt_widths(capacity)  # at the cache's making, then none
+        assert static.steps_ran() == "replayed without graphs"
+
+
 class HostReads(TorchDispatchMode):
     """Records every read of a device value on the host (.item(), .tolist(), a 0-d tensor as
     an index, `if tensor:`) made while `inside` is set. Under inference mode, bool(tensor)

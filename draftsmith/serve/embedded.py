@@ -653,6 +653,9 @@ class EmbeddedSpeculativeEngine:
         # One sequence's greedy drafting of a round, every step with its mask, cache writes
         # and argmax: captured, a round's drafting is one replay and two copies of inputs.
         self.greedy_round = self.greedy_round_steps
+        # The first round, over the prompt's anchors: padded to a prompt width and captured
+        # from the eager steps (compiling would compile once per width), or eager at its own.
+        self.prompt_round = None
         if self.cache_kind == "static" and cuda_graphs(self.device):
             self.step_functions = tuple(
                 captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
@@ -663,6 +666,8 @@ class EmbeddedSpeculativeEngine:
                     compiled_once(self.greedy_round_steps),
                     "embedded drafter greedy_round_steps", self.device,
                     eager=self.greedy_round_steps)
+                self.prompt_round = captured_step(self.greedy_round_steps,
+                                                  "embedded drafter prompt round", self.device)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
@@ -690,7 +695,7 @@ class EmbeddedSpeculativeEngine:
         return "cuda graphs" if self.device.type == "cuda" else "replayed without graphs"
 
     def _captured_drafter_steps(self) -> list[CapturedOnFailure]:
-        return [step for step in (*self.step_functions, self.greedy_round)
+        return [step for step in (*self.step_functions, self.greedy_round, self.prompt_round)
                 if isinstance(step, CapturedOnFailure)]
 
     @property
@@ -780,7 +785,29 @@ class EmbeddedSpeculativeEngine:
                                        self.drafter.fc.weight.dtype, self.device)
                       for layer in layers]
             self._static_caches = caches
+            if self.prompt_round is not None:
+                self._capture_prompt_rounds(caches[0])
         return caches
+
+    @torch.inference_mode()
+    def _capture_prompt_rounds(self, cache: StaticDraftCache) -> None:
+        """Capture the first round at every prompt width the cache takes, now, so that no
+        prompt's round is captured inside a measured generation. What the captures write into
+        the cache is overwritten by each generation's own rounds."""
+        aux_width = self.drafter.fc.weight.shape[1]
+        for width in prompt_widths(cache.capacity):
+            self._causal_mask(width)  # made outside the graph, kept for its replays
+            packed = torch.zeros(width + 2, dtype=torch.long, device=self.device)  # [W + 2]
+            anchors = torch.zeros(1, width, aux_width, dtype=self.drafter.fc.weight.dtype,
+                                  device=self.device)  # [1, W, K*H]
+            self.prompt_round(packed, anchors, cache.slots, cache.k, cache.v)
+
+    def _prompt_round_width(self, width: int, cache: StaticDraftCache) -> int | None:
+        """The captured width a first round over `width` anchors is padded to; None: its own,
+        eagerly."""
+        if self.prompt_round is None:
+            return None
+        return next(w for w in prompt_widths(cache.capacity) if w >= width)
 
     def _new_static_drafter_cache(self, capacity: int) -> StaticDraftCache:
         """EAGLE-3: the engine's StaticDraftCache (one layer)."""
@@ -808,14 +835,15 @@ class EmbeddedSpeculativeEngine:
         mask = torch.cat([past, self._causal_mask(width)], dim=-1)[None, None]  # [1, 1, T, C+T]
         return self._windowed(mask, positions, torch.cat([slots, positions]))
 
-    def _padded_anchors(self, aux: torch.Tensor, drafted_upto: int, n: int
-                        ) -> tuple[torch.Tensor, int]:
+    def _padded_anchors(self, aux: torch.Tensor, drafted_upto: int, n: int,
+                        width: int | None = None) -> tuple[torch.Tensor, int]:
         """A static round's new anchors drafted_upto..n-1: their aux states padded (with the
         last one's) to num_steps + 1, so that every round has one shape, and that width. The
-        first round after the prompt keeps the prompt's width (run eagerly by the callers: a
-        compiled step would compile again for every prompt length)."""
+        first round after the prompt keeps the prompt's width (a compiled step would compile
+        again for every prompt length), unless `width` pads it to a captured one."""
         new, length = n - drafted_upto, self.num_steps + 1
-        width = length if drafted_upto and new <= length else new
+        if width is None:
+            width = length if drafted_upto and new <= length else new
         anchors = aux[:, drafted_upto:n]  # [1, new, K*H]
         if width > new:
             anchors = torch.cat([anchors, anchors[:, -1:].expand(-1, width - new, -1)],
@@ -836,12 +864,17 @@ class EmbeddedSpeculativeEngine:
         new = n - drafted_upto
         anchors, width = self._padded_anchors(aux, drafted_upto, n)  # [1, W, K*H]
         if sampling.greedy:
+            draft_round = self.greedy_round
+            if width != self.num_steps + 1:  # the prompt's round
+                draft_round, padded = self.greedy_round_steps, \
+                    self._prompt_round_width(width, cache)
+                if padded is not None:
+                    anchors, width = self._padded_anchors(aux, drafted_upto, n, padded)
+                    draft_round = self.prompt_round
             # The anchors' ids, their first position and the last real anchor's index: one
             # copy to the device a round.
             packed = on_device(tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)
                                + [drafted_upto, new - 1], dev)  # [W + 2]
-            draft_round = self.greedy_round if width == self.num_steps + 1 else \
-                self.greedy_round_steps  # the prompt's width runs eagerly
             drafts = draft_round(packed, anchors, cache.slots, cache.k, cache.v)  # [1, k]
             return drafts[0], [], cache  # [k], left on the device for the verify
         ids = torch.tensor([tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)],
