@@ -558,6 +558,21 @@ def test_a_wound_back_cache_continues_as_if_the_drafts_were_never_written(target
         dynamic.close()
 
 
+@pytest.mark.parametrize("runner_class", [TargetRunner, StaticTargetRunner])
+def test_last_only_keeps_the_last_tokens_logits(runner_class, target_model, prompts):
+    """A prompt's forward needs its last token's logits only (the head over every row is as
+    much arithmetic as the rest of a short prompt on a CPU); the aux states are all kept."""
+    runner = runner_class(target_model, AUX_IDS)
+    try:
+        logits, aux = runner.forward(prompts[1], runner.new_cache(40))
+        last, last_aux = runner.forward(prompts[1], runner.new_cache(40), last_only=True)
+        assert last.shape == (1, logits.shape[1])
+        torch.testing.assert_close(last, logits[-1:])
+        torch.testing.assert_close(last_aux, aux)
+    finally:
+        runner.close()
+
+
 def test_prompt_widths_double_up_to_the_cache(target_model):
     assert prompt_widths(256) == [16, 32, 64, 128, 256]
     assert prompt_widths(768) == [16, 32, 64, 128, 256, 512, 768]
@@ -579,12 +594,15 @@ def test_a_captured_prompt_is_padded_and_continues_as_the_dynamic_cache(target_m
         assert sorted(key[1][0][1] for key in captures) == prompt_widths(256)  # ids' widths
         padded_to: list[int] = []
         step = runner._prompt_step
-        runner._prompt_step = lambda ids, kv: padded_to.append(ids.shape[1]) or step(ids, kv)
+        runner._prompt_step = lambda ids, *rest: padded_to.append(ids.shape[1]) or step(ids,
+                                                                                      *rest)
         for prompt in (prompts[0], prompts[1], [7, 8, 9]):
             cache = runner.new_cache(40)
-            logits, aux = runner.forward(prompt, cache)
+            logits, aux = runner.forward(prompt, cache, last_only=True)
             dynamic_cache = dynamic.new_cache(40)
-            torch.testing.assert_close(logits, dynamic.forward(prompt, dynamic_cache)[0])
+            expected_logits, expected_aux = dynamic.forward(prompt, dynamic_cache)
+            torch.testing.assert_close(logits, expected_logits[-1:])  # [1, V]
+            torch.testing.assert_close(aux, expected_aux)  # [1, T, K*H]
             assert cache.length == len(prompt)
             assert all(int(layer.cumulative_length) == len(prompt) for layer in cache.kv.layers)
             step_logits, step_aux = runner.forward([5], cache)
@@ -596,13 +614,16 @@ def test_a_captured_prompt_is_padded_and_continues_as_the_dynamic_cache(target_m
                              for prompt in (prompts[0], prompts[1], [7, 8, 9])]
         assert len(captures) == len(prompt_widths(256))  # replayed, none captured again
         cache = runner.new_cache(40)
-        runner.forward(list(range(200)), cache)  # padded to 256, the whole cache
+        runner.forward(list(range(200)), cache, last_only=True)  # padded to 256, the cache
         tail = list(range(40))  # 64 slots would not fit: its own width, eagerly
-        torch.testing.assert_close(runner.forward(tail, cache)[0],
+        torch.testing.assert_close(runner.forward(tail, cache, last_only=True)[0],
                                    dynamic.forward([*range(200), *tail],
-                                                   dynamic.new_cache(240))[0][200:])
+                                                   dynamic.new_cache(240))[0][-1:])
         assert cache.length == 240
-        assert padded_to[-1] == 256
+        cache = runner.new_cache(40)  # all logits: its own width, eagerly
+        torch.testing.assert_close(runner.forward(prompts[0], cache)[0],
+                                   dynamic.forward(prompts[0], dynamic.new_cache(40))[0])
+        assert padded_to[-1] == 256 and len(padded_to) == 4
     finally:
         runner.close()
         dynamic.close()
@@ -655,8 +676,8 @@ def test_a_generation_that_fills_the_cache_exactly_is_the_same(target_model, exp
         writes: list[int] = []
         forward = static.runner.forward
 
-        def recorded(input_ids, cache, *args):
-            out = forward(input_ids, cache, *args)
+        def recorded(input_ids, cache, *args, **kwargs):
+            out = forward(input_ids, cache, *args, **kwargs)
             writes.append(cache.length - cache.capacity)
             return out
 
@@ -1008,9 +1029,9 @@ def test_a_greedy_round_drafts_the_next_before_it_reads_the_gpu(target_model, ex
         events.append("draft")
         return draft_round(*args)
 
-    def verifying(ids, cache):
+    def verifying(ids, cache, **kwargs):
         events.append(("verify", type(ids)))
-        return forward(ids, cache)
+        return forward(ids, cache, **kwargs)
 
     def reading(tensor):
         events.append("read")

@@ -183,16 +183,20 @@ class TargetRunner:
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, cache: DynamicCache,
                 position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """Returns logits [T, V] and aux states [1, T, K*H] for the new tokens. position_ids
-        [1, T] and a boolean attention_mask [1, 1, T, S+T] verify a tree; both default to the
-        causal continuation of the cache."""
+                attention_mask: torch.Tensor | None = None, last_only: bool = False):
+        """Returns logits [T, V] ([1, V] with last_only: a prompt's, whose other rows nobody
+        reads, and whose head over every row costs as much as the rest of a short prompt's
+        forward on a CPU) and aux states [1, T, K*H] for the new tokens. position_ids [1, T]
+        and a boolean attention_mask [1, 1, T, S+T] verify a tree; both default to the causal
+        continuation of the cache."""
         ids = (input_ids if isinstance(input_ids, torch.Tensor)
                else on_device(input_ids, self.model.device))[None]  # [1, T]
         extra = {} if position_ids is None else {"position_ids": position_ids,
                                                  "attention_mask": attention_mask}
+        if last_only:
+            extra["logits_to_keep"] = 1
         logits, aux = self.step(ids, cache, **extra)  # [1, T, V], [1, T, K*H]
-        return logits[0], aux  # [T, V], [1, T, K*H]
+        return logits[0], aux  # [T, V] or [1, V], [1, T, K*H]
 
     def step(self, ids: torch.Tensor, cache, **extra) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward of ids [B, T] over `cache`: logits [B, T, V] and the aux layers'
@@ -261,14 +265,14 @@ class StaticTargetRunner(TargetRunner):
 
     compile_steps: the forwards whose width is in `step_widths` are compiled (torch.compile)
     and, on CUDA, captured into CUDA graphs and replayed (`captured_step`); None: on CUDA
-    only. A prompt's forward is then padded to the next of a few widths (`prompt_widths`),
-    each captured as it comes from the model's eager forward when a cache is made: an eager
-    prompt forward launched its kernels one by one, 23 ms for SmolLM2 on an H100 against
-    1.6 ms for a captured token. The padding's keys land past the prompt, where the next
-    forward overwrites them. Chains only: a tree's verify forward takes its own positions and
-    mask. decode_attention: the target's attention at decode widths
-    runs as matmuls (model/grouped_attention.py) until close(); False keeps the model's own
-    (SDPA), for comparisons."""
+    only. A prompt's forward (last_only) is then padded to the next of a few widths
+    (`prompt_widths`), each captured from the model's eager forward when a cache is made: an
+    eager prompt forward launched its kernels one by one, 23 ms for SmolLM2 on an H100
+    against 1.6 ms for a captured token. The padding's keys land past the prompt, where the
+    next forward overwrites them. Chains only: a tree's verify forward takes its own
+    positions and mask. decode_attention: the target's attention at decode widths runs as
+    matmuls (model/grouped_attention.py) until close(); False keeps the model's own (SDPA),
+    for comparisons."""
 
     LENGTH_STEP = 256  # cache lengths are rounded up to this, so similar requests share one
     cache_kind = "static"
@@ -325,9 +329,10 @@ class StaticTargetRunner(TargetRunner):
     def _capture_prompt_widths(self, kv: StaticCache) -> None:
         """Capture the prompt forward at every width the cache takes, now, so that no prompt
         is captured inside a measured generation."""
+        device = self.model.device
         for width in prompt_widths(kv.layers[0].max_cache_len):
-            self._prompt_step(torch.zeros(1, width, dtype=torch.long, device=self.model.device),
-                              kv)  # [1, W]
+            self._prompt_step(torch.zeros(1, width, dtype=torch.long, device=device),  # [1, W]
+                              kv, torch.zeros(1, dtype=torch.long, device=device))  # [1]
             kv.reset()  # each width from slot 0, as a prompt comes
 
     def _prompt_width(self, length: int, cache: StaticTargetCache) -> int | None:
@@ -348,9 +353,10 @@ class StaticTargetRunner(TargetRunner):
         """`step` through the compiled forward."""
         return self._causal_step(self._forward, ids, cache, **extra)
 
-    def _eager_prompt_step(self, ids: torch.Tensor, cache: StaticCache):
-        """A prompt's forward through the model's own forward (captured per width)."""
-        return self._causal_step(self.model.forward, ids, cache)
+    def _eager_prompt_step(self, ids: torch.Tensor, cache: StaticCache, last: torch.Tensor):
+        """A prompt's forward through the model's own forward (captured per width), its
+        logits at the index `last` [1] only: [1, 1, V]."""
+        return self._causal_step(self.model.forward, ids, cache, logits_to_keep=last)
 
     def _causal_step(self, forward, ids: torch.Tensor, cache, **extra):
         """`step` through `forward`. One sequence's forward of several tokens gets its causal
@@ -393,8 +399,9 @@ class StaticTargetRunner(TargetRunner):
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, cache: StaticTargetCache,
                 position_ids: torch.Tensor | None = None,
-                attention_mask: torch.Tensor | None = None):
-        """As TargetRunner.forward, for the causal continuation of the cache only."""
+                attention_mask: torch.Tensor | None = None, last_only: bool = False):
+        """As TargetRunner.forward, for the causal continuation of the cache only. With
+        last_only and captured steps, a prompt runs padded to a captured width."""
         if position_ids is not None or attention_mask is not None:
             raise ValueError("deploy.embedded_cache=static verifies chains only; a tree "
                              "(eagle_topk > 1) needs deploy.embedded_cache=dynamic")
@@ -406,24 +413,27 @@ class StaticTargetRunner(TargetRunner):
         ids = (input_ids if isinstance(input_ids, torch.Tensor)
                else on_device(input_ids, self.model.device))[None]  # [1, T]
         step = self.step_for(len(input_ids))
-        padded = self._prompt_width(len(input_ids), cache) if step == self.step else None
-        if padded is None:
-            logits, aux = step(ids, cache.kv)  # [1, T, V], [1, T, K*H]
-            cache.length += len(input_ids)
-            return logits[0], aux  # [T, V], [1, T, K*H]
-        return self._padded_forward(ids, padded, cache)
+        eager = step == self.step
+        padded = self._prompt_width(len(input_ids), cache) if eager and last_only else None
+        if padded is not None:
+            return self._padded_forward(ids, padded, cache)
+        extra = {"logits_to_keep": 1} if eager and last_only else {}
+        logits, aux = step(ids, cache.kv, **extra)  # [1, T, V], [1, T, K*H]
+        cache.length += len(input_ids)
+        return (logits[0, -1:] if last_only else logits[0]), aux  # [T or 1, V], [1, T, K*H]
 
     def _padded_forward(self, ids: torch.Tensor, width: int, cache: StaticTargetCache):
         """ids [1, T] padded with their last token to `width` and run by the prompt step of
         that width; the padding's positions are dropped from the cache and the outputs.
-        Returns copies (the graph's outputs are the next replay's): logits [T, V] and aux
-        states [1, T, K*H]."""
+        Returns copies (the graph's outputs are the next replay's): the last token's logits
+        [1, V] and aux states [1, T, K*H]."""
         length = ids.shape[1]
         padded = torch.cat([ids, ids[:, -1:].expand(1, width - length)], dim=1)  # [1, W]
-        logits, aux = self._prompt_step(padded, cache.kv)  # [1, W, V], [1, W, K*H]
+        last = on_device([length - 1], self.model.device)  # [1]
+        logits, aux = self._prompt_step(padded, cache.kv, last)  # [1, 1, V], [1, W, K*H]
         cache.length += width
         self.drop_last(cache, width - length)
-        return logits[0, :length].clone(), aux[:, :length].clone()  # [T, V], [1, T, K*H]
+        return logits[0].clone(), aux[:, :length].clone()  # [1, V], [1, T, K*H]
 
     def drop_last(self, cache: StaticTargetCache, count: int) -> None:
         """Wind the counters back; the slots are overwritten by the next forward."""
@@ -1095,7 +1105,7 @@ class EmbeddedSpeculativeEngine:
         started = time.perf_counter()
         # A verify round writes num_steps + 1 positions past its last known token.
         cache = self.runner.new_cache(len(prompt) + max_new_tokens + self.num_steps)
-        logits, aux = self.runner.forward(prompt, cache)
+        logits, aux = self.runner.forward(prompt, cache, last_only=True)
         tokens = [*prompt, sampling.pick(logits[-1])]
         result = Generation(tokens=[], seconds=0.0,
                             prefill_seconds=time.perf_counter() - started)
@@ -1211,8 +1221,8 @@ class EmbeddedSpeculativeEngine:
         tokens = [*prompt, *output]
         result = Generation(tokens=list(output), seconds=0.0)
         if len(output) > 1:
-            _, aux = self.runner.forward(tokens[:-1],
-                                         self.runner.new_cache(len(tokens)))  # [1, L-1, K*H]
+            _, aux = self.runner.forward(tokens[:-1], self.runner.new_cache(len(tokens)),
+                                         last_only=True)  # [1, L-1, K*H]
             drafter_cache = self._new_drafter_cache(len(tokens) + 2 * (self.num_steps + 1))
             known, drafted_upto = len(prompt) + 1, 0
             while known < len(tokens):
@@ -1289,7 +1299,7 @@ def plain_generate(runner: TargetRunner, prompt: list[int], max_new_tokens: int,
     sampling = sampling or Sampling()
     started = time.perf_counter()
     cache = runner.new_cache(len(prompt) + max_new_tokens)
-    logits, _ = runner.forward(prompt, cache)
+    logits, _ = runner.forward(prompt, cache, last_only=True)
     tokens = [sampling.pick(logits[-1])]
     prefilled = time.perf_counter()
     while len(tokens) < max_new_tokens and tokens[-1] != eos_id:
