@@ -877,29 +877,35 @@ def test_cuda_graphed_steps_chain_without_reading_overwritten_outputs(
         graphed.runner.close()
 
 
-def test_a_prompts_first_round_is_drafted_at_a_captured_width(target_model, exported_drafter,
-                                                              prompts, monkeypatch):
-    """With captured steps, the drafter's first round (over the prompt's anchors) is padded to
-    a prompt width, each width captured when the drafter's cache is made, none later: the
-    tokens and rounds are the dynamic path's."""
+@pytest.mark.parametrize("which", ["eagle3", "dflash"])
+def test_a_prompts_first_round_runs_at_a_captured_width(which, target_model, exported_drafter,
+                                                        dflash_drafter_dir, prompts,
+                                                        monkeypatch):
+    """With captured steps, the drafter's first round (over the prompt's anchors: EAGLE-3's
+    greedy round, DFlash's context step) is padded to a prompt width, each width captured
+    when the drafter's cache is made, none later: its drafts, the tokens and the rounds are
+    the dynamic path's."""
     from draftsmith.serve import embedded
 
+    drafter_dir, num_steps = {"eagle3": (exported_drafter, NUM_STEPS),
+                              "dflash": (dflash_drafter_dir, BLOCK - 1)}[which]
     monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
     monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
-    with engines(target_model, exported_drafter, NUM_STEPS) as (dynamic, static):
-        captures = static.prompt_round.compiled._captures
+    with engines(target_model, drafter_dir, num_steps) as (dynamic, static):
+        captures = static.prompt_step.compiled._captures
         widths: list[int] = []
-        prompt_round = static.prompt_round
-        static.prompt_round = lambda packed, *rest: widths.append(packed.shape[0] - 2) or \
-            prompt_round(packed, *rest)
+        prompt_step = static.prompt_step
+        # the anchors [1, W, K*H]: the first argument of DFlash's step, the second of EAGLE's
+        anchors_at = 0 if which == "dflash" else 1
+        static.prompt_step = lambda *args: widths.append(args[anchors_at].shape[1]) or \
+            prompt_step(*args)
         static_drafts, dynamic_drafts = recording_drafts(static), recording_drafts(dynamic)
         for prompt in prompts[:2]:
-            first = len(dynamic_drafts)
+            first, mine = len(dynamic_drafts), len(static_drafts)
             got, want = static.generate(prompt, 16, None), dynamic.generate(prompt, 16, None)
             assert got.tokens == want.tokens
             assert got.round_tokens == want.round_tokens
-            assert static_drafts[-1] == dynamic_drafts[first]  # the prompt's round (the rest
-            # are drafted ahead, not by _draft)
+            assert static_drafts[mine] == dynamic_drafts[first]  # the prompt's round
         capacity = static._static_caches[0].capacity
         assert len(captures) == len(prompt_widths(capacity))
         assert widths[-2:] == [next(w for w in prompt_widths(capacity) if w >= len(prompt))

@@ -663,9 +663,10 @@ class EmbeddedSpeculativeEngine:
         # One sequence's greedy drafting of a round, every step with its mask, cache writes
         # and argmax: captured, a round's drafting is one replay and two copies of inputs.
         self.greedy_round = self.greedy_round_steps
-        # The first round, over the prompt's anchors: padded to a prompt width and captured
-        # from the eager steps (compiling would compile once per width), or eager at its own.
-        self.prompt_round = None
+        # The first round's prompt-wide step (EAGLE-3's greedy round, DFlash's context step):
+        # padded to a prompt width and captured from the eager step (compiling would compile
+        # once per width), or eager at the prompt's own width.
+        self.prompt_step = None
         if self.cache_kind == "static" and cuda_graphs(self.device):
             self.step_functions = tuple(
                 captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
@@ -676,8 +677,10 @@ class EmbeddedSpeculativeEngine:
                     compiled_once(self.greedy_round_steps),
                     "embedded drafter greedy_round_steps", self.device,
                     eager=self.greedy_round_steps)
-                self.prompt_round = captured_step(self.greedy_round_steps,
-                                                  "embedded drafter prompt round", self.device)
+            prompt_step = self.context_kv if self.kind.drafting == "block" else \
+                self.greedy_round_steps
+            self.prompt_step = captured_step(prompt_step, "embedded drafter prompt step",
+                                             self.device)
 
     @classmethod
     def load(cls, target_model, drafter_dir: str | Path, num_steps: int, family: str = "llama",
@@ -705,7 +708,7 @@ class EmbeddedSpeculativeEngine:
         return "cuda graphs" if self.device.type == "cuda" else "replayed without graphs"
 
     def _captured_drafter_steps(self) -> list[CapturedOnFailure]:
-        return [step for step in (*self.step_functions, self.greedy_round, self.prompt_round)
+        return [step for step in (*self.step_functions, self.greedy_round, self.prompt_step)
                 if isinstance(step, CapturedOnFailure)]
 
     @property
@@ -795,27 +798,30 @@ class EmbeddedSpeculativeEngine:
                                        self.drafter.fc.weight.dtype, self.device)
                       for layer in layers]
             self._static_caches = caches
-            if self.prompt_round is not None:
-                self._capture_prompt_rounds(caches[0])
+            if self.prompt_step is not None:
+                self._capture_prompt_steps(caches[0])
         return caches
 
     @torch.inference_mode()
-    def _capture_prompt_rounds(self, cache: StaticDraftCache) -> None:
-        """Capture the first round at every prompt width the cache takes, now, so that no
-        prompt's round is captured inside a measured generation. What the captures write into
-        the cache is overwritten by each generation's own rounds."""
-        aux_width = self.drafter.fc.weight.shape[1]
+    def _capture_prompt_steps(self, cache: StaticDraftCache) -> None:
+        """Capture the first round's prompt step at every prompt width the cache takes, now,
+        so that none is captured inside a measured generation. What the captures write into
+        the caches is overwritten by each generation's own rounds."""
+        dev = self.device
         for width in prompt_widths(cache.capacity):
+            anchors = torch.zeros(1, width, self.drafter.fc.weight.shape[1],
+                                  dtype=self.drafter.fc.weight.dtype, device=dev)  # [1, W, K*H]
+            if self.kind.drafting == "block":  # the context's keys and values
+                self.prompt_step(anchors, torch.arange(width, device=dev)[None])  # [1, W]
+                continue
             self._causal_mask(width)  # made outside the graph, kept for its replays
-            packed = torch.zeros(width + 2, dtype=torch.long, device=self.device)  # [W + 2]
-            anchors = torch.zeros(1, width, aux_width, dtype=self.drafter.fc.weight.dtype,
-                                  device=self.device)  # [1, W, K*H]
-            self.prompt_round(packed, anchors, cache.slots, cache.k, cache.v)
+            packed = torch.zeros(width + 2, dtype=torch.long, device=dev)  # [W + 2]
+            self.prompt_step(packed, anchors, cache.slots, cache.k, cache.v)
 
-    def _prompt_round_width(self, width: int, cache: StaticDraftCache) -> int | None:
+    def _prompt_step_width(self, width: int, cache: StaticDraftCache) -> int | None:
         """The captured width a first round over `width` anchors is padded to; None: its own,
         eagerly."""
-        if self.prompt_round is None:
+        if self.prompt_step is None:
             return None
         return next(w for w in prompt_widths(cache.capacity) if w >= width)
 
@@ -867,7 +873,8 @@ class EmbeddedSpeculativeEngine:
         bonus token, at most num_steps + 1) are padded to num_steps + 1, so every round's
         step 0 has one shape; the padding's outputs are dropped and its keys land past the
         anchors, where the chain steps overwrite them and nothing reads them before. The
-        first step after the prompt, of the prompt's width, is not padded."""
+        first round, over the prompt, is padded to a prompt width when its step is captured
+        (`prompt_step`, greedy), and otherwise runs eagerly at the prompt's width."""
         n = len(tokens) - 1
         dev = self.device
         anchor_forward, chain_forward = self.step_functions
@@ -877,10 +884,10 @@ class EmbeddedSpeculativeEngine:
             draft_round = self.greedy_round
             if width != self.num_steps + 1:  # the prompt's round
                 draft_round, padded = self.greedy_round_steps, \
-                    self._prompt_round_width(width, cache)
+                    self._prompt_step_width(width, cache)
                 if padded is not None:
                     anchors, width = self._padded_anchors(aux, drafted_upto, n, padded)
-                    draft_round = self.prompt_round
+                    draft_round = self.prompt_step
             # The anchors' ids, their first position and the last real anchor's index: one
             # copy to the device a round.
             packed = on_device(tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)
@@ -1002,13 +1009,17 @@ class EmbeddedSpeculativeEngine:
         position. A round's new context positions are padded to num_steps + 1 (the padding's
         keys land at n and after, where the mask hides them until the next round overwrites
         them), and the block attends over every slot, masked to those below n: every round
-        has one shape. The prompt's round is not padded and runs eagerly."""
+        has one shape. The prompt's round is padded to a prompt width when its context step
+        is captured (`prompt_step`), and otherwise runs eagerly at the prompt's width."""
         n = len(tokens) - 1
         dev, length = self.device, self.num_steps + 1
         context_forward, block_forward = self.step_functions
         anchors, width = self._padded_anchors(aux, drafted_upto, n)  # [1, W, K*H]
         if width != length:  # the prompt's
-            context_forward = self.context_kv
+            context_forward, padded = self.context_kv, self._prompt_step_width(width, caches[0])
+            if padded is not None:
+                anchors, width = self._padded_anchors(aux, drafted_upto, n, padded)
+                context_forward = self.prompt_step
         positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)[None]  # [1, W]
         for cache, (k, v) in zip(caches, context_forward(anchors, positions), strict=True):
             cache.write(drafted_upto, k, v)
