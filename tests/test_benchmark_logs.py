@@ -61,7 +61,8 @@ def test_speed_pairs_far_apart_are_a_warning_with_what_to_change(monkeypatch, ca
                         generations(0.02, 8) if side == "plain" else generations(0.02 / 1.5, 4))
     first = {"greedy_tokens_per_s": 400.0, "speculative_tokens_per_s": 400.0 * first_speedup,
              "speedup": first_speedup, "ms_per_plain_token": 9.0,
-             "ms_per_round": {"draft": 9.0, "verify": 9.0, "other": 9.0}, "speedup_limit": 9.0}
+             "ms_per_round": {"draft": 9.0, "verify": 9.0, "other": 9.0}, "speedup_limit": 9.0,
+             "ms_per_prompt": {"plain": 9.0, "speculative": 9.0}}
     engine = SimpleNamespace(num_steps=3)
     cfg = BenchmarkConfig(num_prompts=4, max_new_tokens=8, repeats=3, warmup_prompts=1)
     with caplog.at_level(logging.WARNING, logger=benchmark.log.name):

@@ -273,13 +273,20 @@ def test_step_costs_of_rounds_and_plain_steps():
     from draftsmith.bench.benchmark import step_costs
 
     per_prompt = [{"verify_rounds": 4, "plain_steps": 10, "draft_s": 0.004, "verify_s": 0.02,
-                   "speculative_s": 0.03, "prefill_s": 0.002, "greedy_decode_s": 0.05}]
+                   "speculative_s": 0.03, "prefill_s": 0.002, "greedy_decode_s": 0.05,
+                   "greedy_prefill_s": 0.003}]
     costs = step_costs(per_prompt, acceptance=2.5)
     assert costs["ms_per_plain_token"] == 5.0
     assert costs["ms_per_round"] == {"draft": 1.0, "verify": 5.0, "other": 1.0}
     assert costs["speedup_limit"] == 2.5  # 2.5 tokens a round at the cost of one plain step
+    # the median prompt's forward, outside the figures above but in both sides' wall time
+    more = [per_prompt[0], {**per_prompt[0], "prefill_s": 0.004, "greedy_prefill_s": 0.009},
+            {**per_prompt[0], "prefill_s": 0.1, "greedy_prefill_s": 0.2}]
+    assert step_costs(more, acceptance=2.5)["ms_per_prompt"] == {"plain": 9.0,
+                                                                  "speculative": 4.0}
     empty = step_costs([{**per_prompt[0], "verify_rounds": 0}], acceptance=1.0)
-    assert empty == {"ms_per_plain_token": None, "ms_per_round": None, "speedup_limit": None}
+    assert empty == {"ms_per_plain_token": None, "ms_per_round": None, "speedup_limit": None,
+                     "ms_per_prompt": None}
 
 
 @pytest.mark.parametrize(("dtype", "fails"), [("float32", True), ("bfloat16", False)])

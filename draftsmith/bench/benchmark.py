@@ -222,11 +222,14 @@ def step_costs(per_prompt: list[dict], acceptance: float) -> dict:
     """Where decoding time goes, prompts' forwards left out: a plain token's step, and a
     speculative round's drafting, verification and the rest (bookkeeping, the aux states,
     sampling), in ms. speedup_limit is acceptance x plain step / verify: the speedup if drafting
-    and bookkeeping cost nothing, which the measured speedup approaches as the engine does."""
+    and bookkeeping cost nothing, which the measured speedup approaches as the engine does.
+    ms_per_prompt: the median prompt's forward to its first token, plain and speculative (a
+    batch: a group's), in both sides' wall time but in none of the figures above."""
     rounds = sum(p["verify_rounds"] for p in per_prompt)
     plain_steps = sum(p["plain_steps"] for p in per_prompt)
     if not rounds or not plain_steps:
-        return {"ms_per_plain_token": None, "ms_per_round": None, "speedup_limit": None}
+        return {"ms_per_plain_token": None, "ms_per_round": None, "speedup_limit": None,
+                "ms_per_prompt": None}
     draft = sum(p["draft_s"] for p in per_prompt)
     verify = sum(p["verify_s"] for p in per_prompt)
     decoding = sum(p["speculative_s"] - p["prefill_s"] for p in per_prompt)
@@ -236,7 +239,10 @@ def step_costs(per_prompt: list[dict], acceptance: float) -> dict:
             "ms_per_round": {"draft": round(1000 * draft / rounds, 3),
                              "verify": round(verify_ms, 3),
                              "other": round(1000 * (decoding - draft - verify) / rounds, 3)},
-            "speedup_limit": round(acceptance * plain_ms / verify_ms, 3) if verify_ms else None}
+            "speedup_limit": round(acceptance * plain_ms / verify_ms, 3) if verify_ms else None,
+            "ms_per_prompt": {side: round(1000 * statistics.median(p[key] for p in per_prompt), 3)
+                              for side, key in (("plain", "greedy_prefill_s"),
+                                                ("speculative", "prefill_s"))}}
 
 
 def timings(greedy: Generation, speculative: Generation) -> dict:
@@ -332,7 +338,7 @@ def decode_again(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: in
     return decode_each(prompts, cfg, f"benchmark repeat, {side}", decode)
 
 
-STEP_COSTS = ("ms_per_plain_token", "ms_per_round", "speedup_limit")
+STEP_COSTS = ("ms_per_plain_token", "ms_per_round", "speedup_limit", "ms_per_prompt")
 PAIRS_AGREE = 1.1  # speed pairs further apart than this are worth a warning
 
 
@@ -438,6 +444,7 @@ def measure_batched(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos:
     costs = step_costs([{"verify_rounds": s.forwards, "plain_steps": b.forwards,
                          "draft_s": s.draft_seconds, "verify_s": s.verify_seconds,
                          "speculative_s": s.seconds, "prefill_s": s.prefill_seconds,
+                         "greedy_prefill_s": b.prefill_seconds,
                          "greedy_decode_s": b.verify_seconds} for b, s in runs], acceptance)
     summary = {
         "batch": batch, "prompts": len(rows),
