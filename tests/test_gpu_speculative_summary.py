@@ -38,6 +38,16 @@ def test_repeats_fold_into_one_row_per_cache_with_the_median_and_spread():
     assert static["ms_per_round"]["verify"] == 4.51
     assert static["identical"] == ["30/30"] * 3 and static["alone"] is True
     assert by_cache["dynamic"]["speedup"] == 1.3  # the median of two
+    assert static["ms_per_prompt"] is None  # reports from before 16ff8d4 do not give it
+
+
+def test_a_rows_prompt_forward_is_the_median_of_its_reports():
+    summary = summary_module()
+    reports = [report("static", 2.3, 4.0), report("static", 2.5, 4.2), report("static", 2.4, 4.1)]
+    for r, ms in zip(reports, (20.0, 2.0, 3.0), strict=True):
+        r["summary"]["ms_per_prompt"] = {"plain": ms, "speculative": ms + 1}
+    (row,) = summary.rows_of(reports, drafter="general")
+    assert row["ms_per_prompt"] == {"plain": 3.0, "speculative": 4.0}
 
 
 def test_a_report_s_own_interleaved_pairs_are_its_repeats():

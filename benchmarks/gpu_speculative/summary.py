@@ -66,6 +66,7 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
     rows = []
     for (engine, cache, steps, batch), runs in groups.items():
         rounds = [r["ms_per_round"] for r in runs if r.get("ms_per_round")]
+        prompts = [r["ms_per_prompt"] for r in runs if r.get("ms_per_prompt")]  # since 16ff8d4
         # A report of benchmark.repeats > 1 holds its interleaved pairs: each is a repeat.
         speedups = [pair for r in runs
                     for pair in [p["speedup"] for p in r.get("speedup_pairs") or []]
@@ -81,6 +82,8 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
             "speedup": median_of(speedups),
             "speedup_spread": [min(speedups), max(speedups)],
             "speedup_limit": median_of([r.get("speedup_limit") for r in runs]),
+            "ms_per_prompt": {side: median_of([r[side] for r in prompts])
+                              for side in ("plain", "speculative")} if prompts else None,
             "identical": [r["identical_outputs"] for r in runs],
             "repeats": len(speedups), "device": where.get("device"),
             "alone": all(r.get("measured_on", {}).get("alone") for r in runs)
