@@ -26,6 +26,7 @@ from draftsmith.serve.embedded import (
     StaticTargetRunner,
     TargetRunner,
     plain_generate,
+    prompt_width,
     prompt_widths,
 )
 from draftsmith.target import load_target_head_and_embedding, load_target_model
@@ -577,6 +578,7 @@ def test_prompt_widths_double_up_to_the_cache(target_model):
     assert prompt_widths(256) == [16, 32, 64, 128, 256]
     assert prompt_widths(768) == [16, 32, 64, 128, 256, 512, 768]
     assert prompt_widths(12) == [12]
+    assert [prompt_width(n, 768) for n in (1, 16, 17, 300, 513)] == [16, 16, 32, 512, 768]
 
 
 def test_a_captured_prompt_is_padded_and_continues_as_the_dynamic_cache(target_model,

@@ -340,7 +340,7 @@ class StaticTargetRunner(TargetRunner):
         eagerly (no captured prompt widths, or the padding does not fit the cache)."""
         if self._prompt_step is None:
             return None
-        width = next(w for w in prompt_widths(cache.capacity) if w >= length)
+        width = prompt_width(length, cache.capacity)
         return width if cache.length + width <= cache.capacity else None
 
     def step_for(self, width: int):
@@ -457,6 +457,11 @@ def prompt_widths(capacity: int) -> list[int]:
         widths.append(width)
         width *= 2
     return [*widths, capacity]
+
+
+def prompt_width(length: int, capacity: int) -> int:
+    """The prompt width (`prompt_widths`) a forward of `length` tokens is padded to."""
+    return next(width for width in prompt_widths(capacity) if width >= length)
 
 
 def has_sliding_window_layers(config) -> bool:
@@ -823,7 +828,7 @@ class EmbeddedSpeculativeEngine:
         eagerly."""
         if self.prompt_step is None:
             return None
-        return next(w for w in prompt_widths(cache.capacity) if w >= width)
+        return prompt_width(width, cache.capacity)
 
     def _new_static_drafter_cache(self, capacity: int) -> StaticDraftCache:
         """EAGLE-3: the engine's StaticDraftCache (one layer)."""
