@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from draftsmith.diskspace import writing, writing_into
+from draftsmith.stage_cost import StageCost, cost_now
 
 
 def cache_root() -> Path:
@@ -44,6 +45,7 @@ class Descriptor(BaseModel):
     fingerprint: str
     counts: dict[str, int] = {}
     figures: dict[str, Any] = {}
+    cost: StageCost | None = None  # what making it took (draftsmith/stage_cost.py)
 
     @property
     def dir(self) -> Path:
@@ -186,7 +188,9 @@ def finish_stage(
     known_checksums: dict[str, str] | None = None,
     leave_out: str | None = None,
 ) -> Descriptor:
-    """Checksum every file the stage wrote, then write the manifest last, atomically.
+    """Checksum every file the stage wrote, then write the manifest last, atomically, with
+    what the output cost to make (its seconds and GPU peak when a measured stage runs, and its
+    bytes on disk: draftsmith/stage_cost.py).
 
     known_checksums: sha256 of files the stage hashed as it wrote them (hidden-state shards
     run to terabytes; reading them all a second time would cost hours). leave_out: a
@@ -194,13 +198,14 @@ def finish_stage(
     manifest is written, so that a manifest that fails to be written leaves it to resume
     from)."""
     known = known_checksums or {}
-    files = {}
+    files, disk_bytes = {}, 0
     for p in sorted(plan.dir.rglob("*")):
         if p.is_file() and p.name != MANIFEST and not p.name.startswith("."):
             name = str(p.relative_to(plan.dir))
             if leave_out is not None and p.relative_to(plan.dir).parts[0] == leave_out:
                 continue
             files[name] = known.get(name) or sha256_file(p)
+            disk_bytes += p.stat().st_size
     fingerprint = hash_json({"stage": plan.stage, "files": files})[:16]
     descriptor = Descriptor(
         stage=plan.stage,
@@ -209,6 +214,7 @@ def finish_stage(
         fingerprint=fingerprint,
         counts=counts or {},
         figures=figures or {},
+        cost=cost_now(disk_bytes),
     )
     record = {"descriptor": descriptor.model_dump(mode="json"), "files": files, **(extra or {})}
     if plan.material is not None:

@@ -96,9 +96,10 @@ def _summary(results: dict[str, dict]) -> tuple[Table, list[str]]:
     table.add_column("stage")
     table.add_column("state")
     table.add_column("result", overflow="fold")
+    table.add_column("cost", overflow="fold")
     rows, problems = stage_rows(results)
     for row in rows:
-        table.add_row(row.stage, row.state, Text(row.result))  # error text, as written
+        table.add_row(row.stage, row.state, Text(row.result), row.cost)  # error text as written
     return table, problems
 
 

@@ -10,8 +10,10 @@ pipeline name (`<name>-<variant>`), and the comparison under the base name.
 
 The table has one row per variant: its overrides, the stages it ran, the training figures
 (tau, the replayed acceptance) and the benchmark's, one column per evaluation set and part
-(`chat dev`: acceptance and its 95% interval) when the benchmark runs a suite. Decide on the
-dev parts (`--set benchmark.splits=[dev]`), then report the chosen variant's test parts.
+(`chat dev`: acceptance and its 95% interval) when the benchmark runs a suite, and what the
+variant's outputs took to make: each stage's seconds, the highest GPU peak and the megabytes
+on disk (draftsmith/stage_cost.py). Decide on the dev parts (`--set benchmark.splits=[dev]`),
+then report the chosen variant's test parts.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from typing import Any
 
 from draftsmith.artifacts import atomic_write_json
 from draftsmith.config import ConfigError, slug
+from draftsmith.stage_cost import StageCost
 
 COMPARE_DIR = "compare"
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
@@ -96,7 +99,22 @@ def comparison_row(variant: Variant, results: dict[str, dict]) -> dict[str, Any]
         row["acceptance"] = _rounded(bench.get("acceptance_length"))
     row["identical"] = _identical(bench, sets)
     row["speedup"] = _rounded(bench.get("speedup"))
+    row.update(_costs(results))
     row["drafter"] = _figure(results, "export").get("drafter_dir")  # the one to deploy
+    return row
+
+
+def _costs(results: dict[str, dict]) -> dict[str, Any]:
+    """What the variant's outputs took to make (a Cached one's as its first run made it):
+    each measured stage's seconds, the highest GPU peak, and the bytes its outputs hold."""
+    costs = {stage: StageCost.model_validate(cost) for stage, entry in results.items()
+             if (cost := (entry.get("descriptor") or {}).get("cost")) is not None}
+    row: dict[str, Any] = {f"{stage} s": cost.seconds for stage, cost in costs.items()
+                           if cost.seconds is not None}
+    peaks = [cost.peak_gpu_gib for cost in costs.values() if cost.peak_gpu_gib is not None]
+    row["GPU peak GiB"] = max(peaks) if peaks else None
+    row["disk MB"] = (round(sum(cost.disk_bytes for cost in costs.values()) / 1e6, 1)
+                      if costs else None)
     return row
 
 

@@ -46,6 +46,7 @@ from draftsmith.generate import report as generate_report
 from draftsmith.hosts import HostPart
 from draftsmith.reports import Report
 from draftsmith.serve import report as deploy_report
+from draftsmith.stage_cost import measuring
 from draftsmith.train import report as train_report
 
 Inputs = dict[str, Descriptor]  # what a stage reads, by name ("target": the resolved target)
@@ -161,10 +162,11 @@ class Stage:
 
     def execute(self, config: PipelineConfig, inputs: Inputs, plan: StagePlan,
                 secret: str | None = None) -> Descriptor:
-        """Run the stage's engine function. A write that finds the disk full and names no file
-        of its own (a report, a chart) raises DiskFullError naming the stage's directory; the
-        big writers name their file and its size themselves (draftsmith/diskspace.py)."""
-        with writing_into(plan.dir, f"{self.name}'s output in"):
+        """Run the stage's engine function, measuring what it costs (its manifest keeps it:
+        draftsmith/stage_cost.py). A write that finds the disk full and names no file of its
+        own (a report, a chart) raises DiskFullError naming the stage's directory; the big
+        writers name their file and its size themselves (draftsmith/diskspace.py)."""
+        with writing_into(plan.dir, f"{self.name}'s output in"), measuring():
             return self.run(config, inputs, plan, secret)
 
     def parts(self, config: PipelineConfig) -> int:

@@ -11,6 +11,7 @@ from draftsmith import stages
 from draftsmith.artifacts import Descriptor
 from draftsmith.figures import BenchmarkFigures, TrainFigures
 from draftsmith.reports import Report
+from draftsmith.stage_cost import describe as describe_cost
 
 
 @dataclass
@@ -18,6 +19,7 @@ class StageRow:
     stage: str
     state: str
     result: str
+    cost: str  # what making its output took, a Cached one's included
 
 
 def stage_rows(results: dict[str, dict]) -> tuple[list[StageRow], list[str]]:
@@ -29,7 +31,7 @@ def stage_rows(results: dict[str, dict]) -> tuple[list[StageRow], list[str]]:
             continue
         descriptor = Descriptor.model_validate(results[stage.name]["descriptor"])
         rows.append(StageRow(stage.label, results[stage.name]["state"],
-                             stage.describe(descriptor)))
+                             stage.describe(descriptor), describe_cost(descriptor.cost)))
         if problem := stage.problem(descriptor):
             problems.append(problem)
     return rows, problems
@@ -74,8 +76,9 @@ def run_report(results: dict[str, dict], title: str) -> Report:
         from draftsmith.bench.suite import sets_markdown
 
         text += "## By prompt set\n\n" + sets_markdown(sets) + "\n"
-    text += "| stage | state | result |\n|---|---|---|\n"
-    text += "".join(f"| {r.stage} | {r.state} | {_cell(r.result)} |\n" for r in rows)
+    text += "| stage | state | result | cost |\n|---|---|---|---|\n"
+    text += "".join(f"| {r.stage} | {r.state} | {_cell(r.result)} | {r.cost} |\n"
+                    for r in rows)
     for problem in problems:
         text += f"\n**{problem}**\n"
     return Report("markdown", f"{title}: stages, states and results", key="run", text=text,

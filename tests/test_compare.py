@@ -32,14 +32,17 @@ def test_a_variant_is_a_name_and_overrides():
 
 
 def test_a_row_has_a_column_per_set_and_part():
-    def stage(state, **figures):
-        return {"state": state, "descriptor": {"counts": {}, "figures": figures}}
+    def stage(state, cost=None, **figures):
+        return {"state": state, "descriptor": {"counts": {}, "figures": figures, "cost": cost}}
 
     results = {
-        "merge": {"state": "Cached", "descriptor": {"counts": {"train_records": 900},
-                                                    "figures": {}}},
-        "train": stage("Completed", tau=3.31234, acceptance_replayed=3.1),
-        "export": stage("Cached", drafter_dir="/runs/x/export/k/drafter"),
+        "merge": {"state": "Cached", "descriptor": {
+            "counts": {"train_records": 900}, "figures": {},
+            "cost": {"seconds": 2.5, "peak_gpu_gib": None, "disk_bytes": 3_000_000}}},
+        "train": stage("Completed", tau=3.31234, acceptance_replayed=3.1, cost={
+            "seconds": 61.25, "peak_gpu_gib": 4.5, "disk_bytes": 40_250_000}),
+        "export": stage("Cached", drafter_dir="/runs/x/export/k/drafter", cost={
+            "seconds": None, "peak_gpu_gib": None, "disk_bytes": 20_000_000}),
         "benchmark": stage("Completed", speedup=1.8123, sets=[
             {"set": "chat", "split": "dev", "acceptance": 2.61, "ci95": [2.5, 2.7],
              "identical": "40/40"},
@@ -50,6 +53,7 @@ def test_a_row_has_a_column_per_set_and_part():
                    "ran": "train, benchmark", "train records": 900, "tau": 3.312,
                    "replayed": 3.1, "chat dev": "2.610 [2.500, 2.700]",
                    "code dev": "3.050 [2.900, 3.200]", "identical": "73/74", "speedup": 1.812,
+                   "merge s": 2.5, "train s": 61.25, "GPU peak GiB": 4.5, "disk MB": 63.2,
                    "drafter": "/runs/x/export/k/drafter"}
     page = comparison_markdown("smollm2: 1 variants", [row])
     assert "| variant | overrides | ran |" in page and "| wide |" in page

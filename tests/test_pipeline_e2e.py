@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from draftsmith.artifacts import MANIFEST
 from draftsmith.stages import names
 from tests.conftest import REPO
 from tests.tiny_run import RECORDS_PER_SOURCE, run_pipeline
@@ -51,6 +52,11 @@ def test_full_run_completes_every_stage_and_the_drafter_pays(first_run):
     generate = first_run["generate"]["descriptor"]["counts"]
     both = 2 * RECORDS_PER_SOURCE
     assert generate["records"] == both and generate["generated"] == both
+    for stage, result in first_run.items():  # what each output cost to make, in its manifest
+        cost, out = result["descriptor"]["cost"], Path(result["descriptor"]["path"])
+        files = json.loads((out / MANIFEST).read_text())["files"]
+        assert cost["disk_bytes"] == sum((out / name).stat().st_size for name in files), stage
+        assert cost["seconds"] is not None and cost["peak_gpu_gib"] is None, stage
 
 
 def test_second_run_is_all_cached(first_run, base_raw):
@@ -410,6 +416,9 @@ def test_compare_runs_each_variant_and_publishes_one_table(first_run, base_raw):
     bench = first_run["benchmark"]["descriptor"]["figures"]
     assert base["acceptance"] == round(bench["acceptance_length"], 3)
     assert short["overrides"] == "benchmark.max_new_tokens=12" and short["identical"] == "8/8"
+    made = first_run["train"]["descriptor"]["cost"]  # a Cached output: what it cost to make
+    assert base["train s"] == short["train s"] == made["seconds"]
+    assert short["benchmark s"] is not None and base["disk MB"] > 0
     saved = read_comparison(Path(base_raw["run_root"]) / "compare" / "tiny.json")
     assert saved["rows"] == rows and saved["variants"][1]["name"] == "short"
     keys = ["draftsmith-tiny-comparison", "draftsmith-tiny-short-benchmark"]
