@@ -151,6 +151,9 @@ def compare(
     variant: Annotated[list[str], typer.Option(
         "--variant", help="A variant: 'NAME: key=value key=value' over the base config "
         "(repeatable), e.g. --variant 'e2: train.epochs=2'; a NAME alone runs the base.")],
+    to: Annotated[str | None, typer.Option(help=(
+        "Stop each variant after this stage, e.g. --to train to compare training alone "
+        "(its seconds, GPU peak and disk) without deploying."))] = None,
     set_: SetOption = None,
 ) -> None:
     """Run several variants of one config, one after the other on its run root, and print one
@@ -162,6 +165,7 @@ def compare(
     from draftsmith.compare import check_variants, parse_variant
 
     pipeline_config = _load(config, set_)
+    selected = _select(None, None, to)
     try:
         variants = [parse_variant(v) for v in variant]
         check_variants(variants)
@@ -173,7 +177,8 @@ def compare(
     from flows.compare import compare as compare_flow
 
     rows = compare_flow(full_config=pipeline_config.model_dump(mode="json"), variants=[
-        VariantForm(name=v.name, overrides=list(v.overrides)) for v in variants])
+        VariantForm(name=v.name, overrides=list(v.overrides)) for v in variants],
+        stages=selected)
     table = Table(title=f"draftsmith compare: {pipeline_config.pipeline_name}", show_header=True)
     columns = list(dict.fromkeys(k for row in rows for k in row))
     for column in columns:

@@ -20,7 +20,7 @@ from draftsmith.compare import (
 )
 from draftsmith.config import form_config
 from draftsmith.stages import artifact_key
-from flows.pipeline import pipeline
+from flows.pipeline import StageSelection, pipeline
 
 
 class VariantForm(BaseModel):
@@ -33,8 +33,8 @@ class VariantForm(BaseModel):
 
 @flow(name="draftsmith-compare")
 def compare(config: str = "tiny", variants: list[VariantForm] = (),
-            overrides: list[str] = (), full_config: dict[str, Any] | None = None
-            ) -> list[dict[str, Any]]:
+            overrides: list[str] = (), stages: StageSelection = (),
+            full_config: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Run the pipeline once per variant, one after the other on one run root (the stages a
     variant leaves unchanged are Cached), and publish one table of their figures.
 
@@ -42,6 +42,8 @@ def compare(config: str = "tiny", variants: list[VariantForm] = (),
         config: The base pipeline YAML: a path this worker can read, or a bundled example.
         variants: Each variant's name and its overrides over the base config.
         overrides: Settings every variant gets, e.g. benchmark.splits=[dev] while deciding.
+        stages: The stages each variant runs (empty: all), e.g. generate to train to compare
+            training alone; the ones before the first picked must be complete.
         full_config: Advanced: the whole base config as JSON; `config` is then not read.
     """
     chosen = [Variant(v.name, tuple(v.overrides)) for v in variants]
@@ -52,7 +54,7 @@ def compare(config: str = "tiny", variants: list[VariantForm] = (),
     for variant in chosen:
         logger.info("compare: variant %s (%s)", variant.name,
                     " ".join(variant.overrides) or "the base config")
-        results = pipeline(config=config, full_config=full_config,
+        results = pipeline(config=config, full_config=full_config, stages=list(stages),
                            overrides=[*overrides, *variant.run_overrides(base.pipeline_name)])
         rows.append(comparison_row(variant, results))
         logger.info("compare: %s", rows[-1])

@@ -429,3 +429,18 @@ def test_compare_runs_each_variant_and_publishes_one_table(first_run, base_raw):
     table = next(a for a in artifacts if a.key == keys[0])
     data = table.data if isinstance(table.data, list) else json.loads(table.data)
     assert [row["variant"] for row in data] == ["base", "short"]
+
+
+def test_compare_stops_each_variant_after_the_stage_picked(first_run, base_raw):
+    """`draftsmith compare --to train`: training variants compared on their figures and costs
+    without deploying; the stages before are Cached from the session's run."""
+    from draftsmith.plan import select_stages
+    from flows.compare import VariantForm, compare
+
+    rows = compare(full_config=base_raw, stages=select_stages(stop="train"), variants=[
+        VariantForm(name="base"), VariantForm(name="lr", overrides=["train.lr=2e-3"])])
+    base, lr = rows
+    assert (base["ran"], lr["ran"]) == ("-", "train")
+    assert lr["speedup"] is None and lr["drafter"] is None  # neither exported nor benchmarked
+    assert "benchmark s" not in lr and lr["train s"] is not None and lr["extract s"] is not None
+    assert base["train s"] == first_run["train"]["descriptor"]["cost"]["seconds"]
