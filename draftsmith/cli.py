@@ -162,7 +162,7 @@ def compare(
     Stages a variant leaves unchanged are Cached from an earlier one. Decide on the evaluation
     suite's dev parts (--set benchmark.splits=[dev]); report the chosen variant's test parts.
     """
-    from draftsmith.compare import check_variants, parse_variant
+    from draftsmith.compare import check_variants, parse_variant, shown_columns
 
     pipeline_config = _load(config, set_)
     selected = _select(None, None, to)
@@ -180,7 +180,7 @@ def compare(
         VariantForm(name=v.name, overrides=list(v.overrides)) for v in variants],
         stages=selected)
     table = Table(title=f"draftsmith compare: {pipeline_config.pipeline_name}", show_header=True)
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+    columns = shown_columns(rows)
     for column in columns:
         table.add_column(column, overflow="fold")
     for row in rows:

@@ -130,8 +130,15 @@ def _rounded(value: Any) -> Any:
     return round(value, 3) if isinstance(value, float) else value
 
 
+def shown_columns(rows: list[dict[str, Any]]) -> list[str]:
+    """The columns a table shows: those with a value in some row (a comparison stopped after
+    training has no benchmark columns to show; the rows on disk keep every key)."""
+    return [c for c in dict.fromkeys(k for row in rows for k in row)
+            if any(row.get(c) is not None for row in rows)]
+
+
 def comparison_markdown(title: str, rows: list[dict[str, Any]]) -> str:
-    columns = list(dict.fromkeys(k for row in rows for k in row))
+    columns = shown_columns(rows)
     lines = [f"# {title}", "", "| " + " | ".join(columns) + " |",
              "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join("-" if row.get(c) is None else str(row[c]) for c in columns)

@@ -11,6 +11,7 @@ from draftsmith.compare import (
     comparison_markdown,
     comparison_row,
     parse_variant,
+    shown_columns,
 )
 from draftsmith.config import ConfigError
 
@@ -57,3 +58,6 @@ def test_a_row_has_a_column_per_set_and_part():
                    "drafter": "/runs/x/export/k/drafter"}
     page = comparison_markdown("smollm2: 1 variants", [row])
     assert "| variant | overrides | ran |" in page and "| wide |" in page
+    trained_only = {**row, "speedup": None, "identical": None}
+    assert shown_columns([trained_only, {**trained_only, "speedup": 1.2}]) == [
+        c for c in row if c != "identical"]  # a column no row has a value in is not shown
