@@ -38,7 +38,8 @@ from draftsmith.config import BenchmarkConfig  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine  # noqa: E402
 
 KEPT = ("acceptance_length", "identical_outputs", "ms_per_plain_token", "ms_per_round",
-        "speedup", "speedup_limit", "greedy_tokens_per_s", "speculative_tokens_per_s")
+        "ms_per_prompt", "speedup", "speedup_limit", "greedy_tokens_per_s",
+        "speculative_tokens_per_s")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -48,10 +49,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress, ETA
-    model = smollm2_shaped_target(args.device)
+    model = smollm2_shaped_target(args.device).to(getattr(torch, args.dtype))
     engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
                                        cache=args.cache)
     prompts = dev_length_prompts(args.prompts)
@@ -69,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.out, "a") as f:
         for row in rows:
             row.update(device=device, cache=engine.cache_kind, steps=engine.steps_ran(),
-                       weights="random",
+                       weights="random", dtype=args.dtype,
                        prompts=args.prompts, max_new_tokens=args.max_new_tokens)
             print(json.dumps(row), flush=True)
             f.write(json.dumps(row) + "\n")
