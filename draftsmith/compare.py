@@ -89,6 +89,7 @@ def comparison_row(variant: Variant, results: dict[str, dict]) -> dict[str, Any]
         "train records": merge.get("train_records"),
         "tau": _rounded(train.get("tau")),
         "replayed": _rounded(train.get("acceptance_replayed")),
+        "train tokens/s": _rounded(train.get("tokens_per_s")),
     }
     sets = bench.get("sets") or []
     for entry in sets:

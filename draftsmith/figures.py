@@ -77,6 +77,7 @@ class TrainFigures(Figures):
     tau: float
     acceptance_replayed: float | None = None
     packing_efficiency: float | None = None
+    tokens_per_s: float | None = None  # steady training throughput (train/trainer.py)
 
     def per_step(self, metric: str) -> list[float]:
         extra = self.model_extra or {}

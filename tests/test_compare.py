@@ -40,8 +40,9 @@ def test_a_row_has_a_column_per_set_and_part():
         "merge": {"state": "Cached", "descriptor": {
             "counts": {"train_records": 900}, "figures": {},
             "cost": {"seconds": 2.5, "peak_gpu_gib": None, "disk_bytes": 3_000_000}}},
-        "train": stage("Completed", tau=3.31234, acceptance_replayed=3.1, cost={
-            "seconds": 61.25, "peak_gpu_gib": 4.5, "disk_bytes": 40_250_000}),
+        "train": stage("Completed", tau=3.31234, acceptance_replayed=3.1, tokens_per_s=41234.5,
+                       cost={
+                           "seconds": 61.25, "peak_gpu_gib": 4.5, "disk_bytes": 40_250_000}),
         "export": stage("Cached", drafter_dir="/runs/x/export/k/drafter", cost={
             "seconds": None, "peak_gpu_gib": None, "disk_bytes": 20_000_000}),
         "benchmark": stage("Completed", speedup=1.8123, sets=[
@@ -52,7 +53,7 @@ def test_a_row_has_a_column_per_set_and_part():
     row = comparison_row(Variant("wide", ("drafter.intermediate_size=3072",)), results)
     assert row == {"variant": "wide", "overrides": "drafter.intermediate_size=3072",
                    "ran": "train, benchmark", "train records": 900, "tau": 3.312,
-                   "replayed": 3.1, "chat dev": "2.610 [2.500, 2.700]",
+                   "replayed": 3.1, "train tokens/s": 41234.5, "chat dev": "2.610 [2.500, 2.700]",
                    "code dev": "3.050 [2.900, 3.200]", "identical": "73/74", "speedup": 1.812,
                    "merge s": 2.5, "train s": 61.25, "GPU peak GiB": 4.5, "disk MB": 63.2,
                    "drafter": "/runs/x/export/k/drafter"}

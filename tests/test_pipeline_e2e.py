@@ -49,6 +49,7 @@ def test_full_run_completes_every_stage_and_the_drafter_pays(first_run):
     assert bench["acceptance_length"] > 1.5
     train = first_run["train"]["descriptor"]["figures"]
     assert train["tau"] > 1.5 and 0 < train["full_acc_0"] <= 1
+    assert train["tokens_per_s"] > 0  # steady throughput, past the compiling windows
     generate = first_run["generate"]["descriptor"]["counts"]
     both = 2 * RECORDS_PER_SOURCE
     assert generate["records"] == both and generate["generated"] == both

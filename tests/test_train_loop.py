@@ -79,7 +79,7 @@ def test_killed_run_resumes_to_the_same_weights_and_metrics(inputs, tmp_path, mo
         for key in x:
             if isinstance(x[key], str):
                 assert x[key] == y[key]
-            elif key not in ("tokens_per_s", "gpu_memory_gib"):
+            elif key not in ("tokens_per_s", "seconds", "gpu_memory_gib"):
                 assert x[key] == pytest.approx(y[key], rel=1e-6, abs=1e-9), (x["step"], key)
     wa = load_file(str(straight.dir / "drafter.safetensors"))
     wb = load_file(str(resumed.dir / "drafter.safetensors"))
@@ -119,7 +119,7 @@ def test_the_first_metrics_line_after_a_resume_averages_the_uninterrupted_window
     assert [h["step"] for h in a][:3] == [1, 3, 6]
     for x, y in zip(a, b, strict=True):
         for key in x:
-            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+            if key not in ("tokens_per_s", "seconds", "gpu_memory_gib", "split"):
                 assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), (x["step"], key)
         assert y["tokens_per_s"] > 0
 
@@ -390,7 +390,7 @@ def test_killed_fsdp_run_resumes_to_the_same_weights(inputs, tmp_path, monkeypat
     assert [h["step"] for h in a] == [h["step"] for h in b]
     for x, y in zip(a, b, strict=True):
         for key in x:
-            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+            if key not in ("tokens_per_s", "seconds", "gpu_memory_gib", "split"):
                 assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-9), (x["step"], key)
     wa, wb = weights_of(tmp_path / "straight"), weights_of(out)
     for name in wa:
@@ -671,7 +671,7 @@ def test_killed_online_run_resumes_to_the_same_weights(inputs, tmp_path, monkeyp
     assert [h["step"] for h in a] == [h["step"] for h in b]
     for x, y in zip(a, b, strict=True):
         for key in x:
-            if key not in ("tokens_per_s", "gpu_memory_gib", "split"):
+            if key not in ("tokens_per_s", "seconds", "gpu_memory_gib", "split"):
                 assert y[key] == pytest.approx(x[key], rel=1e-9, abs=1e-12), (x["step"], key)
     wa = load_file(str(straight.dir / "drafter.safetensors"))
     wb = load_file(str(resumed.dir / "drafter.safetensors"))
@@ -736,3 +736,18 @@ def test_preflight_suggests_the_mode_by_the_rule(inputs, tmp_path, monkeypatch, 
     assert preflight.suggest_train_mode(EXTRACT, small_cfg(mode="online", epochs=1),
                                         *args[1:]) is None
     assert preflight.suggest_train_mode(EXTRACT, small_cfg(), *args[1:]) is None
+
+
+def test_steady_throughput_leaves_out_the_windows_that_compile():
+    from draftsmith.train.trainer import steady_tokens_per_s
+
+    def window(step, tokens, seconds):
+        return {"split": "train", "step": step, "tokens": tokens, "seconds": seconds}
+
+    history = [window(1, 100, 50.0), window(10, 900, 9.0),  # compiling, a late compile
+               {"split": "validation", "step": 10, "tau": 2.0},
+               window(20, 1000, 1.0), window(30, 1000, 3.0)]
+    assert steady_tokens_per_s(history) == 500.0  # 2000 tokens in 4 s
+    assert steady_tokens_per_s(history[:3]) is None  # too few windows to say
+    old_log = [{k: v for k, v in h.items() if k not in ("tokens", "seconds")} for h in history]
+    assert steady_tokens_per_s(old_log) is None  # written before windows kept their counts

@@ -59,4 +59,6 @@ def describe(descriptor: Descriptor) -> str:
             f"simulated tau {figures.tau:.2f}")
     if figures.acceptance_replayed is not None:  # what greedy chain decoding would measure
         text += f", acceptance replayed {figures.acceptance_replayed:.2f}"
+    if figures.tokens_per_s is not None:
+        text += f", {figures.tokens_per_s:,.0f} tokens/s steady"
     return text

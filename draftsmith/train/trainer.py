@@ -357,6 +357,7 @@ class Trainer:
         entry = {"split": "train", "step": self.state.step, "epoch": epoch,
                  "lr": self.scheduler.get_last_lr()[0],
                  "tokens_per_s": float(reduced[-1]) / max(self.window.seconds, 1e-9),
+                 "tokens": int(reduced[-1]), "seconds": round(self.window.seconds, 3),
                  "gpu_memory_gib": gpu_memory_gib(device), **summary}
         self._log.record(entry)
         log.info("train step %d/%d epoch %d: loss %s full_acc %s tau %.2f lr %.2e "
@@ -470,6 +471,16 @@ def prepare_output(plan: StagePlan) -> Path:
     return out
 
 
+def steady_tokens_per_s(history: list[dict]) -> float | None:
+    """Training tokens a second, all ranks, over the logged windows after the first two: the
+    first holds compiling and the second can hold a late compile (seen on an H200 with a cold
+    cache). Validation and checkpoints at epoch ends fall in the windows they interrupt. None
+    with fewer than three windows (or a metrics log written before windows kept their counts)."""
+    windows = [h for h in history if h["split"] == "train" and "seconds" in h][2:]
+    seconds = sum(h["seconds"] for h in windows)
+    return round(sum(h["tokens"] for h in windows) / seconds, 1) if seconds > 0 else None
+
+
 def finish_train(cfg: TrainConfig, plan: StagePlan, result: dict,
                  drafter_settings: DrafterConfig | None = None) -> Descriptor:
     """The chart, the resume state removed, the manifest: the stage's output from rank 0's
@@ -483,10 +494,11 @@ def finish_train(cfg: TrainConfig, plan: StagePlan, result: dict,
     log.info("train: best epoch %d, validation tau %.3f, acceptance replayed %.3f",
              result["best_epoch"], best["tau"], best.get("acceptance_replayed", float("nan")))
     ranks = {k: result[k] for k in ("ranks_finished", "torchrun_exit_code") if k in result}
+    figures = {k: round(v, 4) for k, v in best.items() if k not in ("split", "step", "epoch")}
     descriptor = finish_stage(
         plan,
         counts={"steps": result["steps"], "epochs": result["best_epoch"] + 1},
-        figures={k: round(v, 4) for k, v in best.items() if k not in ("split", "step", "epoch")},
+        figures={**figures, "tokens_per_s": steady_tokens_per_s(result["history"])},
         extra=ranks or None,  # under torchrun: every rank finished (how torchrun exited)
         leave_out=RESUME_DIR,
     )
