@@ -85,6 +85,13 @@ def test_run_refuses_an_unknown_stage():
     assert result.exit_code == 2 and "unknown stage" in text(result)
 
 
+def test_compare_refuses_an_unknown_stage_to_stop_at_before_running_anything():
+    result = runner.invoke(app, ["compare", str(REPO / "examples/tiny.yaml"), "--variant", "a",
+                                 "--to", "training"])
+    assert result.exit_code == 2 and "--to training: unknown stage" in text(result)
+    assert "train" in text(result)  # the valid names
+
+
 @pytest.fixture()
 def native_drafter(random_target_dir, tmp_path):
     from draftsmith.export.native import save_native
