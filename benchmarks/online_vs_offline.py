@@ -15,8 +15,11 @@ random weights) and the data are training_inputs.py's.
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
-from training_inputs import add_arguments, compare_to_train, keep, prepare
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path, not as a package
+from training_inputs import add_arguments, compare_to_train, keep, prepare  # noqa: E402
 
 
 def main() -> None:

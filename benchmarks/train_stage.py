@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import argparse
 import subprocess
+import sys
+from pathlib import Path
 
-from training_inputs import CLI, add_arguments, compare_to_train, keep, prepare
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run by path, not as a package
+from training_inputs import CLI, add_arguments, compare_to_train, keep, prepare  # noqa: E402
 
 RUNS = {"cold": "train.seed=0", "warm": "train.seed=1"}  # in this order: the cache fills first
 

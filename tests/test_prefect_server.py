@@ -314,7 +314,7 @@ def test_setup_creates_pools_blocks_limit_and_deployments(server, workers, first
     assert comparison["work_pool_name"] == "cpu"
     assert comparison["parameters"] == deployment["parameters"]
     assert list(comparison["parameter_openapi_schema"]["properties"]) == [
-        "config", "variants", "overrides", "full_config"]
+        "config", "variants", "overrides", "stages", "full_config"]
     assert [s["active"] for s in deployment["schedules"]] == [False]  # paused until resumed
     watcher = server.deployment("draftsmith-watch-data/cpu")
     assert watcher["work_pool_name"] == "cpu" and watcher["parameters"] == deployment[
