@@ -23,7 +23,7 @@ from typing import Any
 
 import yaml
 
-from draftsmith.compare import read_comparison
+from draftsmith.compare import comparison_path, read_comparison
 from draftsmith.tiny_target import stdlib_sources, train_tokenizer
 
 CLI = [sys.executable, "-c", "from draftsmith.cli import app; app()"]
@@ -111,8 +111,8 @@ def compare_to_train(config: Path, variants: list[str]) -> list[dict[str, Any]]:
     """`draftsmith compare CONFIG --to train` over the variants; its rows."""
     subprocess.run([*CLI, "compare", str(config), "--to", "train",
                     *(f"--variant={v}" for v in variants)], check=True)
-    name = yaml.safe_load(config.read_text())["name"]
-    return read_comparison(config.parent / "runs" / "compare" / f"{name}.json")["rows"]
+    settings = yaml.safe_load(config.read_text())
+    return read_comparison(comparison_path(settings["run_root"], settings["name"]))["rows"]
 
 
 def keep(args: argparse.Namespace, result: dict[str, Any]) -> None:

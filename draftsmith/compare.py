@@ -150,11 +150,16 @@ def comparison_markdown(title: str, rows: list[dict[str, Any]]) -> str:
 def write_comparison(run_root: str | Path, name: str, rows: list[dict[str, Any]],
                      variants: list[Variant]) -> Path:
     """`<run_root>/compare/<name>.json`: the rows and each variant's overrides."""
-    path = Path(run_root) / COMPARE_DIR / f"{slug(name)}.json"
+    path = comparison_path(run_root, name)
     path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_json(path, {"rows": rows, "variants": [
         {"name": v.name, "overrides": list(v.overrides)} for v in variants]})
     return path
+
+
+def comparison_path(run_root: str | Path, name: str) -> Path:
+    """Where the comparison of the pipeline `name` is written under its run root."""
+    return Path(run_root) / COMPARE_DIR / f"{slug(name)}.json"
 
 
 def read_comparison(path: str | Path) -> dict[str, Any]:

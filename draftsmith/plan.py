@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -346,11 +346,9 @@ def _differences(before: Any, now: Any, path: str) -> list[str]:
 
 
 def run_in_process(config: PipelineConfig, target: Descriptor,
-                   selected: list[str] | None = None,
-                   after: Callable[[str, Descriptor, float], None] | None = None) -> RunPlan:
-    """Execute the plan in this process with no orchestration (scripts and benchmarks that
-    time the stages): each step's preflight, then its engine function. after(stage,
-    descriptor, seconds) runs after each stage that ran or was complete."""
+                   selected: list[str] | None = None) -> RunPlan:
+    """Execute the plan in this process with no orchestration: each step's preflight, then its
+    engine function. What each stage cost is in its descriptor (draftsmith/stage_cost.py)."""
     run = RunPlan(config, target, selected)
     for step in run.steps():
         started = time.monotonic()
@@ -361,10 +359,8 @@ def run_in_process(config: PipelineConfig, target: Descriptor,
             descriptor = step.stage.execute(config, step.inputs, step.plan)
             state = "Completed"
         run.record(step.name, state, descriptor)
-        seconds = time.monotonic() - started
-        log.info("stage %s: %s in %.1fs (%s)", step.name, state, seconds, descriptor.path)
-        if after:
-            after(step.name, descriptor, seconds)
+        log.info("stage %s: %s in %.1fs (%s)", step.name, state, time.monotonic() - started,
+                 descriptor.path)
     return run
 
 
