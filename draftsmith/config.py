@@ -821,11 +821,12 @@ class DeployConfig(ServerConfig):
         "The embedded engine's target KV cache. dynamic: a DynamicCache, one eager forward at "
         "a time; static: a StaticCache reused across generations, rejected drafts dropped by "
         "winding its length back, the 1-token and verify forwards compiled and captured into "
-        "CUDA graphs on CUDA, chains only (eagle_topk 1); the drafter's steps (EAGLE-3's, "
+        "CUDA graphs on CUDA; a tree (eagle_topk > 1) is drafted, chosen and verified on the "
+        "device, its rejected nodes' slots left unread; the drafter's steps (EAGLE-3's, "
         "DFlash's context and block) run over static buffers of their own, compiled the same "
         "way; a compiled "
-        "step that fails to build runs eagerly, with a warning. auto: static on CUDA (chains "
-        "of a target without sliding-window layers), dynamic elsewhere (on a CPU the "
+        "step that fails to build runs eagerly, with a warning. auto: static on CUDA (for a "
+        "target without sliding-window layers), dynamic elsewhere (on a CPU the "
         "arithmetic is the cost, and the static cache's padded attention adds to it)."))
     host: ServerHost = keyed("127.0.0.1")
     port: ServerPort = keyed(30000)
@@ -873,11 +874,6 @@ class DeployConfig(ServerConfig):
             if flag in self.extra_args:
                 raise ValueError(f"deploy.extra_args: {flag} is set by draftsmith from deploy.* "
                                  "(and --num-speculative-tokens is not an SGLang flag)")
-        if self.embedded_cache == "static" and self.eagle_topk not in (None, 1):
-            raise ValueError(
-                f"deploy.embedded_cache=static with deploy.eagle_topk={self.eagle_topk}: the "
-                "static cache verifies chains only; set deploy.embedded_cache=dynamic (or auto) "
-                "for a tree, or deploy.eagle_topk=1")
         if self.engine == "vllm" and self.eagle_topk not in (None, 1):
             raise ValueError(
                 f"deploy.eagle_topk={self.eagle_topk} with deploy.engine=vllm: vLLM's EAGLE-3 "

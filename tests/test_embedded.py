@@ -9,7 +9,6 @@ from contextlib import contextmanager
 
 import pytest
 import torch
-from pydantic import ValidationError
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import DynamicCache
 
@@ -368,6 +367,22 @@ def test_tree_nodes_equal_drafting_their_path_from_scratch(target_model, exporte
             assert token in to_target[logits.topk(topk).indices].tolist(), (i, path)
 
 
+def true_branch_tree(truth: list[int], true_branch: int) -> DraftTree:
+    """A tree in which `truth` (the target's greedy continuation) is branch `true_branch` of
+    two at every depth, with a wrong sibling."""
+    nodes, parents, depths, parent = [], [], [], 0
+    for depth, token in enumerate(truth, start=1):
+        pair = [token, (token + 1) % 512]
+        if true_branch:
+            pair.reverse()
+        for candidate in pair:
+            nodes.append(candidate)
+            parents.append(parent)
+            depths.append(depth)
+        parent = len(nodes) - (1 - true_branch)  # verify index of the true token
+    return DraftTree(nodes, parents, depths)
+
+
 def oracle_tree(engine, reference: list[int], prompt_len: int, true_branch: int):
     """Wrap tree drafting: run it (so caches advance), but propose a tree in which the
     target's greedy continuation is branch `true_branch` of two at every depth, with a wrong
@@ -378,17 +393,7 @@ def oracle_tree(engine, reference: list[int], prompt_len: int, true_branch: int)
         _, cache = real(tokens, aux, drafted_upto, cache)
         done = len(tokens) - prompt_len
         truth = (reference[done:] + [0] * engine.num_steps)[: engine.num_steps]
-        nodes, parents, depths, parent = [], [], [], 0
-        for depth, token in enumerate(truth, start=1):
-            pair = [token, (token + 1) % 512]
-            if true_branch:
-                pair.reverse()
-            for candidate in pair:
-                nodes.append(candidate)
-                parents.append(parent)
-                depths.append(depth)
-            parent = len(nodes) - (1 - true_branch)  # verify index of the true token
-        return DraftTree(nodes, parents, depths), cache
+        return true_branch_tree(truth, true_branch), cache
 
     return draft
 
@@ -704,15 +709,158 @@ def test_a_forward_past_the_cache_end_is_refused_and_leaves_the_cache_as_it_was(
         runner.close()
 
 
-def test_a_tree_on_the_static_cache_is_refused_naming_the_setting(target_model,
-                                                                  exported_drafter):
-    with pytest.raises(ValueError, match="deploy.embedded_cache=dynamic"):
-        EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=3, topk=2,
-                                       num_draft_tokens=6, cache="static")
-    with pytest.raises(ValidationError, match="deploy.embedded_cache=dynamic"):
-        DeployConfig(embedded_cache="static", num_steps=3, eagle_topk=2, num_draft_tokens=6)
-    assert DeployConfig(embedded_cache="static").embedded_cache == "static"
+# Trees on the static cache: drafted, chosen and verified on the device -------------------------
+
+
+@contextmanager
+def tree_engines(target_model, drafter_dir, steps: int, topk: int, budget: int):
+    """The same tree drafter over a dynamic and a static target cache; hooks off afterwards."""
+    made = [EmbeddedSpeculativeEngine.load(target_model, drafter_dir, steps, topk=topk,
+                                           num_draft_tokens=budget, cache=cache)
+            for cache in ("dynamic", "static")]
+    try:
+        yield made
+    finally:
+        for engine in made:
+            engine.runner.close()
+
+
+def device_tree(engine, prompt: list[int], aux: torch.Tensor):
+    """The static path's first tree for `prompt` (its drafter caches fresh), read back as a
+    DraftTree, with the visibility it hands the verify forward [N+1, N+1]."""
+    cache = engine._new_drafter_cache(len(prompt) + 64)
+    nodes, parents, depths, visible = engine._static_round(prompt, aux, 0, cache)
+    return DraftTree(nodes.tolist(), parents.tolist(), depths.tolist()), visible
+
+
+@pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)
+def test_a_static_tree_is_the_dynamic_paths_tree(target_model, exported_drafter, prompts,
+                                                 steps, topk, budget):
+    """Levels fed at once over static buffers, candidates scored and chosen by tensor
+    operations: the same nodes, parents and depths as the dynamic path's lists and host
+    reads, and each node sees its ancestors and itself."""
+    with tree_engines(target_model, exported_drafter, steps, topk, budget) as (dynamic, static):
+        assert static.device_trees and not dynamic.device_trees
+        for prompt in prompts:
+            aux = aux_before_last(dynamic, prompt)
+            want, _ = dynamic._draft_tree(prompt, aux, 0, None)
+            got, visible = device_tree(static, prompt, aux)
+            assert got == want
+            assert torch.equal(visible, want.attention(0, "cpu")[0, 0])
+
+
+@pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_tree_generation_is_the_same_on_the_static_cache(target_model, exported_drafter, prompts,
+                                                        steps, topk, budget, temperature):
+    with tree_engines(target_model, exported_drafter, steps, topk, budget) as (dynamic, static):
+        for i, prompt in enumerate(prompts):
+            expected = dynamic.generate(prompt, 24, None, Sampling(temperature, seed=i))
+            got = static.generate(prompt, 24, None, Sampling(temperature, seed=i))
+            assert got.tokens == expected.tokens
+            assert got.round_tokens == expected.round_tokens
+            if temperature == 0.0:
+                assert got.tokens == plain_generate(static.runner, prompt, 24, None).tokens
+            check_bookkeeping(got, steps)
+
+
+@pytest.mark.parametrize("true_branch", [0, 1])
+def test_a_static_tree_keeps_the_accepted_path_where_it_lies(target_model, exported_drafter,
+                                                             prompts, monkeypatch, true_branch):
+    """The target's continuation as branch 0 or 1 of two at every depth: the accepted nodes'
+    keys stay in the slots the verify wrote them to, between rejected siblings that no later
+    query sees, and every token is still greedy decoding's, every round accepting the whole
+    depth."""
+    from draftsmith.serve import static_tree
+
+    steps, max_new = 3, 21
+    with tree_engines(target_model, exported_drafter, steps, 2, 7) as (_, static):
+        prompt = prompts[1]
+        reference = plain_generate(static.runner, prompt, max_new + steps, None).tokens
+        real = static._static_round
+
+        def oracle_round(tokens, aux, drafted_upto, cache):
+            real(tokens, aux, drafted_upto, cache)  # the drafter's caches advance as usual
+            done = len(tokens) - len(prompt)
+            tree = true_branch_tree((reference[done:] + [0] * steps)[:steps], true_branch)
+            parents = torch.tensor(tree.parents)  # [N]
+            return (torch.tensor(tree.tokens), parents, torch.tensor(tree.depths),
+                    static_tree.visibility(parents, steps))
+
+        monkeypatch.setattr(static, "_static_round", oracle_round)
+        got = static.generate(prompt, max_new, None)
+        assert got.tokens == reference[:max_new]
+        assert got.round_tokens[:-1] == [steps + 1] * (len(got.round_tokens) - 1)
+        check_bookkeeping(got, steps)
+
+
+def test_a_static_tree_past_its_cache_is_refused_naming_the_capacity(target_model):
+    runner = StaticTargetRunner(target_model, AUX_IDS)
+    try:
+        cache = runner.new_tree_cache(StaticTargetRunner.LENGTH_STEP)
+        runner.forward(list(range(cache.capacity - 3)), cache)
+        runner.keep_prefix(cache)
+        nodes = torch.tensor([5, 6, 7])  # [3]: a root and three nodes, one slot too many
+        with pytest.raises(ValueError, match="do not fit.*tree_capacity"):
+            runner.forward_tree(4, cache.length, nodes, torch.tensor([1, 2, 3]),
+                                torch.ones(4, 4, dtype=torch.bool).tril(), cache)
+        assert cache.length == cache.capacity - 3
+    finally:
+        runner.close()
+
+
+def test_a_tree_on_the_static_cache_needs_a_drafter_without_a_sliding_window(
+        target_model, drafter):
+    import copy
+
+    windowed = copy.deepcopy(drafter)
+    windowed.config.sliding_window = 8
+    with pytest.raises(ValueError, match="sliding window.*embedded_cache=auto or dynamic"):
+        EmbeddedSpeculativeEngine(target_model, windowed, 3, topk=2, num_draft_tokens=6,
+                                  cache="static")
+    assert DeployConfig(embedded_cache="static", num_steps=3, eagle_topk=2,
+                        num_draft_tokens=6).eagle_topk == 2
     assert DeployConfig().embedded_cache == "auto"
+
+
+def test_static_trees_run_from_captured_steps_that_read_nothing_on_the_host(
+        target_model, exported_drafter, prompts, monkeypatch):
+    """With captured steps (replayed without graphs off CUDA, as on CUDA): the drafter's tree
+    round, its prompt round at a captured width and the target's tree forward give the
+    dynamic path's tokens and rounds, and none reads a device value on the host, which a CUDA
+    graph cannot hold."""
+    from draftsmith import compiling
+    from draftsmith.serve import embedded
+
+    with tree_engines(target_model, exported_drafter, 3, 4, 8) as (dynamic, _):
+        expected = [dynamic.generate(prompt, 16, None) for prompt in prompts]
+    monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
+    mode = HostReads()
+    run = compiling.CapturedStep._run
+
+    def watched(self, *args):
+        mode.inside = True
+        try:
+            return run(self, *args)
+        finally:
+            mode.inside = False
+
+    monkeypatch.setattr(compiling.CapturedStep, "_run", watched)
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, 3, topk=4,
+                                            num_draft_tokens=8, cache="static")
+    try:
+        with mode:
+            for prompt, want in zip(prompts, expected, strict=True):
+                got = engine.generate(prompt, 16, None)
+                assert got.tokens == want.tokens
+                assert got.round_tokens == want.round_tokens
+        assert mode.reads == []
+        assert engine.greedy_round.compiled._captures  # the tree round, captured
+        assert engine.runner._tree_captured.compiled._captures  # the tree's verify forward
+        assert engine.steps_ran() == "replayed without graphs"
+    finally:
+        engine.runner.close()
 
 
 def test_auto_is_static_on_cuda_and_dynamic_elsewhere(target_model, exported_drafter):
@@ -731,7 +879,6 @@ def test_auto_is_static_on_cuda_and_dynamic_elsewhere(target_model, exported_dra
         return SimpleNamespace(device=torch.device(device), config=SimpleNamespace(**config))
 
     assert resolve_embedded_cache("auto", on("cuda")) == "static"
-    assert resolve_embedded_cache("auto", on("cuda"), topk=2) == "dynamic"  # a tree
     assert resolve_embedded_cache(  # a ring buffer cannot drop rejected drafts
         "auto", on("cuda", layer_types=["sliding_attention", "full_attention"])) == "dynamic"
     assert resolve_embedded_cache("auto", on("cuda", sliding_window=4096)) == "dynamic"

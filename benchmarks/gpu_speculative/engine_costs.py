@@ -4,6 +4,8 @@ measure_batched: the functions `draftsmith run` calls) on SmolLM2's shapes with 
 gives is the engine's side of issue 46: ms per plain token, a round's draft, verify and other
 ms, at batch 1 and the --batch-sizes, and whether speculative outputs equal plain decoding.
 A random drafter accepts almost nothing, so its acceptance and speedup are not a drafter's.
+`--topk 4 --draft-tokens 8` measures a tree's rounds instead (batch 1: the batched decoder
+drafts chains).
 
     python benchmarks/gpu_speculative/engine_costs.py --out results/gpu_speculative/costs.jsonl
     # here: a check of the script
@@ -50,12 +52,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch-sizes", type=int, nargs="*", default=[4, 16])
     parser.add_argument("--cache", default="static", choices=["static", "dynamic"])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--topk", type=int, default=1, help="deploy.eagle_topk: >1 a tree")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="deploy.num_draft_tokens (default: a chain's 4, a tree's most)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress, ETA
     model = smollm2_shaped_target(args.device).to(getattr(torch, args.dtype))
     engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
+                                       topk=args.topk, num_draft_tokens=args.draft_tokens,
                                        cache=args.cache)
+    batch_sizes = [] if engine.is_tree else args.batch_sizes
     prompts = dev_length_prompts(args.prompts)
     cfg = BenchmarkConfig(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
                           warmup_prompts=1)
@@ -65,12 +72,13 @@ def main(argv: list[str] | None = None) -> None:
     rows += [{k: measured.get(k) for k in ("batch", *KEPT)}
              for measured in (measure_batched(engine, prompts, cfg, None, size,
                                                               [run.tokens for run in plain])
-                              for size in args.batch_sizes)]
+                              for size in batch_sizes)]
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for row in rows:
             row.update(device=device, cache=engine.cache_kind, steps=engine.steps_ran(),
+                       topk=engine.topk, num_draft_tokens=engine.num_draft_tokens,
                        weights="random", dtype=args.dtype,
                        prompts=args.prompts, max_new_tokens=args.max_new_tokens)
             print(json.dumps(row), flush=True)

@@ -569,7 +569,7 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     def measure_point(point: DraftingPoint, _out: Path) -> dict:
         point_engine = EmbeddedSpeculativeEngine(
             engine.runner.model, engine.drafter, point.num_steps, point.eagle_topk,
-            point.num_draft_tokens, engine.cache if point.eagle_topk == 1 else "dynamic")
+            point.num_draft_tokens, engine.cache)
         try:
             return measure_embedded(point_engine, prompts, cfg, eos, point.label, plain())[0]
         finally:

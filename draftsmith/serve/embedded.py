@@ -46,6 +46,7 @@ from draftsmith.export.convert import read_drafter
 from draftsmith.model.aux_hooks import AuxLayerHooks, decoder_of
 from draftsmith.model.grouped_attention import use_verify_attention
 from draftsmith.model.kinds import Drafter, build_drafter, kind_of
+from draftsmith.serve import static_tree
 from draftsmith.serve.round_clock import RoundClock
 
 
@@ -245,10 +246,13 @@ class TargetRunner:
 
 @dataclass
 class StaticTargetCache:
-    """A StaticCache and how many of its positions hold this generation's tokens."""
+    """A StaticCache and how many of its slots this generation has written. A tree's cache
+    (`StaticTargetRunner.new_tree_cache`) also marks which of them hold its tokens: a
+    verified tree leaves its rejected nodes' slots behind, unmarked."""
 
     kv: StaticCache
     length: int = 0
+    valid: torch.Tensor | None = None  # [C] bool: tree decoding's slots that hold its tokens
 
     @property
     def capacity(self) -> int:
@@ -269,10 +273,10 @@ class StaticTargetRunner(TargetRunner):
     (`prompt_widths`), each captured from the model's eager forward when a cache is made: an
     eager prompt forward launched its kernels one by one, 23 ms for SmolLM2 on an H100
     against 1.6 ms for a captured token. The padding's keys land past the prompt, where the
-    next forward overwrites them. Chains only: a tree's verify forward takes its own
-    positions and mask. decode_attention: the target's attention at decode widths runs as
-    matmuls (model/grouped_attention.py) until close(); False keeps the model's own (SDPA),
-    for comparisons."""
+    next forward overwrites them. A tree's verify forward (`forward_tree`) makes its own
+    positions and mask on the device, and is captured as one more step. decode_attention: the
+    target's attention at decode widths runs as matmuls (model/grouped_attention.py) until
+    close(); False keeps the model's own (SDPA), for comparisons."""
 
     LENGTH_STEP = 256  # cache lengths are rounded up to this, so similar requests share one
     cache_kind = "static"
@@ -294,6 +298,10 @@ class StaticTargetRunner(TargetRunner):
         self._forward = compiled_once(model.forward) if self._step_widths else model.forward
         self._captured = captured_step(self._compiled_step, "embedded target step",
                                        model.device, state=_cache_counters, eager=self.step)
+        self._tree_captured = captured_step(self._compiled_tree_step, "embedded target tree step",
+                                            model.device, state=_cache_counters,
+                                            eager=self._eager_tree_step)
+        self._valid: torch.Tensor | None = None  # [C]: a tree's slots, for the one-row cache
         self._prompt_step = None  # prompts run eagerly at their own width
         if self._step_widths:  # uncompiled: torch.compile would compile each width again
             self._prompt_step = captured_step(self._eager_prompt_step, "embedded target prompt",
@@ -317,11 +325,17 @@ class StaticTargetRunner(TargetRunner):
                 del self._kv[rows]
                 self._captured.forget()  # and the graphs that hold it (a new cache may take
                 # its id, which names a graph's cache); other batch sizes' graphs are kept
-                if rows == 1 and self._prompt_step is not None:
-                    self._prompt_step.forget()
+                if rows == 1:
+                    self._tree_captured.forget()
+                    if self._prompt_step is not None:
+                        self._prompt_step.forget()
             kv = self._kv[rows] = self._static_cache(rows, capacity)
-            if rows == 1 and self._prompt_step is not None:
-                self._capture_prompt_widths(kv)
+            if rows == 1:
+                self._valid = torch.zeros(kv.layers[0].max_cache_len, dtype=torch.bool,
+                                          device=self.model.device)  # [C]
+                fixed_address(self._valid)  # the captured tree step reads it in place
+                if self._prompt_step is not None:
+                    self._capture_prompt_widths(kv)
         kv.reset()
         return kv
 
@@ -347,7 +361,8 @@ class StaticTargetRunner(TargetRunner):
         return self._captured if width in self._step_widths else self.step
 
     def captured_steps(self) -> list[CapturedOnFailure]:
-        return [self._captured, self._prompt_step] if self._step_widths else []
+        return [self._captured, self._prompt_step, self._tree_captured] \
+            if self._step_widths else []
 
     def _compiled_step(self, ids: torch.Tensor, cache, **extra):
         """`step` through the compiled forward."""
@@ -403,8 +418,8 @@ class StaticTargetRunner(TargetRunner):
         """As TargetRunner.forward, for the causal continuation of the cache only. With
         last_only and captured steps, a prompt runs padded to a captured width."""
         if position_ids is not None or attention_mask is not None:
-            raise ValueError("deploy.embedded_cache=static verifies chains only; a tree "
-                             "(eagle_topk > 1) needs deploy.embedded_cache=dynamic")
+            raise ValueError("StaticTargetRunner.forward runs the causal continuation of "
+                             "the cache; a tree's verify forward is forward_tree")
         if cache.length + len(input_ids) > cache.capacity:
             raise ValueError(
                 f"the target's static cache holds {cache.capacity} positions; "
@@ -442,6 +457,88 @@ class StaticTargetRunner(TargetRunner):
         torch._foreach_sub_([layer.cumulative_length for layer in cache.kv.layers], count)
         cache.length -= count
 
+    # Trees: the verify forward writes the root and every node into the slots after the
+    # cache's; the accepted path's slots are marked as the sequence's (`valid`) where they lie,
+    # and the counters wound back to the last of them. Moving the kept keys down instead would
+    # take a copy per layer and tensor each round; leaving them costs slots, which
+    # `tree_capacity` provides for.
+
+    @staticmethod
+    def tree_capacity(prompt_length: int, max_new_tokens: int, width: int) -> int:
+        """The slots a tree decoding of `width`-token verify forwards may use: a round that
+        keeps its root and a node j deep in verify order uses j + 1 slots for 2 tokens or
+        more, so at most max(1, width / 2) slots a token, and one verify forward past the
+        end."""
+        return prompt_length + max_new_tokens * max(1, -(-width // 2)) + width
+
+    def new_tree_cache(self, capacity: int) -> StaticTargetCache:
+        """`new_cache` with no slot marked as the sequence's yet (`keep_prefix` marks the
+        prompt's, `keep_tree_path` each round's)."""
+        cache = self.new_cache(capacity)
+        cache.valid = self._valid
+        cache.valid.zero_()
+        return cache
+
+    def keep_prefix(self, cache: StaticTargetCache) -> None:
+        """Mark every slot written so far (the prompt's) as the sequence's."""
+        cache.valid[:cache.length] = True
+
+    @torch.inference_mode()
+    def forward_tree(self, root: int, position: int, nodes: torch.Tensor, depths: torch.Tensor,
+                     visible: torch.Tensor, cache: StaticTargetCache):
+        """The verify forward of a draft tree, from the device tensors that drafting left
+        there: the root (the last known token, at `position`) and its N nodes (target ids
+        [N], depths [N]) go into the N + 1 slots after the cache's, each attending to the
+        sequence's slots and to itself and its ancestors (visible [N+1, N+1]). Returns logits
+        [N+1, V] and aux states [1, N+1, K*H]: a captured step's own outputs, which the next
+        forward overwrites."""
+        width = nodes.shape[0] + 1
+        if cache.valid is None:
+            raise ValueError("forward_tree needs a cache made by new_tree_cache")
+        if cache.length + width > cache.capacity:
+            raise ValueError(
+                f"the target's static cache holds {cache.capacity} slots; {cache.length} + "
+                f"{width} do not fit (new_tree_cache was given too small a capacity: "
+                "tree_capacity says how much a generation needs)")
+        head = on_device([root, position], self.model.device)  # [2]
+        step = self._tree_captured if self._step_widths else self._eager_tree_step
+        logits, aux = step(head, cache.kv, nodes, depths, visible, cache.valid)
+        cache.length += width
+        return logits[0], aux  # [N+1, V], [1, N+1, K*H]
+
+    def keep_tree_path(self, cache: StaticTargetCache, kept: list[int], width: int) -> None:
+        """After a tree's verify forward of `width` slots: mark the slots of the verify
+        indices `kept` (the root, then the accepted path) as the sequence's and wind the
+        counters back to the last of them. The rejected nodes' slots before it stay unmarked,
+        so no later query sees them; those after it are overwritten by the next forward."""
+        first = cache.length - width
+        if width - 1 - kept[-1]:
+            self.drop_last(cache, width - 1 - kept[-1])
+        cache.valid.index_fill_(0, on_device([first + i for i in kept], self.model.device),
+                                True)
+
+    def _compiled_tree_step(self, head, kv, nodes, depths, visible, valid):
+        return self._tree_step(self._forward, head, kv, nodes, depths, visible, valid)
+
+    def _eager_tree_step(self, head, kv, nodes, depths, visible, valid):
+        return self._tree_step(self.model.forward, head, kv, nodes, depths, visible, valid)
+
+    def _tree_step(self, forward, head: torch.Tensor, kv: StaticCache, nodes: torch.Tensor,
+                   depths: torch.Tensor, visible: torch.Tensor, valid: torch.Tensor):
+        """`forward_tree`'s forward, its ids, positions and mask made on the device from
+        head [2] (the root's token and position), nodes [N], depths [N], visible
+        [N+1, N+1], valid [C] and the cache's own counter (the root's slot)."""
+        width = nodes.shape[0] + 1
+        ids = torch.cat([head[:1], nodes])[None]  # [1, T]
+        positions = head[1:] + torch.cat([depths.new_zeros(1), depths])  # [T]
+        slots = torch.arange(valid.shape[0], device=valid.device)  # [C]
+        offset = slots - kv.layers[0].cumulative_length  # [C]: from the root's slot
+        in_tree = (offset >= 0) & (offset < width)  # [C]
+        tree = visible.index_select(1, offset.clamp(0, width - 1)) & in_tree  # [T, C]
+        mask = valid[None] | tree  # [T, C]
+        return self._step_through(forward, ids, kv, position_ids=positions[None],
+                                  attention_mask=mask[None, None])
+
 
 EMBEDDED_CACHES = ("auto", "static", "dynamic")
 PROMPT_WIDTH_MIN = 16
@@ -473,18 +570,16 @@ def has_sliding_window_layers(config) -> bool:
         and getattr(config, "use_sliding_window", True))
 
 
-def resolve_embedded_cache(cache: str, model, topk: int = 1) -> str:
+def resolve_embedded_cache(cache: str, model) -> str:
     """The cache deploy.embedded_cache runs: `auto` is the static cache and compiled steps on
-    CUDA, where launching kernels one at a time is most of a step, for chains (a tree's
-    verify has its own positions and mask) of targets without sliding-window layers; the
-    dynamic cache elsewhere, where the CPU's arithmetic is the cost and the static cache's
-    padded attention would only add to it."""
+    CUDA, where launching kernels one at a time is most of a step, for targets without
+    sliding-window layers; the dynamic cache elsewhere, where the CPU's arithmetic is the cost
+    and the static cache's padded attention would only add to it."""
     if cache not in EMBEDDED_CACHES:
         raise ValueError(f"embedded cache {cache!r}: one of {', '.join(EMBEDDED_CACHES)}")
     if cache != "auto":
         return cache
-    static = model.device.type == "cuda" and topk == 1 \
-        and not has_sliding_window_layers(model.config)
+    static = model.device.type == "cuda" and not has_sliding_window_layers(model.config)
     return "static" if static else "dynamic"
 
 
@@ -618,7 +713,15 @@ class EmbeddedSpeculativeEngine:
             raise ValueError(f"num_steps={num_steps}, topk={topk}: a {self.kind.name} drafter: "
                              f"{problem}")
         self.cache = cache  # as asked; cache_kind is what runs
-        self.cache_kind = resolve_embedded_cache(cache, target_model, topk)
+        self.cache_kind = resolve_embedded_cache(cache, target_model)
+        if topk > 1 and self.cache_kind == "static" \
+                and getattr(drafter.config, "sliding_window", None):
+            if cache == "static":  # the static tree's keys sit at slots, not positions
+                raise ValueError(
+                    f"deploy.embedded_cache=static with eagle_topk={topk}: this drafter attends "
+                    f"over a sliding window ({drafter.config.sliding_window}), which the static "
+                    "path's trees do not apply; set deploy.embedded_cache=auto or dynamic")
+            self.cache_kind = "dynamic"
         if self.kind.drafting == "block" and self.cache_kind == "static":  # static buffers too
             self._draft = self._draft_block_static
             self._new_drafter_cache = self._static_drafter_caches
@@ -632,10 +735,6 @@ class EmbeddedSpeculativeEngine:
         if not 2 <= num_draft_tokens <= budget + 1:
             raise ValueError(f"num_draft_tokens={num_draft_tokens}: between 2 and {budget + 1} "
                              f"with num_steps={num_steps} and topk={topk}")
-        if cache == "static" and topk > 1:
-            raise ValueError(f"deploy.embedded_cache=static with eagle_topk={topk}: the static "
-                             "cache verifies chains only; set deploy.embedded_cache=dynamic (or "
-                             "auto) for a tree, or deploy.eagle_topk=1")
         self.drafter = drafter.eval()
         self.runner = target_runner(target_model, drafter.config.aux_layer_ids, self.cache_kind,
                                     step_widths=(1, num_steps + 1))
@@ -649,9 +748,13 @@ class EmbeddedSpeculativeEngine:
         # A round that drafts the next one before it reads the GPU times two rounds at once.
         self.next_round_clock = RoundClock(self.device)
         # How greedy chain rounds run: over static drafter buffers each round drafts the next
-        # on the device, from its own verify, before the host reads its verdicts.
-        self._greedy_rounds = self._rounds
-        if self._draft == self._draft_static:
+        # on the device, from its own verify, before the host reads its verdicts. Static trees
+        # are drafted and verified on the device, greedy or sampled.
+        self.device_trees = self.is_tree and self._draft == self._draft_static
+        self._greedy_rounds = self._sampled_rounds = self._rounds
+        if self.device_trees:
+            self._greedy_rounds = self._sampled_rounds = self._static_tree_rounds
+        elif self._draft == self._draft_static:
             self._greedy_rounds = self._rounds_drafting_ahead
         self._static_caches: list[StaticDraftCache] = []  # one per drafter layer
         # width -> [T, T] causal mask. The captured steps' widths are made here: a compiled
@@ -659,15 +762,21 @@ class EmbeddedSpeculativeEngine:
         self._causal: dict[int, torch.Tensor] = {}
         for width in (1, num_steps + 1):
             self._causal_mask(width)
+        # A static tree's layout: each candidate's depth, and the mask of a level's own keys
+        # (each frontier node sees itself only).
+        self._candidate_depths = static_tree.candidate_depths(num_steps, topk, self.device)
+        self._tree_level_mask = torch.eye(topk, dtype=torch.bool, device=self.device)  # [k, k]
         # EAGLE-3: step 0 over anchors and a chain step; DFlash: the context's keys and values
         # and the block's logits. Over static drafter buffers their shapes are fixed, so on
         # CUDA they are compiled (CUDA graphs).
         self.step_functions = (
             (self.context_kv, self.block_logits) if self.kind.drafting == "block"
             else (self.anchor_forward, self.drafter.step))
-        # One sequence's greedy drafting of a round, every step with its mask, cache writes
-        # and argmax: captured, a round's drafting is one replay and two copies of inputs.
-        self.greedy_round = self.greedy_round_steps
+        # One sequence's greedy drafting of a round (a chain, or a tree's levels and choice),
+        # every step with its mask, cache writes and argmax or topk: captured, a round's
+        # drafting is one replay and two copies of inputs.
+        self.round_steps = self.tree_round_steps if self.is_tree else self.greedy_round_steps
+        self.greedy_round = self.round_steps
         # The first round's prompt-wide step (EAGLE-3's greedy round, DFlash's context step):
         # padded to a prompt width and captured from the eager step (compiling would compile
         # once per width), or eager at the prompt's own width.
@@ -679,11 +788,11 @@ class EmbeddedSpeculativeEngine:
                 for f in self.step_functions)
             if self.kind.drafting != "block":  # DFlash drafts a block, no chain
                 self.greedy_round = captured_step(
-                    compiled_once(self.greedy_round_steps),
-                    "embedded drafter greedy_round_steps", self.device,
-                    eager=self.greedy_round_steps)
+                    compiled_once(self.round_steps),
+                    f"embedded drafter {self.round_steps.__name__}", self.device,
+                    eager=self.round_steps)
             prompt_step = self.context_kv if self.kind.drafting == "block" else \
-                self.greedy_round_steps
+                self.round_steps
             self.prompt_step = captured_step(prompt_step, "embedded drafter prompt step",
                                              self.device)
 
@@ -883,22 +992,11 @@ class EmbeddedSpeculativeEngine:
         n = len(tokens) - 1
         dev = self.device
         anchor_forward, chain_forward = self.step_functions
+        if sampling.greedy:
+            drafts = self._static_round(tokens, aux, drafted_upto, cache)  # [1, k]
+            return drafts[0], [], cache  # [k], left on the device for the verify
         new = n - drafted_upto
         anchors, width = self._padded_anchors(aux, drafted_upto, n)  # [1, W, K*H]
-        if sampling.greedy:
-            draft_round = self.greedy_round
-            if width != self.num_steps + 1:  # the prompt's round
-                draft_round, padded = self.greedy_round_steps, \
-                    self._prompt_step_width(width, cache)
-                if padded is not None:
-                    anchors, width = self._padded_anchors(aux, drafted_upto, n, padded)
-                    draft_round = self.prompt_step
-            # The anchors' ids, their first position and the last real anchor's index: one
-            # copy to the device a round.
-            packed = on_device(tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)
-                               + [drafted_upto, new - 1], dev)  # [W + 2]
-            drafts = draft_round(packed, anchors, cache.slots, cache.k, cache.v)  # [1, k]
-            return drafts[0], [], cache  # [k], left on the device for the verify
         ids = torch.tensor([tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)],
                            device=dev)  # [1, W]
         positions = torch.arange(drafted_upto, drafted_upto + width, device=dev)  # [W]
@@ -921,6 +1019,29 @@ class EmbeddedSpeculativeEngine:
             self.choose_draft(step_logits[0, -1], sampling, drafts, draft_probs)
             hidden = out  # [1, 1, H]
         return drafts, draft_probs, cache
+
+    @torch.inference_mode()
+    def _static_round(self, tokens: list[int], aux: torch.Tensor, drafted_upto: int,
+                      cache: StaticDraftCache):
+        """A round's drafting on the device over a StaticDraftCache (`round_steps`: a greedy
+        chain or a tree), its anchors padded to num_steps + 1 (`_padded_anchors`); the
+        prompt's round is padded to a prompt width when captured (`prompt_step`), and
+        otherwise runs eagerly at the prompt's width. Returns what `round_steps` returns, left
+        on the device for the verify."""
+        n = len(tokens) - 1
+        new = n - drafted_upto
+        anchors, width = self._padded_anchors(aux, drafted_upto, n)  # [1, W, K*H]
+        draft_round = self.greedy_round
+        if width != self.num_steps + 1:  # the prompt's round
+            draft_round, padded = self.round_steps, self._prompt_step_width(width, cache)
+            if padded is not None:
+                anchors, width = self._padded_anchors(aux, drafted_upto, n, padded)
+                draft_round = self.prompt_step
+        # The anchors' ids, their first position and the last real anchor's index: one copy
+        # to the device a round.
+        packed = on_device(tokens[drafted_upto + 1: n + 1] + [tokens[n]] * (width - new)
+                           + [drafted_upto, new - 1], self.device)  # [W + 2]
+        return draft_round(packed, anchors, cache.slots, cache.k, cache.v)
 
     def greedy_round_steps(self, packed: torch.Tensor, anchors: torch.Tensor,
                            slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -945,6 +1066,64 @@ class EmbeddedSpeculativeEngine:
                                                    slots, k, v)  # position n - 1 + j
             drafts.append(draft)
         return torch.cat(drafts, dim=1)  # [1, num_steps]
+
+    def tree_round_steps(self, packed: torch.Tensor, anchors: torch.Tensor, slots: torch.Tensor,
+                         k: torch.Tensor, v: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A round's tree drafting over a StaticDraftCache, on the device from end to end
+        (what `_draft_tree` does with lists and host reads): step 0 over the round's anchors
+        as in `greedy_round_steps`, then num_steps - 1 levels, each feeding its topk frontier
+        nodes at once. A level's keys and values go into slots of their own past the anchors
+        (level l's from n + (l - 1) * topk, overwritten by the next round's anchors), and each
+        node sees the anchors, its ancestors' slots and itself. Inputs as greedy_round_steps'.
+        Returns the tree (`static_tree.choose_nodes`): its nodes' target ids, their parents'
+        verify indices and their depths [N] each, and who sees whom [N+1, N+1]."""
+        width, topk, dev = anchors.shape[1], self.topk, packed.device
+        ids, start, last = packed[None, :width], packed[width:width + 1], packed[width + 1:]
+        positions = start + torch.arange(width, device=dev)  # [W]
+        out, logits, (step_k, step_v) = self.anchor_forward(
+            ids, anchors, positions[None], (k, v),
+            self._static_mask(slots, start, positions))  # [1, W, H], [1, W, D]
+        k.index_copy_(2, positions, step_k)
+        v.index_copy_(2, positions, step_v)
+        n = start + last + 1  # [1]: the root's position, the first slot past the anchors
+        scores, draft_ids = static_tree.children(
+            torch.zeros(1, dtype=torch.float64, device=dev),
+            logits[0].index_select(0, last), topk)  # [k], [k]: the root's children
+        tokens = self.draft_to_target.index_select(0, draft_ids)  # [k]
+        candidates = [(scores, tokens, torch.full((topk,), -1, device=dev))]  # [k] each
+        frontier = torch.arange(topk, device=dev)  # [k]: the frontier's candidate indices
+        hidden = out.index_select(1, last).expand(-1, topk, -1)  # [1, k, H]
+        seen = torch.zeros(topk, slots.shape[0], dtype=torch.bool, device=dev)  # [k, C]
+        before_root = (slots < n)[None]  # [1, C]: the anchors
+        for level in range(1, self.num_steps):
+            node_slots = n + (level - 1) * topk + torch.arange(topk, device=dev)  # [k]
+            mask = torch.cat([before_root | seen, self._tree_level_mask],
+                             dim=-1)[None, None]  # [1, 1, k, C+k]
+            out, step_logits, (step_k, step_v) = self.drafter.step(
+                tokens[None], hidden, (n - 1 + level).expand(topk)[None], (k, v),
+                mask)  # [1, k, H], [1, k, D]
+            k.index_copy_(2, node_slots, step_k)
+            v.index_copy_(2, node_slots, step_v)
+            listed = sum(len(c[0]) for c in candidates)
+            scores, draft_ids = static_tree.children(
+                scores, step_logits[0], topk)  # [k*k], [k*k]: frontier row by row
+            tokens = self.draft_to_target.index_select(0, draft_ids)  # [k*k]
+            candidates.append((scores, tokens, frontier[:, None].expand(-1, topk).flatten()))
+            if level == self.num_steps - 1:
+                break  # the last level's children are drafted, not fed
+            best = static_tree.best(scores, topk)  # [k]: the next frontier
+            rows = best // topk  # [k]: each one's parent row
+            seen = seen.index_select(0, rows) | (
+                slots[None] == node_slots.index_select(0, rows)[:, None])  # [k, C]
+            hidden = out.index_select(1, rows)  # [1, k, H]
+            scores, tokens = scores.index_select(0, best), tokens.index_select(0, best)  # [k]
+            frontier = listed + best  # [k]
+        all_scores, all_tokens, parents = (torch.cat(c) for c in zip(*candidates, strict=True))
+        nodes, parents, depths = static_tree.choose_nodes(
+            all_scores, all_tokens, parents, self._candidate_depths,
+            self.num_draft_tokens - 1)  # [N] each
+        return nodes, parents, depths, static_tree.visibility(parents, self.num_steps)
 
     def greedy_chain_step(self, last: torch.Tensor, hidden: torch.Tensor,
                           position: torch.Tensor, slots: torch.Tensor, k: torch.Tensor,
@@ -1119,20 +1298,31 @@ class EmbeddedSpeculativeEngine:
         distributed as the target's own sampling at that temperature)."""
         sampling = sampling or Sampling()
         started = time.perf_counter()
-        # A verify round writes num_steps + 1 positions past its last known token.
-        cache = self.runner.new_cache(len(prompt) + max_new_tokens + self.num_steps)
+        cache = self._new_target_cache(len(prompt), max_new_tokens)
         logits, aux = self.runner.forward(prompt, cache, last_only=True)
         tokens = [*prompt, sampling.pick(logits[-1])]
         result = Generation(tokens=[], seconds=0.0,
                             prefill_seconds=time.perf_counter() - started)
+        # A round's anchors are padded to num_steps + 1 slots and a static tree's levels take
+        # (num_steps - 1) * topk slots, past the last known token.
         drafter_cache = self._new_drafter_cache(
-            len(prompt) + max_new_tokens + 2 * (self.num_steps + 1))
-        rounds = self._greedy_rounds if sampling.greedy else self._rounds
+            len(prompt) + max_new_tokens
+            + max(2 * (self.num_steps + 1), (self.num_steps - 1) * self.topk + 1))
+        rounds = self._greedy_rounds if sampling.greedy else self._sampled_rounds
         rounds(tokens, aux, cache, drafter_cache, _Budget(len(prompt), max_new_tokens, eos_id),
                sampling, result)
         result.tokens = truncate_output(tokens[len(prompt):], max_new_tokens, eos_id)
         result.seconds = time.perf_counter() - started
         return result
+
+    def _new_target_cache(self, prompt_length: int, max_new_tokens: int):
+        """The target's cache for a generation. A chain's verify writes num_steps + 1
+        positions past its last known token; a static tree's leaves its rejected nodes'
+        slots behind (`StaticTargetRunner.tree_capacity`)."""
+        if self.device_trees:
+            return self.runner.new_tree_cache(self.runner.tree_capacity(
+                prompt_length, max_new_tokens, self.num_draft_tokens))
+        return self.runner.new_cache(prompt_length + max_new_tokens + self.num_steps)
 
     def _rounds(self, tokens: list[int], aux: torch.Tensor, cache, drafter_cache,
                 budget: _Budget, sampling: Sampling, result: Generation) -> None:
@@ -1152,7 +1342,8 @@ class EmbeddedSpeculativeEngine:
                 logits, new_aux = self.runner.forward([tokens[n], *tree.tokens], cache,
                                                       positions, tree.attention(n, self.device))
                 clock.end("verify")
-                path, next_token = self._verify_tree(tree, logits, sampling)
+                path, next_token = self._verify_tree(
+                    tree, functools.partial(pick_row, sampling, logits))
                 clock.add_to(result)
                 kept = [0, *path]
                 _keep_cache_positions(cache, list(range(n)) + [n + i for i in kept])
@@ -1174,6 +1365,42 @@ class EmbeddedSpeculativeEngine:
             drafted_upto = n
             budget.keep(tokens, [*accepted_tokens, next_token], result)
             aux = torch.cat([aux, new_aux[:, kept]], dim=1)  # [1, n+a+1, K*H]
+
+    @torch.inference_mode()
+    def _static_tree_rounds(self, tokens: list[int], aux: torch.Tensor,
+                            cache: StaticTargetCache, drafter_cache: StaticDraftCache,
+                            budget: _Budget, sampling: Sampling, result: Generation) -> None:
+        """Tree rounds over static buffers: the drafter's round makes the tree on the device
+        (`tree_round_steps`), the target verifies it in one forward from there
+        (`StaticTargetRunner.forward_tree`), and the host reads the tree and the target's
+        picks once, walks the tree, and keeps the accepted path's slots. Sampled verification
+        reads the logits rows it walks through."""
+        drafted_upto = 0
+        clock = self.round_clock
+        self.runner.keep_prefix(cache)
+        while not budget.spent(tokens):
+            n = len(tokens) - 1
+            clock.start()
+            nodes, parents, depths, visible = self._static_round(tokens, aux, drafted_upto,
+                                                                 drafter_cache)  # [N] each
+            clock.end("draft")
+            logits, new_aux = self.runner.forward_tree(tokens[n], n, nodes, depths, visible,
+                                                       cache)  # [N+1, V], [1, N+1, K*H]
+            clock.end("verify")
+            picks = logits.argmax(-1) if sampling.greedy else nodes[:0]  # [N+1] or [0]
+            size = nodes.shape[0]
+            listed = HostRead(torch.cat([nodes, parents, depths, picks])).wait()
+            tree = DraftTree(listed[:size], listed[size:2 * size], listed[2 * size:3 * size])
+            path, next_token = self._verify_tree(
+                tree, listed[3 * size:].__getitem__ if sampling.greedy
+                else functools.partial(pick_row, sampling, logits))
+            clock.add_to(result)
+            kept = [0, *path]
+            self.runner.keep_tree_path(cache, kept, size + 1)
+            drafted_upto = n
+            budget.keep(tokens, [tree.tokens[i - 1] for i in path] + [next_token], result)
+            aux = torch.cat([aux, new_aux.index_select(1, on_device(kept, self.device))],
+                            dim=1)  # [1, n+a+1, K*H]
 
     @torch.inference_mode()
     def _rounds_drafting_ahead(self, tokens: list[int], aux: torch.Tensor,
@@ -1281,20 +1508,24 @@ class EmbeddedSpeculativeEngine:
         return len(drafts), sampling.draw(p[len(drafts)])
 
     @staticmethod
-    def _verify_tree(tree: DraftTree, logits: torch.Tensor,
-                     sampling: Sampling) -> tuple[list[int], int]:
-        """(verify indices of the accepted path, the target's own next token). logits
-        [N+1, V]: row i is the target's prediction after verify index i."""
+    def _verify_tree(tree: DraftTree, pick) -> tuple[list[int], int]:
+        """(verify indices of the accepted path, the target's own next token). pick(i): the
+        target's token after verify index i (its argmax, or a draw from its logits row)."""
         children = tree.children()
         path: list[int] = []
         node = 0
         while True:
-            token = sampling.pick(logits[node])
+            token = pick(node)
             child = children[node].get(token)
             if child is None:
                 return path, token
             path.append(child)
             node = child
+
+
+def pick_row(sampling: Sampling, logits: torch.Tensor, row: int) -> int:
+    """The target's token after verify index `row` of logits [N+1, V]."""
+    return sampling.pick(logits[row])
 
 
 def _keep_cache_positions(cache: DynamicCache, keep: list[int]) -> None:

@@ -1,0 +1,68 @@
+"""A draft tree chosen on the device, for the static path's captured drafting round.
+
+The dynamic path (`EmbeddedSpeculativeEngine._draft_tree`) grows its tree in Python lists and
+reads every level's top-k on the host: a wait for the GPU at each level, and nothing a CUDA
+graph can hold. Here the shapes are fixed by (num_steps, topk, num_draft_tokens), so a round's
+tree is chosen by tensor operations alone and captured with the drafter's steps. Candidates
+are laid out as the dynamic path lists them and chosen with its tie-breaks (stable sorts, so
+an equal score goes to the candidate listed first, which is never deeper), and scores are
+summed in float64 as Python sums them there: both paths draft the same tree.
+
+The candidates, in order: the root's topk children (depth 1), then for each later depth the
+topk children of each of the topk frontier nodes, frontier row by row:
+topk + (num_steps - 1) * topk**2 in all.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def candidate_depths(num_steps: int, topk: int, device: torch.device) -> torch.Tensor:
+    """Each candidate's depth in the layout above: [M]."""
+    per_depth = [topk] + [topk * topk] * (num_steps - 1)
+    return torch.repeat_interleave(torch.arange(1, num_steps + 1, device=device),
+                                   torch.tensor(per_depth, device=device))  # [M]
+
+
+def children(parent_scores: torch.Tensor, logits: torch.Tensor, topk: int
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The topk children of each of F parents: their scores (the parent's plus the child's
+    draft log-probability, float64) and draft-vocabulary ids, parent by parent. parent_scores
+    [F] float64, logits [F, D] -> [F * topk], [F * topk]."""
+    logp, ids = torch.log_softmax(logits.float(), -1).topk(topk)  # [F, k], [F, k]
+    return (parent_scores[:, None] + logp.double()).flatten(), ids.flatten()  # [F*k], [F*k]
+
+
+def best(scores: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the `count` highest scores [count], an equal score going to the lower
+    index (Python's stable sort on -score, as the dynamic path sorts)."""
+    return scores.sort(descending=True, stable=True).indices[:count]  # [count]
+
+
+def choose_nodes(scores: torch.Tensor, tokens: torch.Tensor, parent_candidates: torch.Tensor,
+                 depths: torch.Tensor, nodes: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The tree: the `nodes` best candidates in verify order (by depth, then as listed), as
+    their tokens [N], their parents' verify indices [N] (0: the root) and depths [N]. scores
+    [M] float64, tokens [M], depths [M]; parent_candidates [M]: each candidate's parent as a
+    candidate index, -1 for the root. A parent scores at least its children (log-probabilities
+    are at most 0) and wins their ties, so every chosen node's parent is chosen too."""
+    count = scores.shape[0]
+    chosen = best(scores, nodes).sort().values  # [N]: candidate order is verify order
+    verify_index = torch.zeros(count + 1, dtype=torch.long, device=scores.device)  # [M + 1]
+    verify_index.index_copy_(0, chosen, torch.arange(1, nodes + 1, device=scores.device))
+    parents = parent_candidates.index_select(0, chosen)  # [N]
+    parents = verify_index.index_select(0, torch.where(parents < 0, count, parents))  # [N]
+    return tokens.index_select(0, chosen), parents, depths.index_select(0, chosen)
+
+
+def visibility(parents: torch.Tensor, num_steps: int) -> torch.Tensor:
+    """Which verify positions each sees within the tree [N+1, N+1]: itself and its ancestors,
+    the root (index 0) included. parents [N]: verify indices, parents before children."""
+    parent_of = torch.cat([parents.new_zeros(1), parents])  # [N+1]: the root its own
+    size = parent_of.shape[0]
+    visible = torch.eye(size, dtype=torch.bool, device=parents.device)  # [N+1, N+1]
+    for _ in range(num_steps):  # a node num_steps deep has num_steps ancestors
+        visible = visible | visible.index_select(0, parent_of)  # [N+1, N+1]
+    return visible
