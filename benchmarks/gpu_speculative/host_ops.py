@@ -13,6 +13,7 @@ the GPU has only what was enqueued before the read to work on. A round that draf
 one before it reads leaves the drafter's graph there; a round that drafts after it reads
 leaves the GPU idle for its drafting's host part. `--batch N` counts the batched decoder's
 rounds the same way (its prompts' read, before the first round's drafting, is one entry).
+`--topk 4 --draft-tokens 8` counts a tree's rounds (its verify is the target's tree step).
 
     python benchmarks/gpu_speculative/host_ops.py \
         --out benchmarks/results/gpu_speculative/host_ops.json
@@ -127,6 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--batch", type=int, default=0,
                         help="also a batch of this many prompts (the batched decoder)")
+    parser.add_argument("--topk", type=int, default=1, help="deploy.eagle_topk: >1 a tree")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="deploy.num_draft_tokens (default: a chain's 4, a tree's most)")
     args = parser.parse_args(argv)
     # The static path as CUDA runs it: steps captured (here, replayed without graphs), not
     # compiled (the count is the host's, and inductor's CPU build takes minutes).
@@ -135,10 +139,14 @@ def main(argv: list[str] | None = None) -> None:
     mode = Counting()
     model = smollm2_shaped_target("cpu")
     engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
+                                       topk=args.topk, num_draft_tokens=args.draft_tokens,
                                        cache="static")
-    counted_captures(mode, [engine.runner._captured.compiled])
+    counted_captures(mode, [engine.runner._captured.compiled,
+                            engine.runner._tree_captured.compiled])
     prompt = list(range(1000, 1060))
-    engine.generate(prompt, 8, None)  # captures made before counting
+    # captures made, and caches grown to the longest run (a tree's takes more slots), before
+    # counting
+    engine.generate(prompt, 48, None)
     plain_generate(engine.runner, prompt, 8, None)
     round_ops, round_total = per_extra(
         mode, lambda tokens: engine.generate(prompt, tokens, None).verify_rounds, 24, 48)
@@ -149,7 +157,8 @@ def main(argv: list[str] | None = None) -> None:
     result = {"per_round": round(round_total, 2), "per_plain_token": round(plain_total, 2),
               "after_read_per_round": collections.Counter(speculative).most_common(),
               "round_operations": round_ops, "plain_operations": plain_ops,
-              "num_steps": 3, "steps_ran": engine.steps_ran()}
+              "num_steps": 3, "topk": engine.topk, "num_draft_tokens": engine.num_draft_tokens,
+              "steps_ran": engine.steps_ran()}
     if args.batch:
         decoder = BatchedSpeculativeDecoder(engine)
         prompts = [list(range(1000 + 7 * row, 1060 + 7 * row)) for row in range(args.batch)]
