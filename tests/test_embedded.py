@@ -749,6 +749,32 @@ def test_a_static_tree_is_the_dynamic_paths_tree(target_model, exported_drafter,
             assert torch.equal(visible, want.attention(0, "cpu")[0, 0])
 
 
+def test_the_device_walk_follows_the_host_walk():
+    """static_tree.walk (greedy rounds drafting ahead) against `_verify_tree`'s host walk, on
+    random trees up to 4 deep whose siblings may share a token (the first in verify order
+    wins) and random picks from a vocabulary small enough that many nodes match."""
+    from draftsmith.serve import static_tree
+
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        size = int(torch.randint(1, 12, (1,), generator=rng))
+        parents, depths = [], []
+        for i in range(size):
+            shallow = [0] + [j + 1 for j in range(i) if depths[j] < 4]
+            parent = shallow[int(torch.randint(len(shallow), (1,), generator=rng))]
+            parents.append(parent)
+            depths.append(1 if parent == 0 else depths[parent - 1] + 1)
+        tree = DraftTree(torch.randint(3, (size,), generator=rng).tolist(), parents, depths)
+        picks = torch.randint(3, (size + 1,), generator=rng)  # [N+1]
+        path, bonus = EmbeddedSpeculativeEngine._verify_tree(tree, picks.tolist().__getitem__)
+        kept, accepted = static_tree.walk(torch.tensor(tree.tokens), torch.tensor(parents),
+                                          picks, 4)
+        last = path[-1] if path else 0
+        assert kept.tolist() == [0, *path] + [last] * (4 - len(path))
+        assert accepted.tolist() == [len(path)]
+        assert int(picks[last]) == bonus
+
+
 @pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_tree_generation_is_the_same_on_the_static_cache(target_model, exported_drafter, prompts,
@@ -777,17 +803,27 @@ def test_a_static_tree_keeps_the_accepted_path_where_it_lies(target_model, expor
     with tree_engines(target_model, exported_drafter, steps, 2, 7) as (_, static):
         prompt = prompts[1]
         reference = plain_generate(static.runner, prompt, max_new + steps, None).tokens
-        real = static._static_round
+        real_round, real_ahead = static._static_round, static.greedy_round
 
-        def oracle_round(tokens, aux, drafted_upto, cache):
-            real(tokens, aux, drafted_upto, cache)  # the drafter's caches advance as usual
-            done = len(tokens) - len(prompt)
+        def oracle_tree_after(known: int):
+            """The tree proposed once `known` tokens are known, as the drafter returns it."""
+            done = known - len(prompt)
             tree = true_branch_tree((reference[done:] + [0] * steps)[:steps], true_branch)
             parents = torch.tensor(tree.parents)  # [N]
             return (torch.tensor(tree.tokens), parents, torch.tensor(tree.depths),
                     static_tree.visibility(parents, steps))
 
+        def oracle_round(tokens, aux, drafted_upto, cache):  # the prompt's round
+            real_round(tokens, aux, drafted_upto, cache)  # the caches advance as usual
+            return oracle_tree_after(len(tokens))
+
+        def oracle_ahead(packed, anchors, *buffers):  # a round drafted ahead, on the device
+            real_ahead(packed, anchors, *buffers)
+            start, last = packed[anchors.shape[1]:].tolist()  # first anchor, last real one
+            return oracle_tree_after(start + last + 2)
+
         monkeypatch.setattr(static, "_static_round", oracle_round)
+        monkeypatch.setattr(static, "greedy_round", oracle_ahead)
         got = static.generate(prompt, max_new, None)
         assert got.tokens == reference[:max_new]
         assert got.round_tokens[:-1] == [steps + 1] * (len(got.round_tokens) - 1)

@@ -517,6 +517,23 @@ class StaticTargetRunner(TargetRunner):
         cache.valid.index_fill_(0, on_device([first + i for i in kept], self.model.device),
                                 True)
 
+    def keep_tree_path_on_device(self, cache: StaticTargetCache, kept: torch.Tensor,
+                                 width: int) -> None:
+        """`keep_tree_path` from kept [S+1] on the device (the root, the accepted path, its
+        last one repeated: `static_tree.walk`), without reading it: the counters go to the
+        slot after the last kept one. cache.length, the host's count, is the caller's to set
+        once it has read `kept` (`tree_length_after`)."""
+        counters = [layer.cumulative_length for layer in cache.kv.layers]
+        first = counters[0] - width  # []: the root's slot
+        cache.valid.index_fill_(0, first + kept, True)
+        torch._foreach_copy_(counters, [first + 1 + kept[-1]] * len(counters))
+
+    @staticmethod
+    def tree_length_after(cache: StaticTargetCache, last_kept: int, width: int) -> int:
+        """The slots written once a tree's verify of `width` slots keeps up to verify index
+        `last_kept`."""
+        return cache.length - width + 1 + last_kept
+
     def _compiled_tree_step(self, head, kv, nodes, depths, visible, valid):
         return self._tree_step(self._forward, head, kv, nodes, depths, visible, valid)
 
@@ -753,7 +770,8 @@ class EmbeddedSpeculativeEngine:
         self.device_trees = self.is_tree and self._draft == self._draft_static
         self._greedy_rounds = self._sampled_rounds = self._rounds
         if self.device_trees:
-            self._greedy_rounds = self._sampled_rounds = self._static_tree_rounds
+            self._sampled_rounds = self._static_tree_rounds
+            self._greedy_rounds = self._tree_rounds_drafting_ahead
         elif self._draft == self._draft_static:
             self._greedy_rounds = self._rounds_drafting_ahead
         self._static_caches: list[StaticDraftCache] = []  # one per drafter layer
@@ -1401,6 +1419,50 @@ class EmbeddedSpeculativeEngine:
             budget.keep(tokens, [tree.tokens[i - 1] for i in path] + [next_token], result)
             aux = torch.cat([aux, new_aux.index_select(1, on_device(kept, self.device))],
                             dim=1)  # [1, n+a+1, K*H]
+
+    @torch.inference_mode()
+    def _tree_rounds_drafting_ahead(self, tokens: list[int], aux: torch.Tensor,
+                                    cache: StaticTargetCache, drafter_cache: StaticDraftCache,
+                                    budget: _Budget, sampling: Sampling,
+                                    result: Generation) -> None:
+        """Greedy tree rounds over static buffers, each drafting the next before it reads the
+        GPU, as `_rounds_drafting_ahead` does for chains: the tree is walked on the device
+        (`static_tree.walk`), the target's cache keeps the path there
+        (`keep_tree_path_on_device`), and the next round's anchors are the kept verify
+        positions (the target's picks there for their ids, the verify's aux states, the
+        accepted count as the last real anchor). The drafter's graph runs while the host reads
+        the verdicts. A generation's last round drafts one tree that is never verified."""
+        if budget.spent(tokens):
+            return
+        dev, width = self.device, self.num_draft_tokens
+        clock, next_clock = self.round_clock, self.next_round_clock
+        self.runner.keep_prefix(cache)
+        clock.start()
+        tree = self._static_round(tokens, aux, 0, drafter_cache)  # the prompt's
+        clock.end("draft")
+        while True:
+            n = len(tokens) - 1
+            nodes, parents, depths, visible = tree  # [N] each, [N+1, N+1]
+            logits, new_aux = self.runner.forward_tree(tokens[n], n, nodes, depths, visible,
+                                                       cache)  # [N+1, V], [1, N+1, K*H]
+            clock.end("verify")
+            picks = logits.argmax(-1)  # [N+1]
+            kept, accepted = static_tree.walk(nodes, parents, picks, self.num_steps)  # [S+1]
+            self.runner.keep_tree_path_on_device(cache, kept, width)
+            kept_picks = picks.index_select(0, kept)  # [S+1]: the anchors' next tokens
+            verdicts = HostRead(torch.cat([accepted, kept[-1:], kept_picks]))  # [S+3]
+            next_clock.start()
+            tree = self.greedy_round(torch.cat([kept_picks, on_device([n], dev), accepted]),
+                                     new_aux.index_select(1, kept), drafter_cache.slots,
+                                     drafter_cache.k, drafter_cache.v)
+            next_clock.end("draft")
+            a, last_kept, *produced = verdicts.wait()
+            cache.length = self.runner.tree_length_after(cache, last_kept, width)
+            clock.add_to(result)
+            budget.keep(tokens, produced[:a + 1], result)
+            if budget.spent(tokens):
+                return
+            clock, next_clock = next_clock, clock
 
     @torch.inference_mode()
     def _rounds_drafting_ahead(self, tokens: list[int], aux: torch.Tensor,

@@ -66,3 +66,24 @@ def visibility(parents: torch.Tensor, num_steps: int) -> torch.Tensor:
     for _ in range(num_steps):  # a node num_steps deep has num_steps ancestors
         visible = visible | visible.index_select(0, parent_of)  # [N+1, N+1]
     return visible
+
+
+def walk(nodes: torch.Tensor, parents: torch.Tensor, picks: torch.Tensor, num_steps: int
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy verification of a tree on the device, as `EmbeddedSpeculativeEngine._verify_tree`
+    walks it on the host: from the root, follow the child (the first in verify order) that
+    holds the target's pick, at most num_steps times. nodes, parents [N]; picks [N+1]: the
+    target's argmax after each verify index. Returns the verify indices kept [num_steps + 1]
+    (the root, the accepted path, then its last one repeated) and how many nodes were
+    accepted [1]."""
+    current = parents.new_zeros(1)  # [1]: the root
+    found = torch.ones(1, dtype=torch.bool, device=parents.device)  # [1]
+    accepted = parents.new_zeros(1)  # [1]
+    kept = [current]
+    for _ in range(num_steps):
+        match = (parents == current) & (nodes == picks.index_select(0, current))  # [N]
+        found = found & match.any(0, keepdim=True)  # [1]
+        current = torch.where(found, match.long().argmax(0, keepdim=True) + 1, current)  # [1]
+        accepted = accepted + found.long()  # [1]
+        kept.append(current)
+    return torch.cat(kept), accepted  # [S+1], [1]
