@@ -894,7 +894,12 @@ def test_static_trees_run_from_captured_steps_that_read_nothing_on_the_host(
         assert mode.reads == []
         assert engine.greedy_round.compiled._captures  # the tree round, captured
         assert engine.runner._tree_captured.compiled._captures  # the tree's verify forward
+        assert engine.tree_verdicts.compiled._captures  # the walk and the path kept
         assert engine.steps_ran() == "replayed without graphs"
+        longer = engine.runner._kv[1].layers[0].max_cache_len + 1
+        engine.runner.new_tree_cache(longer)  # the old cache goes, and the graphs holding it
+        assert not engine.runner._tree_captured.compiled._captures
+        assert not engine.tree_verdicts.compiled._captures
     finally:
         engine.runner.close()
 

@@ -302,6 +302,9 @@ class StaticTargetRunner(TargetRunner):
                                             model.device, state=_cache_counters,
                                             eager=self._eager_tree_step)
         self._valid: torch.Tensor | None = None  # [C]: a tree's slots, for the one-row cache
+        # Others' captured steps that hold the one-row cache (the engine's tree verdicts),
+        # let go of with it.
+        self.one_row_cache_users: list[CapturedOnFailure] = []
         self._prompt_step = None  # prompts run eagerly at their own width
         if self._step_widths:  # uncompiled: torch.compile would compile each width again
             self._prompt_step = captured_step(self._eager_prompt_step, "embedded target prompt",
@@ -326,7 +329,8 @@ class StaticTargetRunner(TargetRunner):
                 self._captured.forget()  # and the graphs that hold it (a new cache may take
                 # its id, which names a graph's cache); other batch sizes' graphs are kept
                 if rows == 1:
-                    self._tree_captured.forget()
+                    for step in (self._tree_captured, *self.one_row_cache_users):
+                        step.forget()
                     if self._prompt_step is not None:
                         self._prompt_step.forget()
             kv = self._kv[rows] = self._static_cache(rows, capacity)
@@ -517,15 +521,17 @@ class StaticTargetRunner(TargetRunner):
         cache.valid.index_fill_(0, on_device([first + i for i in kept], self.model.device),
                                 True)
 
-    def keep_tree_path_on_device(self, cache: StaticTargetCache, kept: torch.Tensor,
+    @staticmethod
+    def keep_tree_path_on_device(kv: StaticCache, valid: torch.Tensor, kept: torch.Tensor,
                                  width: int) -> None:
         """`keep_tree_path` from kept [S+1] on the device (the root, the accepted path, its
-        last one repeated: `static_tree.walk`), without reading it: the counters go to the
-        slot after the last kept one. cache.length, the host's count, is the caller's to set
-        once it has read `kept` (`tree_length_after`)."""
-        counters = [layer.cumulative_length for layer in cache.kv.layers]
+        last one repeated: `static_tree.walk`), without reading it: the slots are marked in
+        valid [C] and the counters go to the slot after the last kept one. The cache's
+        length, the host's count, is the caller's to set once it has read `kept`
+        (`tree_length_after`)."""
+        counters = [layer.cumulative_length for layer in kv.layers]
         first = counters[0] - width  # []: the root's slot
-        cache.valid.index_fill_(0, first + kept, True)
+        valid.index_fill_(0, first + kept, True)
         torch._foreach_copy_(counters, [first + 1 + kept[-1]] * len(counters))
 
     @staticmethod
@@ -795,6 +801,7 @@ class EmbeddedSpeculativeEngine:
         # drafting is one replay and two copies of inputs.
         self.round_steps = self.tree_round_steps if self.is_tree else self.greedy_round_steps
         self.greedy_round = self.round_steps
+        self.tree_verdicts = self.tree_verdict_steps
         # The first round's prompt-wide step (EAGLE-3's greedy round, DFlash's context step):
         # padded to a prompt width and captured from the eager step (compiling would compile
         # once per width), or eager at the prompt's own width.
@@ -809,6 +816,11 @@ class EmbeddedSpeculativeEngine:
                     compiled_once(self.round_steps),
                     f"embedded drafter {self.round_steps.__name__}", self.device,
                     eager=self.round_steps)
+            if self.is_tree:
+                self.tree_verdicts = captured_step(
+                    compiled_once(self.tree_verdict_steps), "embedded tree verdicts",
+                    self.device, state=_cache_counters, eager=self.tree_verdict_steps)
+                self.runner.one_row_cache_users.append(self.tree_verdicts)
             prompt_step = self.context_kv if self.kind.drafting == "block" else \
                 self.round_steps
             self.prompt_step = captured_step(prompt_step, "embedded drafter prompt step",
@@ -840,7 +852,8 @@ class EmbeddedSpeculativeEngine:
         return "cuda graphs" if self.device.type == "cuda" else "replayed without graphs"
 
     def _captured_drafter_steps(self) -> list[CapturedOnFailure]:
-        return [step for step in (*self.step_functions, self.greedy_round, self.prompt_step)
+        return [step for step in (*self.step_functions, self.greedy_round, self.prompt_step,
+                                  self.tree_verdicts)
                 if isinstance(step, CapturedOnFailure)]
 
     @property
@@ -1446,15 +1459,13 @@ class EmbeddedSpeculativeEngine:
             logits, new_aux = self.runner.forward_tree(tokens[n], n, nodes, depths, visible,
                                                        cache)  # [N+1, V], [1, N+1, K*H]
             clock.end("verify")
-            picks = logits.argmax(-1)  # [N+1]
-            kept, accepted = static_tree.walk(nodes, parents, picks, self.num_steps)  # [S+1]
-            self.runner.keep_tree_path_on_device(cache, kept, width)
-            kept_picks = picks.index_select(0, kept)  # [S+1]: the anchors' next tokens
-            verdicts = HostRead(torch.cat([accepted, kept[-1:], kept_picks]))  # [S+3]
+            verdicts, packed, anchors = self.tree_verdicts(
+                logits, cache.kv, nodes, parents, new_aux, cache.valid,
+                on_device([n], dev))  # [S+3], [S+3], [1, S+1, K*H]
+            verdicts = HostRead(verdicts)
             next_clock.start()
-            tree = self.greedy_round(torch.cat([kept_picks, on_device([n], dev), accepted]),
-                                     new_aux.index_select(1, kept), drafter_cache.slots,
-                                     drafter_cache.k, drafter_cache.v)
+            tree = self.greedy_round(packed, anchors, drafter_cache.slots, drafter_cache.k,
+                                     drafter_cache.v)
             next_clock.end("draft")
             a, last_kept, *produced = verdicts.wait()
             cache.length = self.runner.tree_length_after(cache, last_kept, width)
@@ -1463,6 +1474,26 @@ class EmbeddedSpeculativeEngine:
             if budget.spent(tokens):
                 return
             clock, next_clock = next_clock, clock
+
+    def tree_verdict_steps(self, logits: torch.Tensor, kv: StaticCache, nodes: torch.Tensor,
+                           parents: torch.Tensor, new_aux: torch.Tensor, valid: torch.Tensor,
+                           root: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """After a tree's verify forward, on the device: the target's picks, the greedy walk
+        (`static_tree.walk`), the accepted path kept in the target's cache
+        (`keep_tree_path_on_device`), and the next round's drafting inputs. logits [N+1, V],
+        nodes, parents [N], new_aux [1, N+1, K*H], valid [C], root [1] (the root's position).
+        Returns the verdicts for the host [S+3] (the accepted count, the last kept verify
+        index, the kept positions' picks: the accepted tokens and the bonus), the drafter
+        round's packed ids [S+3] and its anchors [1, S+1, K*H], as `greedy_round_steps` takes
+        them. Captured and compiled on CUDA, its few dozen small operations are one replay."""
+        picks = logits.argmax(-1)  # [N+1]
+        kept, accepted = static_tree.walk(nodes, parents, picks, self.num_steps)  # [S+1], [1]
+        self.runner.keep_tree_path_on_device(kv, valid, kept, nodes.shape[0] + 1)
+        kept_picks = picks.index_select(0, kept)  # [S+1]: each anchor's next token
+        verdicts = torch.cat([accepted, kept[-1:], kept_picks])  # [S+3]
+        packed = torch.cat([kept_picks, root, accepted])  # [S+3]
+        return verdicts, packed, new_aux.index_select(1, kept)  # [S+3], [S+3], [1, S+1, K*H]
 
     @torch.inference_mode()
     def _rounds_drafting_ahead(self, tokens: list[int], aux: torch.Tensor,
