@@ -182,6 +182,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batch", type=int, default=1,
                         help="prompts decoded together (the benchmark's batch_sizes)")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--topk", type=int, default=1, help="deploy.eagle_topk: >1 a tree")
+    parser.add_argument("--draft-tokens", type=int, default=None,
+                        help="deploy.num_draft_tokens (default: a chain's 4, a tree's most)")
     parser.add_argument("--trace", action="store_true",
                         help="also a Chrome trace of each mode over one group's first 16 "
                              "tokens (OUT.MODE.trace.json.gz): the kernels' order and the "
@@ -198,6 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.random_weights:
         model = smollm2_shaped_target(args.device)
         engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
+                                           topk=args.topk, num_draft_tokens=args.draft_tokens,
                                            cache="static")
         prompts = dev_length_prompts(3 * args.prompts)
         eos = None
@@ -210,6 +214,8 @@ def main(argv: list[str] | None = None) -> None:
         prompts, _ = benchmark_prompts(cfg, None, tokenizer)
         model = load_target_model(target.path, args.device, "float32")
         engine = EmbeddedSpeculativeEngine.load(model, args.drafter, num_steps=3,
+                                                topk=args.topk,
+                                                num_draft_tokens=args.draft_tokens,
                                                 cache="static")
         eos = tokenizer.eos_token_id
     # The longest prompts first, as the benchmark's warm-up: compile, record graphs, grow the
