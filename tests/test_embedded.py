@@ -413,6 +413,12 @@ def test_tree_accepts_the_true_branch(target_model, exported_drafter, prompts, m
         check_bookkeeping(got, steps)
 
 
+def test_replay_refuses_a_tree_engine(target_model, exported_drafter, prompts):
+    with tree_engine(target_model, exported_drafter, 3, 2, 6) as engine, \
+            pytest.raises(ValueError, match="replay with an engine of eagle_topk=1"):
+        engine.replay(prompts[0], [1, 2, 3])
+
+
 def test_engine_refuses_an_impossible_tree(target_model, exported_drafter):
     with pytest.raises(ValueError, match="num_draft_tokens=9: between 2 and 7"):
         EmbeddedSpeculativeEngine.load(target_model, exported_drafter, num_steps=2, topk=2,
@@ -463,9 +469,12 @@ def dflash_drafter_dir(random_target, random_target_dir, tmp_path_factory):
 
 
 @contextmanager
-def engines(target_model, drafter_dir, num_steps: int):
-    """The same drafter over a dynamic and a static target cache; hooks off afterwards."""
-    made = [EmbeddedSpeculativeEngine.load(target_model, drafter_dir, num_steps, cache=cache)
+def engines(target_model, drafter_dir, num_steps: int, topk: int = 1,
+            num_draft_tokens: int | None = None):
+    """The same drafter (a chain, or a tree with topk > 1) over a dynamic and a static target
+    cache; hooks off afterwards."""
+    made = [EmbeddedSpeculativeEngine.load(target_model, drafter_dir, num_steps, topk=topk,
+                                           num_draft_tokens=num_draft_tokens, cache=cache)
             for cache in ("dynamic", "static")]
     try:
         yield made
@@ -712,19 +721,6 @@ def test_a_forward_past_the_cache_end_is_refused_and_leaves_the_cache_as_it_was(
 # Trees on the static cache: drafted, chosen and verified on the device -------------------------
 
 
-@contextmanager
-def tree_engines(target_model, drafter_dir, steps: int, topk: int, budget: int):
-    """The same tree drafter over a dynamic and a static target cache; hooks off afterwards."""
-    made = [EmbeddedSpeculativeEngine.load(target_model, drafter_dir, steps, topk=topk,
-                                           num_draft_tokens=budget, cache=cache)
-            for cache in ("dynamic", "static")]
-    try:
-        yield made
-    finally:
-        for engine in made:
-            engine.runner.close()
-
-
 def device_tree(engine, prompt: list[int], aux: torch.Tensor):
     """The static path's first tree for `prompt` (its drafter caches fresh), read back as a
     DraftTree, with the visibility it hands the verify forward [N+1, N+1]."""
@@ -739,7 +735,7 @@ def test_a_static_tree_is_the_dynamic_paths_tree(target_model, exported_drafter,
     """Levels fed at once over static buffers, candidates scored and chosen by tensor
     operations: the same nodes, parents and depths as the dynamic path's lists and host
     reads, and each node sees its ancestors and itself."""
-    with tree_engines(target_model, exported_drafter, steps, topk, budget) as (dynamic, static):
+    with engines(target_model, exported_drafter, steps, topk, budget) as (dynamic, static):
         assert static.device_trees and not dynamic.device_trees
         for prompt in prompts:
             aux = aux_before_last(dynamic, prompt)
@@ -779,7 +775,7 @@ def test_the_device_walk_follows_the_host_walk():
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_tree_generation_is_the_same_on_the_static_cache(target_model, exported_drafter, prompts,
                                                         steps, topk, budget, temperature):
-    with tree_engines(target_model, exported_drafter, steps, topk, budget) as (dynamic, static):
+    with engines(target_model, exported_drafter, steps, topk, budget) as (dynamic, static):
         for i, prompt in enumerate(prompts):
             expected = dynamic.generate(prompt, 24, None, Sampling(temperature, seed=i))
             got = static.generate(prompt, 24, None, Sampling(temperature, seed=i))
@@ -800,7 +796,7 @@ def test_a_static_tree_keeps_the_accepted_path_where_it_lies(target_model, expor
     from draftsmith.serve import static_tree
 
     steps, max_new = 3, 21
-    with tree_engines(target_model, exported_drafter, steps, 2, 7) as (_, static):
+    with engines(target_model, exported_drafter, steps, 2, 7) as (_, static):
         prompt = prompts[1]
         reference = plain_generate(static.runner, prompt, max_new + steps, None).tokens
         real_round, real_ahead = static._static_round, static.greedy_round
@@ -865,24 +861,9 @@ def test_static_trees_run_from_captured_steps_that_read_nothing_on_the_host(
     round, its prompt round at a captured width and the target's tree forward give the
     dynamic path's tokens and rounds, and none reads a device value on the host, which a CUDA
     graph cannot hold."""
-    from draftsmith import compiling
-    from draftsmith.serve import embedded
-
-    with tree_engines(target_model, exported_drafter, 3, 4, 8) as (dynamic, _):
+    with engines(target_model, exported_drafter, 3, 4, 8) as (dynamic, _):
         expected = [dynamic.generate(prompt, 16, None) for prompt in prompts]
-    monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
-    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
-    mode = HostReads()
-    run = compiling.CapturedStep._run
-
-    def watched(self, *args):
-        mode.inside = True
-        try:
-            return run(self, *args)
-        finally:
-            mode.inside = False
-
-    monkeypatch.setattr(compiling.CapturedStep, "_run", watched)
+    mode = watching_captured_steps(monkeypatch)
     engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, 3, topk=4,
                                             num_draft_tokens=8, cache="static")
     try:
@@ -1121,6 +1102,29 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def watching_captured_steps(monkeypatch) -> HostReads:
+    """Engines made from here on capture their static steps as on CUDA (replayed without
+    graphs, uncompiled), and the returned mode, while active, records the host reads inside
+    any captured step's run."""
+    from draftsmith import compiling
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
+    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
+    mode = HostReads()
+    run = compiling.CapturedStep._run
+
+    def watched(self, *args):
+        mode.inside = True
+        try:
+            return run(self, *args)
+        finally:
+            mode.inside = False
+
+    monkeypatch.setattr(compiling.CapturedStep, "_run", watched)
+    return mode
+
+
 @pytest.mark.parametrize("cache", ["dynamic", "static"])
 def test_every_decoder_attends_without_cudnn(cache, target_model, exported_drafter, prompts,
                                              monkeypatch):
@@ -1161,26 +1165,12 @@ def test_captured_steps_read_nothing_on_the_host(which, temperature, target_mode
     first H200 run of the greedy chain step fell back to eager at a 0-d argmax used as an
     index. Off CUDA a captured step's replay runs its function, so its host reads show here:
     none in any captured step, greedy or sampled, one prompt or a batch, for every kind."""
-    from draftsmith import compiling
-    from draftsmith.serve import embedded
     from draftsmith.serve.embedded_batch import BatchedSpeculativeDecoder
 
     drafter_dir, num_steps = {"eagle3": (exported_drafter, NUM_STEPS),
                               "eagle31": (eagle31_drafter[1], NUM_STEPS),
                               "dflash": (dflash_drafter_dir, BLOCK - 1)}[which]
-    monkeypatch.setattr(embedded, "cuda_graphs", lambda device: True)
-    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **_options: fn)
-    mode = HostReads()
-    run = compiling.CapturedStep._run
-
-    def watched(self, *args):
-        mode.inside = True
-        try:
-            return run(self, *args)
-        finally:
-            mode.inside = False
-
-    monkeypatch.setattr(compiling.CapturedStep, "_run", watched)
+    mode = watching_captured_steps(monkeypatch)
     engine = EmbeddedSpeculativeEngine.load(target_model, drafter_dir, num_steps,
                                             cache="static")
     try:

@@ -1553,6 +1553,9 @@ class EmbeddedSpeculativeEngine:
         aux states of every position, each round drafts as `generate` does, and its drafts are
         checked against `output` instead of the target's argmax. The first output token is
         the prefill's, as in `generate`."""
+        if self.is_tree:
+            raise ValueError(f"replay makes a chain's rounds, and this engine drafts trees "
+                             f"(eagle_topk={self.topk}): replay with an engine of eagle_topk=1")
         started = time.perf_counter()
         tokens = [*prompt, *output]
         result = Generation(tokens=list(output), seconds=0.0)
