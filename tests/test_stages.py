@@ -316,7 +316,7 @@ def test_deploy_and_benchmark_run_the_static_cache_when_set(chain, random_target
                                                              random_target_dir, tmp_path,
                                                              monkeypatch):
     """deploy.embedded_cache=static reaches the deploy smoke, the benchmark's engine and its
-    chain sweep points; a tree point keeps the dynamic cache (the static one verifies chains)."""
+    sweep points, a tree's too (the static path drafts and verifies trees on the device)."""
     from draftsmith.bench import benchmark as bench_module
     from draftsmith.serve.deploy import run_deploy
 
@@ -340,7 +340,7 @@ def test_deploy_and_benchmark_run_the_static_cache_when_set(chain, random_target
         BenchmarkConfig(num_prompts=2, max_new_tokens=10, sweep=sweep), target_cfg, deployed,
         chain["merge"], random_target, plan_stage(tmp_path, "benchmark", {}, [deployed]))
     assert runners == [("chain, 2 steps", "StaticTargetRunner"),
-                       ("tree 2x2/5", "TargetRunner"), ("chain 3", "StaticTargetRunner")]
+                       ("tree 2x2/5", "StaticTargetRunner"), ("chain 3", "StaticTargetRunner")]
     assert bench.figures["lossless"] is True
 
 
