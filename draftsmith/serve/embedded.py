@@ -477,7 +477,7 @@ class StaticTargetRunner(TargetRunner):
 
     def new_tree_cache(self, capacity: int) -> StaticTargetCache:
         """`new_cache` with no slot marked as the sequence's yet (`keep_prefix` marks the
-        prompt's, `keep_tree_path` each round's)."""
+        prompt's, `keep_tree_path_on_device` each round's)."""
         cache = self.new_cache(capacity)
         cache.valid = self._valid
         cache.valid.zero_()
@@ -510,25 +510,16 @@ class StaticTargetRunner(TargetRunner):
         cache.length += width
         return logits[0], aux  # [N+1, V], [1, N+1, K*H]
 
-    def keep_tree_path(self, cache: StaticTargetCache, kept: list[int], width: int) -> None:
-        """After a tree's verify forward of `width` slots: mark the slots of the verify
-        indices `kept` (the root, then the accepted path) as the sequence's and wind the
-        counters back to the last of them. The rejected nodes' slots before it stay unmarked,
-        so no later query sees them; those after it are overwritten by the next forward."""
-        first = cache.length - width
-        if width - 1 - kept[-1]:
-            self.drop_last(cache, width - 1 - kept[-1])
-        cache.valid.index_fill_(0, on_device([first + i for i in kept], self.model.device),
-                                True)
-
     @staticmethod
     def keep_tree_path_on_device(kv: StaticCache, valid: torch.Tensor, kept: torch.Tensor,
                                  width: int) -> None:
-        """`keep_tree_path` from kept [S+1] on the device (the root, the accepted path, its
-        last one repeated: `static_tree.walk`), without reading it: the slots are marked in
-        valid [C] and the counters go to the slot after the last kept one. The cache's
-        length, the host's count, is the caller's to set once it has read `kept`
-        (`tree_length_after`)."""
+        """After a tree's verify forward of `width` slots, from kept on the device (the root,
+        then the accepted path's verify indices, its last one possibly repeated:
+        `static_tree.walk`) and without reading it: mark their slots in valid [C] as the
+        sequence's and wind the counters back to the slot after the last of them. The
+        rejected nodes' slots before it stay unmarked, so no later query sees them; those
+        after it are overwritten by the next forward. The cache's length, the host's count,
+        is the caller's to set (`tree_length_after`)."""
         counters = [layer.cumulative_length for layer in kv.layers]
         first = counters[0] - width  # []: the root's slot
         valid.index_fill_(0, first + kept, True)
@@ -776,7 +767,7 @@ class EmbeddedSpeculativeEngine:
         self.device_trees = self.is_tree and self._draft == self._draft_static
         self._greedy_rounds = self._sampled_rounds = self._rounds
         if self.device_trees:
-            self._sampled_rounds = self._static_tree_rounds
+            self._sampled_rounds = self._sampled_tree_rounds
             self._greedy_rounds = self._tree_rounds_drafting_ahead
         elif self._draft == self._draft_static:
             self._greedy_rounds = self._rounds_drafting_ahead
@@ -1398,14 +1389,14 @@ class EmbeddedSpeculativeEngine:
             aux = torch.cat([aux, new_aux[:, kept]], dim=1)  # [1, n+a+1, K*H]
 
     @torch.inference_mode()
-    def _static_tree_rounds(self, tokens: list[int], aux: torch.Tensor,
-                            cache: StaticTargetCache, drafter_cache: StaticDraftCache,
-                            budget: _Budget, sampling: Sampling, result: Generation) -> None:
-        """Tree rounds over static buffers: the drafter's round makes the tree on the device
-        (`tree_round_steps`), the target verifies it in one forward from there
-        (`StaticTargetRunner.forward_tree`), and the host reads the tree and the target's
-        picks once, walks the tree, and keeps the accepted path's slots. Sampled verification
-        reads the logits rows it walks through."""
+    def _sampled_tree_rounds(self, tokens: list[int], aux: torch.Tensor,
+                             cache: StaticTargetCache, drafter_cache: StaticDraftCache,
+                             budget: _Budget, sampling: Sampling, result: Generation) -> None:
+        """Sampled tree rounds over static buffers: the drafter's round makes the tree on the
+        device (`tree_round_steps`), the target verifies it in one forward from there
+        (`StaticTargetRunner.forward_tree`), and the host reads the tree, walks it drawing
+        the target's token from each logits row it passes, and keeps the accepted path's
+        slots. (Greedy trees walk on the device: `_tree_rounds_drafting_ahead`.)"""
         drafted_upto = 0
         clock = self.round_clock
         self.runner.keep_prefix(cache)
@@ -1418,20 +1409,18 @@ class EmbeddedSpeculativeEngine:
             logits, new_aux = self.runner.forward_tree(tokens[n], n, nodes, depths, visible,
                                                        cache)  # [N+1, V], [1, N+1, K*H]
             clock.end("verify")
-            picks = logits.argmax(-1) if sampling.greedy else nodes[:0]  # [N+1] or [0]
             size = nodes.shape[0]
-            listed = HostRead(torch.cat([nodes, parents, depths, picks])).wait()
-            tree = DraftTree(listed[:size], listed[size:2 * size], listed[2 * size:3 * size])
-            path, next_token = self._verify_tree(
-                tree, listed[3 * size:].__getitem__ if sampling.greedy
-                else functools.partial(pick_row, sampling, logits))
+            listed = HostRead(torch.cat([nodes, parents, depths])).wait()
+            tree = DraftTree(listed[:size], listed[size:2 * size], listed[2 * size:])
+            path, next_token = self._verify_tree(tree,
+                                                 functools.partial(pick_row, sampling, logits))
             clock.add_to(result)
-            kept = [0, *path]
-            self.runner.keep_tree_path(cache, kept, size + 1)
+            kept = on_device([0, *path], self.device)  # [a+1]
+            self.runner.keep_tree_path_on_device(cache.kv, cache.valid, kept, size + 1)
+            cache.length = self.runner.tree_length_after(cache, path[-1] if path else 0, size + 1)
             drafted_upto = n
             budget.keep(tokens, [tree.tokens[i - 1] for i in path] + [next_token], result)
-            aux = torch.cat([aux, new_aux.index_select(1, on_device(kept, self.device))],
-                            dim=1)  # [1, n+a+1, K*H]
+            aux = torch.cat([aux, new_aux.index_select(1, kept)], dim=1)  # [1, n+a+1, K*H]
 
     @torch.inference_mode()
     def _tree_rounds_drafting_ahead(self, tokens: list[int], aux: torch.Tensor,
