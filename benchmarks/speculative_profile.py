@@ -177,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--random-weights", action="store_true",
                         help="random SmolLM2-shaped target and drafter, instead of --drafter")
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the random weights' dtype (--random-weights)")
     parser.add_argument("--prompts", type=int, default=4, help="of each dev set")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--batch", type=int, default=1,
@@ -199,7 +201,7 @@ def main(argv: list[str] | None = None) -> None:
     if (args.drafter is None) == (not args.random_weights):
         parser.error("give --drafter DIR or --random-weights (one of the two)")
     if args.random_weights:
-        model = smollm2_shaped_target(args.device)
+        model = smollm2_shaped_target(args.device).to(getattr(torch, args.dtype))
         engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
                                            topk=args.topk, num_draft_tokens=args.draft_tokens,
                                            cache="static")

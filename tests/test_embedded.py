@@ -771,6 +771,45 @@ def test_the_device_walk_follows_the_host_walk():
         assert int(picks[last]) == bonus
 
 
+def test_tree_choices_are_a_stable_sorts_even_among_ties():
+    """static_tree's counting choices against Python's stable sort, which the dynamic path
+    uses, on trees whose scores step down by 0, 1 or 2 a level, so that most tie: the best
+    `count` best first, and the tree's nodes in candidate order with their parents' verify
+    indices."""
+    from draftsmith.serve import static_tree
+
+    rng = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        size = int(torch.randint(1, 40, (1,), generator=rng))
+        parents = [-1] + [int(torch.randint(i, (1,), generator=rng)) for i in range(1, size)]
+        scores = torch.zeros(size, dtype=torch.float64)  # [M]: a child at most its parent
+        for i in range(1, size):
+            scores[i] = scores[parents[i]] - int(torch.randint(3, (1,), generator=rng))
+        by_score = sorted(range(size), key=lambda i: -float(scores[i]))
+        assert static_tree.places(scores).tolist() == [by_score.index(i) for i in range(size)]
+        count = int(torch.randint(1, size + 1, (1,), generator=rng))
+        assert static_tree.best(scores, count).tolist() == by_score[:count]
+        tokens, depths = torch.arange(100, 100 + size), torch.arange(size)  # [M], [M]
+        got = static_tree.choose_nodes(scores, tokens, torch.tensor(parents), depths, count)
+        chosen = sorted(by_score[:count])
+        verify_index = {c: i + 1 for i, c in enumerate(chosen)} | {-1: 0}
+        assert got[0].tolist() == [100 + c for c in chosen]
+        assert got[1].tolist() == [verify_index[parents[c]] for c in chosen]
+        assert got[2].tolist() == chosen
+
+
+def test_a_trees_children_are_the_topk_with_ties_to_the_lower_id():
+    from draftsmith.serve import static_tree
+
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))  # [F, D]
+    logp, ids = static_tree.top_children(logits, 4)  # [F, k], [F, k]
+    want_logp, want_ids = torch.log_softmax(logits, -1).topk(4)  # [F, k], [F, k]
+    assert torch.equal(ids, want_ids)
+    torch.testing.assert_close(logp, want_logp)
+    tied = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0]])  # [1, 6]
+    assert static_tree.top_children(tied, 4)[1].tolist() == [[1, 3, 4, 2]]
+
+
 @pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)
 @pytest.mark.parametrize("temperature", [0.0, 0.8])
 def test_tree_generation_is_the_same_on_the_static_cache(target_model, exported_drafter, prompts,

@@ -1258,7 +1258,8 @@ class EmbeddedSpeculativeEngine:
         cand_depths: list[int] = []
 
         def add(parent: int, depth: int, base: float, step_logits: torch.Tensor) -> list[int]:
-            logp, ids = torch.log_softmax(step_logits.float(), -1).topk(k)  # [k], [k]
+            logp, ids = static_tree.top_children(step_logits[None], k)  # [1, k], [1, k]
+            logp, ids = logp[0], ids[0]  # [k], [k]
             added = []
             for lp, i in zip(logp.tolist(), ids.tolist(), strict=True):
                 added.append(len(scores))

@@ -4,7 +4,7 @@ The dynamic path (`EmbeddedSpeculativeEngine._draft_tree`) grows its tree in Pyt
 reads every level's top-k on the host: a wait for the GPU at each level, and nothing a CUDA
 graph can hold. Here the shapes are fixed by (num_steps, topk, num_draft_tokens), so a round's
 tree is chosen by tensor operations alone and captured with the drafter's steps. Candidates
-are laid out as the dynamic path lists them and chosen with its tie-breaks (stable sorts, so
+are laid out as the dynamic path lists them and chosen with its tie-breaks (its stable sorts:
 an equal score goes to the candidate listed first, which is never deeper), and scores are
 summed in float64 as Python sums them there: both paths draft the same tree.
 
@@ -25,19 +25,48 @@ def candidate_depths(num_steps: int, topk: int, device: torch.device) -> torch.T
                                    torch.tensor(per_depth, device=device))  # [M]
 
 
+def top_children(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The topk draft ids of each row and their log-probabilities, best first, an equal
+    logit going to the lower id: logits [F, D] -> [F, k] float32, [F, k]. Both paths choose a
+    tree's children with it. It is topk argmaxes rather than torch.topk, which a compiled step
+    runs as a library kernel apart from the fused ones (a radix select on one block a row);
+    each argmax here is one reduction that the compiler fuses with the masking before it."""
+    scores = logits.float()  # [F, D]
+    columns = torch.arange(scores.shape[-1], device=scores.device)  # [D]
+    log_total = scores.logsumexp(-1, keepdim=True)  # [F, 1]
+    ids = []
+    remaining = scores
+    for _ in range(topk):
+        best_id = remaining.argmax(-1, keepdim=True)  # [F, 1]
+        ids.append(best_id)
+        remaining = remaining.masked_fill(columns == best_id, float("-inf"))  # [F, D]
+    top = torch.cat(ids, -1)  # [F, k]
+    return scores.gather(-1, top) - log_total, top  # [F, k], [F, k]
+
+
 def children(parent_scores: torch.Tensor, logits: torch.Tensor, topk: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The topk children of each of F parents: their scores (the parent's plus the child's
     draft log-probability, float64) and draft-vocabulary ids, parent by parent. parent_scores
     [F] float64, logits [F, D] -> [F * topk], [F * topk]."""
-    logp, ids = torch.log_softmax(logits.float(), -1).topk(topk)  # [F, k], [F, k]
+    logp, ids = top_children(logits, topk)  # [F, k], [F, k]
     return (parent_scores[:, None] + logp.double()).flatten(), ids.flatten()  # [F*k], [F*k]
 
 
+def places(scores: torch.Tensor) -> torch.Tensor:
+    """Each score's place in Python's stable sort on -score, as the dynamic path sorts (an
+    equal score goes to the lower index): scores [M] -> [M], a permutation of 0..M-1. By
+    counting, not sorting: M is a few dozen, and one fused comparison beats a sort kernel."""
+    index = torch.arange(scores.shape[0], device=scores.device)  # [M]
+    ahead = (scores[None, :] > scores[:, None]) | (
+        (scores[None, :] == scores[:, None]) & (index[None, :] < index[:, None]))  # [M, M]
+    return ahead.sum(-1)  # [M]
+
+
 def best(scores: torch.Tensor, count: int) -> torch.Tensor:
-    """The indices of the `count` highest scores [count], an equal score going to the lower
-    index (Python's stable sort on -score, as the dynamic path sorts)."""
-    return scores.sort(descending=True, stable=True).indices[:count]  # [count]
+    """The indices of the `count` highest scores, best first [count] (see `places`)."""
+    wanted = torch.arange(count, device=scores.device)  # [count]
+    return (places(scores)[None, :] == wanted[:, None]).int().argmax(-1)  # [count]
 
 
 def choose_nodes(scores: torch.Tensor, tokens: torch.Tensor, parent_candidates: torch.Tensor,
@@ -48,13 +77,16 @@ def choose_nodes(scores: torch.Tensor, tokens: torch.Tensor, parent_candidates: 
     [M] float64, tokens [M], depths [M]; parent_candidates [M]: each candidate's parent as a
     candidate index, -1 for the root. A parent scores at least its children (log-probabilities
     are at most 0) and wins their ties, so every chosen node's parent is chosen too."""
-    count = scores.shape[0]
-    chosen = best(scores, nodes).sort().values  # [N]: candidate order is verify order
-    verify_index = torch.zeros(count + 1, dtype=torch.long, device=scores.device)  # [M + 1]
-    verify_index.index_copy_(0, chosen, torch.arange(1, nodes + 1, device=scores.device))
-    parents = parent_candidates.index_select(0, chosen)  # [N]
-    parents = verify_index.index_select(0, torch.where(parents < 0, count, parents))  # [N]
-    return tokens.index_select(0, chosen), parents, depths.index_select(0, chosen)
+    chosen = places(scores) < nodes  # [M]
+    # candidate order is verify order: a chosen candidate's verify index counts the chosen
+    # up to it; the root's is 0, which a parent of -1 reads from the appended slot
+    verify_index = chosen.long().cumsum(0) * chosen  # [M]
+    verify_index = torch.cat([verify_index, verify_index.new_zeros(1)])  # [M+1]
+    wanted = torch.arange(1, nodes + 1, device=scores.device)  # [N]
+    picked = (verify_index[None, :-1] == wanted[:, None]).int().argmax(-1)  # [N]
+    parents = parent_candidates.index_select(0, picked)  # [N]
+    parents = verify_index.index_select(0, torch.where(parents < 0, scores.shape[0], parents))
+    return tokens.index_select(0, picked), parents, depths.index_select(0, picked)  # [N] each
 
 
 def visibility(parents: torch.Tensor, num_steps: int) -> torch.Tensor:
