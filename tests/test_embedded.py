@@ -5,6 +5,9 @@ cache giving what the dynamic one gives."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from contextlib import contextmanager
 
 import pytest
@@ -798,16 +801,30 @@ def test_tree_choices_are_a_stable_sorts_even_among_ties():
         assert got[2].tolist() == chosen
 
 
-def test_a_trees_children_are_the_topk_with_ties_to_the_lower_id():
-    from draftsmith.serve import static_tree
+ROW_TOPK_CHECK = """
+import torch
+from draftsmith.serve import row_topk
+generator = torch.Generator().manual_seed(0)
+for width, dtype in ((300, torch.float32), (1000, torch.bfloat16), (16384, torch.bfloat16)):
+    logits = torch.randn(5, width, generator=generator).to(dtype)  # [F, D]
+    logits[1, 7] = logits[1, width - 3] = logits[1].max() + 1  # a tie for the first place
+    want_ids = (-logits.float()).sort(dim=-1, stable=True).indices[:, :4]  # [F, k]
+    want_logp = torch.log_softmax(logits.float(), -1).gather(-1, want_ids)  # [F, k]
+    assert want_ids[1, :2].tolist() == [7, width - 3]  # the lower id first
+    for topk_of in (row_topk.reference, row_topk.triton_row_topk):
+        logp, ids = topk_of(logits, 4)
+        assert torch.equal(ids, want_ids), (topk_of, width)
+        torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+print("ok")
+"""
 
-    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0))  # [F, D]
-    logp, ids = static_tree.top_children(logits, 4)  # [F, k], [F, k]
-    want_logp, want_ids = torch.log_softmax(logits, -1).topk(4)  # [F, k], [F, k]
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(logp, want_logp)
-    tied = torch.tensor([[0.0, 2.0, 1.0, 2.0, 2.0, 1.0]])  # [1, 6]
-    assert static_tree.top_children(tied, 4)[1].tolist() == [[1, 3, 4, 2]]
+
+def test_a_trees_children_are_the_topk_with_ties_to_the_lower_id():
+    """Both ways of taking a row's top k (the reference on the CPU; the Triton kernel that a
+    CUDA device runs, here under Triton's interpreter) against torch.topk, with a tie."""
+    result = subprocess.run([sys.executable, "-c", ROW_TOPK_CHECK], capture_output=True,
+                            text=True, timeout=600, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
 
 
 @pytest.mark.parametrize(("steps", "topk", "budget"), TREE_SHAPES)

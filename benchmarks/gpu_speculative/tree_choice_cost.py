@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from draftsmith.serve import static_tree  # noqa: E402
+from draftsmith.serve import row_topk, static_tree  # noqa: E402
 
 DRAFT_VOCAB = 16384  # the recipe's merge.draft_vocab_size
 STEPS, TOPK, NODES = 3, 4, 7  # the tree the sweep measures: 3 levels of 4, 8 verify tokens
@@ -43,11 +43,11 @@ def chunked_topk(logits: torch.Tensor, topk: int, chunk: int = 128
     rows, width = scores.shape
     log_total = scores.logsumexp(-1, keepdim=True)  # [F, 1]
     chunks = scores.view(rows, width // chunk, chunk)  # [F, G, c]
-    _, best_chunks = static_tree.top_children(chunks.amax(-1), topk)  # [F, k]
+    _, best_chunks = row_topk.reference(chunks.amax(-1), topk)  # [F, k]
     best_chunks = best_chunks.sort(-1).values  # [F, k]: in id order
     ids = (best_chunks[..., None] * chunk
            + torch.arange(chunk, device=scores.device)).flatten(1)  # [F, k*c]
-    _, picked = static_tree.top_children(scores.gather(-1, ids), topk)  # [F, k]
+    _, picked = row_topk.reference(scores.gather(-1, ids), topk)  # [F, k]
     top = ids.gather(-1, picked)  # [F, k]
     return scores.gather(-1, top) - log_total, top  # [F, k], [F, k]
 
@@ -66,47 +66,9 @@ def sorted_row(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Ten
     return values[:, :topk] - scores.logsumexp(-1, keepdim=True), ids[:, :topk]  # [F, k]
 
 
-def triton_row_topk():
-    """One Triton program a row, the row in registers: its log-sum-exp and k argmaxes in one
-    kernel (an op the compiler keeps in its graph). None where Triton cannot run."""
-    if not torch.cuda.is_available():
-        return None
-    import triton
-    import triton.language as tl
-    from torch.library import triton_op, wrap_triton
-
-    @triton.jit
-    def row_topk_kernel(x_ptr, values_ptr, ids_ptr, width, stride,
-                        K: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        offsets = tl.arange(0, BLOCK)
-        x = tl.load(x_ptr + row * stride + offsets, mask=offsets < width,
-                    other=-float("inf")).to(tl.float32)
-        top = tl.max(x, 0)
-        log_total = top + tl.log(tl.sum(tl.exp(x - top), 0))
-        for i in tl.static_range(K):
-            best = tl.argmax(x, 0, tie_break_left=True)
-            tl.store(values_ptr + row * K + i, tl.max(x, 0) - log_total)
-            tl.store(ids_ptr + row * K + i, best.to(tl.int64))
-            x = tl.where(offsets == best, -float("inf"), x)
-
-    @triton_op("draftsmith_bench::row_topk", mutates_args=())
-    def row_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, width = logits.shape
-        values = logits.new_empty(rows, topk, dtype=torch.float32)  # [F, k]
-        ids = logits.new_empty(rows, topk, dtype=torch.int64)  # [F, k]
-        wrap_triton(row_topk_kernel)[(rows,)](
-            logits, values, ids, width, logits.stride(0), K=topk,
-            BLOCK=triton.next_power_of_2(width), num_warps=16)
-        return values, ids
-
-    return lambda logits, topk: row_topk(logits.contiguous(), topk)
-
-
-VARIANTS = {"library topk": library_topk, "argmaxes": static_tree.top_children,
-            "chunked": chunked_topk, "topk of logits": logits_topk, "sorted row": sorted_row}
-if (triton_variant := triton_row_topk()) is not None:
-    VARIANTS["triton row kernel"] = triton_variant
+VARIANTS = {"library topk": library_topk, "argmaxes": row_topk.reference,
+            "chunked": chunked_topk, "topk of logits": logits_topk, "sorted row": sorted_row,
+            "triton row kernel": row_topk.row_topk}  # the reference where Triton cannot run
 
 
 def tree_choice(topk_of, root_logits, level_logits, depths):

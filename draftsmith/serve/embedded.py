@@ -48,6 +48,7 @@ from draftsmith.model.grouped_attention import use_verify_attention
 from draftsmith.model.kinds import Drafter, build_drafter, kind_of
 from draftsmith.serve import static_tree
 from draftsmith.serve.round_clock import RoundClock
+from draftsmith.serve.row_topk import row_topk
 
 
 def on_device(values: list[int] | list[bool], device: torch.device) -> torch.Tensor:
@@ -1258,7 +1259,7 @@ class EmbeddedSpeculativeEngine:
         cand_depths: list[int] = []
 
         def add(parent: int, depth: int, base: float, step_logits: torch.Tensor) -> list[int]:
-            logp, ids = static_tree.top_children(step_logits[None], k)  # [1, k], [1, k]
+            logp, ids = row_topk(step_logits[None], k)  # [1, k], [1, k]
             logp, ids = logp[0], ids[0]  # [k], [k]
             added = []
             for lp, i in zip(logp.tolist(), ids.tolist(), strict=True):

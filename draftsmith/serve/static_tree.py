@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from draftsmith.serve.row_topk import row_topk
+
 
 def candidate_depths(num_steps: int, topk: int, device: torch.device) -> torch.Tensor:
     """Each candidate's depth in the layout above: [M]."""
@@ -25,31 +27,12 @@ def candidate_depths(num_steps: int, topk: int, device: torch.device) -> torch.T
                                    torch.tensor(per_depth, device=device))  # [M]
 
 
-def top_children(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The topk draft ids of each row and their log-probabilities, best first, an equal
-    logit going to the lower id: logits [F, D] -> [F, k] float32, [F, k]. Both paths choose a
-    tree's children with it. It is topk argmaxes rather than torch.topk, which a compiled step
-    runs as a library kernel apart from the fused ones (a radix select on one block a row);
-    each argmax here is one reduction that the compiler fuses with the masking before it."""
-    scores = logits.float()  # [F, D]
-    columns = torch.arange(scores.shape[-1], device=scores.device)  # [D]
-    log_total = scores.logsumexp(-1, keepdim=True)  # [F, 1]
-    ids = []
-    remaining = scores
-    for _ in range(topk):
-        best_id = remaining.argmax(-1, keepdim=True)  # [F, 1]
-        ids.append(best_id)
-        remaining = remaining.masked_fill(columns == best_id, float("-inf"))  # [F, D]
-    top = torch.cat(ids, -1)  # [F, k]
-    return scores.gather(-1, top) - log_total, top  # [F, k], [F, k]
-
-
 def children(parent_scores: torch.Tensor, logits: torch.Tensor, topk: int
              ) -> tuple[torch.Tensor, torch.Tensor]:
     """The topk children of each of F parents: their scores (the parent's plus the child's
     draft log-probability, float64) and draft-vocabulary ids, parent by parent. parent_scores
     [F] float64, logits [F, D] -> [F * topk], [F * topk]."""
-    logp, ids = top_children(logits, topk)  # [F, k], [F, k]
+    logp, ids = row_topk(logits, topk)  # [F, k], [F, k]
     return (parent_scores[:, None] + logp.double()).flatten(), ids.flatten()  # [F*k], [F*k]
 
 
