@@ -237,6 +237,9 @@ def write_tiny_config(root: Path) -> Path:
     raw["generate"]["max_new_tokens"] = 16
     raw["train"].update(epochs=1, batch_tokens=1024)
     raw["benchmark"].update(num_prompts=1, max_new_tokens=8, warmup_prompts=0)
+    # The pipeline reads each GPU stage's child run every second (default 2 s; the two-host
+    # tests do the same): about a second less per child run, of which the module has ~20.
+    raw["orchestration"] = {"poll_interval_s": 1}
     path = root / "tiny.yaml"
     path.write_text(yaml.safe_dump(raw))
     return path
