@@ -815,6 +815,17 @@ for width, dtype in ((300, torch.float32), (1000, torch.bfloat16), (16384, torch
         logp, ids = topk_of(logits, 4)
         assert torch.equal(ids, want_ids), (topk_of, width)
         torch.testing.assert_close(logp, want_logp, atol=1e-5, rtol=1e-5)
+assert row_topk.kernel_agrees(torch.device("cpu"))  # the trial a CUDA device gets
+row_topk.triton_row_topk = lambda logits, topk: row_topk.reference(logits, topk + 1)
+assert not row_topk.kernel_agrees(torch.device("cpu"))  # a kernel that disagrees is not used
+
+
+def broken(logits, topk):
+    raise RuntimeError("no Triton here")
+
+
+row_topk.triton_row_topk = broken
+assert not row_topk.kernel_agrees(torch.device("cpu"))  # nor one that fails
 print("ok")
 """
 

@@ -48,7 +48,7 @@ from draftsmith.model.grouped_attention import use_verify_attention
 from draftsmith.model.kinds import Drafter, build_drafter, kind_of
 from draftsmith.serve import static_tree
 from draftsmith.serve.round_clock import RoundClock
-from draftsmith.serve.row_topk import row_topk
+from draftsmith.serve.row_topk import kernel_works, row_topk
 
 
 def on_device(values: list[int] | list[bool], device: torch.device) -> torch.Tensor:
@@ -781,6 +781,8 @@ class EmbeddedSpeculativeEngine:
         # A static tree's layout: each candidate's depth, and the mask of a level's own keys
         # (each frontier node sees itself only).
         self._candidate_depths = static_tree.candidate_depths(num_steps, topk, self.device)
+        if self.is_tree:
+            kernel_works(self.device)  # tried now, eagerly: the compiled round reads the answer
         self._tree_level_mask = torch.eye(topk, dtype=torch.bool, device=self.device)  # [k, k]
         # EAGLE-3: step 0 over anchors and a chain step; DFlash: the context's keys and values
         # and the block's logits. Over static drafter buffers their shapes are fixed, so on

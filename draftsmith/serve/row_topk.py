@@ -12,6 +12,8 @@ its log-sum-exp and its k argmaxes in one kernel. Ties go to the lower id on eve
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 try:
@@ -21,9 +23,14 @@ try:
 except ImportError:  # torch builds without Triton: every device takes the reference
     triton = None
 
+log = logging.getLogger(__name__)
+
 # A row up to this wide fits one program's registers (64 floats a thread at 16 warps); a
 # wider draft vocabulary takes the reference.
 MAX_KERNEL_WIDTH = 32768
+# Whether the kernel ran on this process's first CUDA device and agreed with the reference
+# (`kernel_works`); a plain global, which a compiled round reads as a constant.
+_kernel_works: bool | None = None
 
 
 def reference(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,10 +88,46 @@ if triton is not None:
         return _launch(wrap_triton(_row_topk_kernel), logits, topk)
 
 
+def kernel_agrees(device: torch.device) -> bool:
+    """Whether the Triton kernel runs on `device` and gives the reference's top k on random
+    rows with a tie. A Triton this machine cannot build, or a kernel that disagrees, is
+    logged with what happened, and the caller keeps the reference."""
+    if triton is None:
+        return False
+    logits = torch.randn(3, 5000, generator=torch.Generator().manual_seed(0)).to(device)
+    logits[1, 9] = logits[1, 4000] = logits[1].max() + 1  # a tie for the first place
+    try:
+        logp, ids = triton_row_topk(logits, 4)
+        want_logp, want_ids = reference(logits, 4)
+        agrees = torch.equal(ids, want_ids) and torch.allclose(logp, want_logp, atol=1e-5)
+        if not agrees:
+            log.warning("row_topk: the Triton kernel disagrees with torch on %s (ids %s, "
+                        "expected %s): trees take their top k by torch operations",
+                        device, ids.tolist(), want_ids.tolist())
+        return agrees
+    except Exception as error:  # noqa: BLE001 - any failure means: do not use it
+        log.warning("row_topk: the Triton kernel failed on %s (%s: %s): trees take their "
+                    "top k by torch operations", device, type(error).__name__, error)
+        return False
+
+
+def kernel_works(device: torch.device) -> bool:
+    """`kernel_agrees` on CUDA, tried once in the process (its GPUs are of one kind). Engines
+    that draft trees ask before they compile their round, so a compiled round reads the
+    answer only."""
+    global _kernel_works
+    if device.type != "cuda":
+        return False
+    if _kernel_works is None:
+        _kernel_works = kernel_agrees(device)
+    return _kernel_works
+
+
 def row_topk(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The top k of each row of logits [F, D]: log-probabilities [F, k] float32 and ids
-    [F, k], best first, an equal logit going to the lower id. One kernel on CUDA; the
-    reference elsewhere, and for rows wider than MAX_KERNEL_WIDTH."""
-    if triton is not None and logits.is_cuda and logits.shape[-1] <= MAX_KERNEL_WIDTH:
+    [F, k], best first, an equal logit going to the lower id. One kernel on a CUDA device
+    where it works (`kernel_works`); the reference elsewhere, and for rows wider than
+    MAX_KERNEL_WIDTH."""
+    if logits.shape[-1] <= MAX_KERNEL_WIDTH and kernel_works(logits.device):
         return _row_topk_op(logits, topk)
     return reference(logits, topk)
