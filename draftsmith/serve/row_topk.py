@@ -63,6 +63,7 @@ if triton is not None:
         for i in tl.static_range(K):
             value = tl.max(x, 0)
             best = tl.min(tl.where(x == value, columns, BLOCK), 0)  # the lowest id holding it
+            best = tl.minimum(best, width - 1)  # a NaN row matches nothing: keep the id in range
             tl.store(logp_ptr + row * K + i, value - log_total)
             tl.store(ids_ptr + row * K + i, best.to(tl.int64))
             x = tl.where(columns == best, -float("inf"), x)  # [BLOCK]
