@@ -12,7 +12,8 @@ The table has one row per variant: its overrides, the stages it ran, the trainin
 (tau, the replayed acceptance) and the benchmark's, one column per evaluation set and part
 (`chat dev`: acceptance and its 95% interval) when the benchmark runs a suite, and what the
 variant's outputs took to make: each stage's seconds, the highest GPU peak and the megabytes
-on disk (draftsmith/stage_cost.py). Decide on the dev parts (`--set benchmark.splits=[dev]`),
+on disk (draftsmith/stage_cost.py), and the target's answering and capture rates
+(tokens/s). Decide on the dev parts (`--set benchmark.splits=[dev]`),
 then report the chosen variant's test parts.
 """
 
@@ -100,9 +101,21 @@ def comparison_row(variant: Variant, results: dict[str, dict]) -> dict[str, Any]
         row["acceptance"] = _rounded(bench.get("acceptance_length"))
     row["identical"] = _identical(bench, sets)
     row["speedup"] = _rounded(bench.get("speedup"))
+    row.update(_speeds(results))
     row.update(_costs(results))
     row["drafter"] = _figure(results, "export").get("drafter_dir")  # the one to deploy
     return row
+
+
+def _speeds(results: dict[str, dict]) -> dict[str, Any]:
+    """How fast the target answered and was captured, for comparing those stages' settings
+    (`--to generate`, `--to extract`). Answers are kept across the settings that only decide
+    their speed (generate.batch_size, generate.cache), so a variant that asked the target
+    nothing says `reused`, not a rate; to time each, give each its own run_root."""
+    generate, extract = _figure(results, "generate"), _figure(results, "extract")
+    reused = "reused" if generate and generate.get("backend") else None
+    return {"generate tokens/s": _rounded(generate.get("tokens_per_s")) or reused,
+            "extract tokens/s": _rounded(extract.get("tokens_per_s"))}
 
 
 def _costs(results: dict[str, dict]) -> dict[str, Any]:

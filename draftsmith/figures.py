@@ -68,6 +68,7 @@ class ExtractFigures(Figures):
     aux_layer_ids: list[int]
     dtype: str
     padding_waste: float = 0.0
+    tokens_per_s: float | None = None  # the forward passes and writes of the attempt that ran
 
 
 class TrainFigures(Figures):

@@ -37,9 +37,12 @@ def test_a_row_has_a_column_per_set_and_part():
         return {"state": state, "descriptor": {"counts": {}, "figures": figures, "cost": cost}}
 
     results = {
+        "generate": stage("Cached", backend="vllm", tokens_per_s=5120.04, cost={
+            "seconds": 300.0, "peak_gpu_gib": None, "disk_bytes": 1_000_000}),
         "merge": {"state": "Cached", "descriptor": {
             "counts": {"train_records": 900}, "figures": {},
             "cost": {"seconds": 2.5, "peak_gpu_gib": None, "disk_bytes": 3_000_000}}},
+        "extract": stage("Cached", aux_layer_ids=[1, 2, 3], tokens_per_s=81234.56),
         "train": stage("Completed", tau=3.31234, acceptance_replayed=3.1, tokens_per_s=41234.5,
                        cost={
                            "seconds": 61.25, "peak_gpu_gib": 4.5, "disk_bytes": 40_250_000}),
@@ -55,10 +58,23 @@ def test_a_row_has_a_column_per_set_and_part():
                    "ran": "train, benchmark", "train records": 900, "tau": 3.312,
                    "replayed": 3.1, "train tokens/s": 41234.5, "chat dev": "2.610 [2.500, 2.700]",
                    "code dev": "3.050 [2.900, 3.200]", "identical": "73/74", "speedup": 1.812,
-                   "merge s": 2.5, "train s": 61.25, "GPU peak GiB": 4.5, "disk MB": 63.2,
+                   "generate tokens/s": 5120.04, "extract tokens/s": 81234.56,
+                   "generate s": 300.0, "merge s": 2.5, "train s": 61.25, "GPU peak GiB": 4.5,
+                   "disk MB": 64.2,
                    "drafter": "/runs/x/export/k/drafter"}
     page = comparison_markdown("smollm2: 1 variants", [row])
     assert "| variant | overrides | ran |" in page and "| wide |" in page
     trained_only = {**row, "speedup": None, "identical": None}
     assert shown_columns([trained_only, {**trained_only, "speedup": 1.2}]) == [
         c for c in row if c != "identical"]  # a column no row has a value in is not shown
+
+
+def test_a_variant_whose_answers_came_from_the_journal_says_so_not_a_rate():
+    """Answers are kept across generate's speed settings: a variant that changed only
+    generate.cache asked the target nothing, and its row must not read as a fast generate."""
+    reused = {"generate": {"state": "Completed", "descriptor": {
+        "counts": {"records": 300}, "figures": {"backend": "transformers", "tokens_per_s": None},
+        "cost": {"seconds": 0.19, "peak_gpu_gib": None, "disk_bytes": 137_420}}}}
+    row = comparison_row(Variant("static", ("generate.cache=static",)), reused)
+    assert row["generate tokens/s"] == "reused" and row["extract tokens/s"] is None
+    assert comparison_row(Variant("none"), {})["generate tokens/s"] is None  # no generate ran

@@ -20,7 +20,7 @@ import torch
 from draftsmith.artifacts import Descriptor, external_descriptor, plan_stage
 from draftsmith.config import ExtractConfig, TargetConfig
 from draftsmith.extract.batching import plan_batches, plan_shards
-from draftsmith.extract.stage import run_extract
+from draftsmith.extract.stage import run_extract, throughput
 from draftsmith.extract.store import RECEIPTS, ShardReader
 from tests.conftest import REPO
 
@@ -124,6 +124,7 @@ def test_stored_states_are_transformers_hidden_states_of_those_layers(
         assert sample.target_argmax.dtype == torch.int32
         assert sample.target_argmax.tolist() == logits.argmax(-1).tolist()
     assert 0 <= descriptor.figures["padding_waste"] < 0.2
+    assert descriptor.figures["tokens_per_s"] > 0
 
 
 def test_the_target_can_capture_in_bfloat16_while_it_stays_float32_elsewhere(
@@ -154,6 +155,16 @@ def test_rerun_of_a_finished_store_redoes_only_what_is_missing(tmp_path, single,
     assert [n for n in after if before.get(n) != after[n]] == [victim]
     assert not list(again.dir.glob(".*.tmp"))
     assert again.fingerprint == single[0].fingerprint
+    assert again.figures["tokens_per_s"] > 0  # the one shard it computed
+    (again.dir / "manifest.json").unlink()  # every shard written: nothing to compute, no rate
+    assert extract(tmp_path, merged, random_target).figures["tokens_per_s"] is None
+
+
+def test_the_capture_rate_is_every_ranks_tokens_over_the_slowest_ranks_seconds():
+    assert throughput([{"tokens": 100, "seconds": 2.0}, {"tokens": 300, "seconds": 4.0}]) == 100.0
+    assert throughput([{"rank": 1, "shards": 0}, {"tokens": 50, "seconds": 0.5}]) == 100.0
+    assert throughput([{"tokens": 0, "seconds": 0.0}]) is None
+    assert throughput([]) is None
 
 
 KILLED_RUN = """

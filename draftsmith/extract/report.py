@@ -11,4 +11,5 @@ def describe(descriptor: Descriptor) -> str:
     if descriptor.figures.get("mode") == "online":
         return (f"skipped (train.mode: online): the trainer captures aux layers "
                 f"{figures.aux_layer_ids} of {descriptor.counts['tokens']} tokens itself")
-    return f"{descriptor.counts['tokens']} tokens, aux layers {figures.aux_layer_ids}"
+    speed = f", {figures.tokens_per_s:,.0f} tokens/s" if figures.tokens_per_s else ""
+    return f"{descriptor.counts['tokens']} tokens, aux layers {figures.aux_layer_ids}{speed}"

@@ -281,9 +281,19 @@ def run_extract(cfg: ExtractConfig, target_cfg: TargetConfig, merged: Descriptor
             reports = [extract_shards(*args)]
     descriptor = _finish(plan, out, specs, meta, aux_ids, cfg,
                          (sum(r.get("real_tokens", 0) for r in reports),
-                          sum(r.get("padded_tokens", 0) for r in reports)))
+                          sum(r.get("padded_tokens", 0) for r in reports)),
+                         tokens_per_s=throughput(reports))
     dist.barrier()
     return descriptor
+
+
+def throughput(reports: list[dict[str, Any]]) -> float | None:
+    """Tokens a second of this attempt's capture: every rank's tokens over the slowest rank's
+    seconds (the ranks run at once; loading the target is not counted). None when this
+    attempt computed nothing: an earlier one wrote every shard."""
+    tokens = sum(r.get("tokens", 0) for r in reports)
+    seconds = max((r.get("seconds") or 0.0 for r in reports), default=0.0)
+    return round(tokens / seconds, 1) if tokens and seconds > 0 else None
 
 
 def _store_meta(cfg: ExtractConfig, target: Descriptor, aux_ids: list[int]) -> dict[str, Any]:
@@ -294,9 +304,11 @@ def _store_meta(cfg: ExtractConfig, target: Descriptor, aux_ids: list[int]) -> d
 
 def _finish(plan: StagePlan, out: Path, specs: list[ShardSpec], meta: dict[str, Any],
             aux_ids: list[int], cfg: ExtractConfig, padding: tuple[int, int],
-            missing_hint: str = "a worker failed") -> Descriptor:
+            missing_hint: str = "a worker failed", tokens_per_s: float | None = None
+            ) -> Descriptor:
     """The index of every shard (store.json) and the manifest, once every shard is written.
-    padding: (real, padded) tokens of the forward passes."""
+    padding: (real, padded) tokens of the forward passes. tokens_per_s: `throughput` (None
+    where the shards were written elsewhere: each host's part reports its own)."""
     records = {s.file: finished_shard(out, s) for s in specs}
     missing = [name for name, r in records.items() if r is None]
     if missing:
@@ -313,7 +325,8 @@ def _finish(plan: StagePlan, out: Path, specs: list[ShardSpec], meta: dict[str, 
         counts={"tokens": tokens, "samples": sum(len(s.ids) for s in specs),
                 "shards": len(specs), "bytes": sum(r["bytes"] for r in records.values())},
         figures={"aux_layer_ids": aux_ids, "dtype": cfg.dtype,
-                 "padding_waste": round(1 - real / padded, 4) if padded else 0.0},
+                 "padding_waste": round(1 - real / padded, 4) if padded else 0.0,
+                 "tokens_per_s": tokens_per_s},
         known_checksums={name: r["sha256"] for name, r in records.items()},
     )
 

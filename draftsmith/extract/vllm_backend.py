@@ -191,6 +191,7 @@ def run_vllm_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: 
         progress = Progress("extract (vllm)", total=sum(s.num_tokens for s in pending),
                             unit="token")
         writer = AsyncShardWriter(out, max_pending=cfg.writer_queue, threads=cfg.writer_threads)
+        started = time.monotonic()  # the server is up: its start-up is not capture time
         try:
             with ThreadPoolExecutor(max_workers=v.concurrency) as pool:
                 for spec in pending:
@@ -204,7 +205,7 @@ def run_vllm_capture(cfg: ExtractConfig, target_cfg: TargetConfig, target, out: 
             client.close()
         progress.close()
         return {"shards": len(pending), "tokens": sum(s.num_tokens for s in pending),
-                "skipped": len(specs) - len(pending)}
+                "seconds": time.monotonic() - started, "skipped": len(specs) - len(pending)}
     finally:
         process.stop()
 
