@@ -37,6 +37,7 @@ from draftsmith.bench.benchmark import (  # noqa: E402
     plain_decoding,
 )
 from draftsmith.config import BenchmarkConfig  # noqa: E402
+from draftsmith.serve import row_topk  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine  # noqa: E402
 
 KEPT = ("acceptance_length", "identical_outputs", "ms_per_plain_token", "ms_per_round",
@@ -55,13 +56,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--topk", type=int, default=1, help="deploy.eagle_topk: >1 a tree")
     parser.add_argument("--draft-tokens", type=int, default=None,
                         help="deploy.num_draft_tokens (default: a chain's 4, a tree's most)")
+    parser.add_argument("--torch-topk", action="store_true",
+                        help="a tree's top k by torch operations, not the Triton kernel")
+    parser.add_argument("--eager-verdicts", action="store_true",
+                        help="a tree's verdicts eager, not one captured step")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.torch_topk:  # what kernel_works answers where the kernel failed its trial
+        row_topk._kernel_works = False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress, ETA
     model = smollm2_shaped_target(args.device).to(getattr(torch, args.dtype))
     engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
                                        topk=args.topk, num_draft_tokens=args.draft_tokens,
                                        cache=args.cache)
+    if args.eager_verdicts:
+        engine.tree_verdicts = engine.tree_verdict_steps
     batch_sizes = [] if engine.is_tree else args.batch_sizes
     prompts = dev_length_prompts(args.prompts)
     cfg = BenchmarkConfig(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
@@ -81,6 +90,10 @@ def main(argv: list[str] | None = None) -> None:
                        topk=engine.topk, num_draft_tokens=engine.num_draft_tokens,
                        weights="random", dtype=args.dtype,
                        prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+            if engine.is_tree:  # which of the tree's CUDA-only paths ran
+                row.update(tree_topk="triton" if row_topk.kernel_works(engine.device)
+                           else "torch", tree_verdicts="eager" if args.eager_verdicts
+                           else "the engine's (captured on CUDA)")
             print(json.dumps(row), flush=True)
             f.write(json.dumps(row) + "\n")
 
