@@ -37,7 +37,7 @@ from draftsmith.bench.benchmark import (  # noqa: E402
     plain_decoding,
 )
 from draftsmith.config import BenchmarkConfig  # noqa: E402
-from draftsmith.serve import row_topk  # noqa: E402
+from draftsmith.serve import embedded, row_topk  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine  # noqa: E402
 
 KEPT = ("acceptance_length", "identical_outputs", "ms_per_plain_token", "ms_per_round",
@@ -60,8 +60,13 @@ def main(argv: list[str] | None = None) -> None:
                         help="a tree's top k by torch operations, not the Triton kernel")
     parser.add_argument("--eager-verdicts", action="store_true",
                         help="a tree's verdicts eager, not one captured step")
+    parser.add_argument("--captured-steps-on-cpu", action="store_true",
+                        help="on the CPU, the steps CUDA compiles and captures, compiled and "
+                        "replayed without graphs (to find a CUDA-path fault where tests run)")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.captured_steps_on_cpu:
+        embedded.cuda_graphs = lambda device: True  # the engine asks this module's name
     if args.torch_topk:  # what kernel_works answers where the kernel failed its trial
         row_topk._kernel_works = False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress, ETA
