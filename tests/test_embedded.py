@@ -952,6 +952,42 @@ def test_static_trees_run_from_captured_steps_that_read_nothing_on_the_host(
         engine.runner.close()
 
 
+@pytest.mark.parametrize("accepted", [0, 2, 3])
+def test_compiled_tree_verdicts_keep_what_the_eager_ones_keep(target_model, exported_drafter,
+                                                              accepted):
+    """`tree_verdict_steps` through inductor, as CUDA compiles it before capturing it: the
+    same verdicts, drafting inputs, kept slots and a counter wound back in every layer. (The
+    counters once came out right in layer 0 only: inductor re-read layer 0's counter for the
+    other layers after overwriting it, and the H100's tree outputs stopped being greedy
+    decoding's. The other tests compile with aot_eager, which never showed it.)"""
+    steps, budget = 3, 8
+    with engines(target_model, exported_drafter, steps, 4, budget) as (_, static):
+        parents = torch.tensor([0, 0, 0, 1, 1, 2, 4, 3])  # [N]: a path 1 -> 4 -> 7 of depth 3
+        nodes = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12])  # [N]
+        logits = torch.randn(budget + 1, target_model.config.vocab_size,
+                             generator=torch.Generator().manual_seed(accepted))  # [N+1, V]
+        for parent, child in [(0, 1), (1, 4), (4, 7)][:accepted]:  # the target follows it
+            logits[parent, nodes[child - 1]] = 1e4
+        new_aux = torch.randn(1, budget + 1, len(AUX_IDS) * target_model.config.hidden_size)
+        results = []
+        for step in (static.tree_verdict_steps, torch.compile(static.tree_verdict_steps)):
+            cache = static.runner.new_tree_cache(StaticTargetRunner.LENGTH_STEP)
+            prompt_and_tree = 20 + budget + 1
+            for layer in cache.kv.layers:  # as after a prompt of 20 and the tree's forward
+                layer.cumulative_length.fill_(prompt_and_tree)
+            cache.valid[:20] = True
+            out = step(logits, cache.kv, nodes, parents, new_aux, cache.valid,
+                       torch.tensor([19]))
+            results.append(([t.clone() for t in out], cache.valid.clone(),
+                             [int(layer.cumulative_length) for layer in cache.kv.layers]))
+        (eager_out, eager_valid, eager_counters), (out, valid, counters) = results
+        assert int(eager_out[0][0]) == accepted
+        assert eager_counters == [20 + 1 + [0, 1, 4, 7][accepted]] * len(counters)
+        assert counters == eager_counters
+        assert torch.equal(valid, eager_valid)
+        assert all(torch.equal(a, b) for a, b in zip(out, eager_out, strict=True))
+
+
 def test_auto_is_static_on_cuda_and_dynamic_elsewhere(target_model, exported_drafter):
     from types import SimpleNamespace
 

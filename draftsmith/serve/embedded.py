@@ -522,9 +522,11 @@ class StaticTargetRunner(TargetRunner):
         after it are overwritten by the next forward. The cache's length, the host's count,
         is the caller's to set (`tree_length_after`)."""
         counters = [layer.cumulative_length for layer in kv.layers]
-        first = counters[0] - width  # []: the root's slot
-        valid.index_fill_(0, first + kept, True)
-        torch._foreach_copy_(counters, [first + 1 + kept[-1]] * len(counters))
+        valid.index_fill_(0, counters[0] - width + kept, True)
+        # Each counter winds back from its own value: inductor's lowering of a copy from an
+        # expression over counters[0] re-read counters[0] after overwriting it, so every
+        # other layer went back a further width - 1 slots.
+        torch._foreach_add_(counters, [kept[-1] + 1 - width] * len(counters))
 
     @staticmethod
     def tree_length_after(cache: StaticTargetCache, last_kept: int, width: int) -> int:
