@@ -144,3 +144,24 @@ def test_a_vllm_report_says_where_it_ran_or_the_command_must():
                                                             "bfloat16")
     with pytest.raises(SystemExit, match="--device and --dtype"):
         summary.vllm_rows_of(vllm_report(), "general")
+
+
+def test_a_sweep_point_beside_the_deployed_config_is_a_row_of_its_own(tmp_path):
+    """benchmark.sweep: the report's `configs` hold the deployed chain and a tree measured in
+    the same run; each is a batch-1 row named by its config, and replacing rows keeps both."""
+    summary = summary_module()
+    one = report("static", 1.85, 1.6)
+    one["summary"]["config"] = "chain, 3 steps"
+    tree = {**one["summary"], "config": "tree 3x4/8", "acceptance_length": 2.78,
+            "speedup": 1.94, "identical_outputs": "22/60"}
+    del tree["measured_on"]  # a sweep point's row does not repeat where it ran
+    one["configs"] = [dict(one["summary"]), tree]
+    rows = {r["config"]: r for r in summary.rows_of([one], drafter="general")}
+    assert set(rows) == {"chain, 3 steps", "tree 3x4/8"}
+    assert (rows["tree 3x4/8"]["speedup"], rows["tree 3x4/8"]["acceptance"]) == (1.94, 2.78)
+    assert rows["tree 3x4/8"]["identical"] == ["22/60"] and rows["tree 3x4/8"]["batch"] == 1
+    assert rows["tree 3x4/8"]["device"] == "NVIDIA H200" and rows["tree 3x4/8"]["alone"]
+    assert rows["chain, 3 steps"]["speedup"] == 1.85
+    path = tmp_path / "summary.json"
+    summary.merge_rows(path, list(rows.values()))
+    assert len(summary.merge_rows(path, summary.rows_of([one], drafter="general"))) == 2

@@ -5,7 +5,9 @@ gives is the engine's side of issue 46: ms per plain token, a round's draft, ver
 ms, at batch 1 and the --batch-sizes, and whether speculative outputs equal plain decoding.
 A random drafter accepts almost nothing, so its acceptance and speedup are not a drafter's.
 `--topk 4 --draft-tokens 8` measures a tree's rounds instead (batch 1: the batched decoder
-drafts chains).
+drafts chains). `--target builtin:smollm2-135m-instruct --drafter DIR` runs a real target and
+exported drafter on the suite's test prompts instead: real acceptance, so accepted paths are
+kept (a random drafter's never are).
 
     python benchmarks/gpu_speculative/engine_costs.py --out results/gpu_speculative/costs.jsonl
     # here: a check of the script
@@ -32,13 +34,15 @@ from random_parts import (  # noqa: E402
 )
 
 from draftsmith.bench.benchmark import (  # noqa: E402
+    benchmark_prompts,
     measure_batched,
     measure_embedded,
     plain_decoding,
 )
-from draftsmith.config import BenchmarkConfig  # noqa: E402
+from draftsmith.config import BenchmarkConfig, TargetConfig  # noqa: E402
 from draftsmith.serve import embedded, row_topk  # noqa: E402
 from draftsmith.serve.embedded import EmbeddedSpeculativeEngine  # noqa: E402
+from draftsmith.target import load_target_model, load_tokenizer, resolve_target  # noqa: E402
 
 KEPT = ("acceptance_length", "identical_outputs", "ms_per_plain_token", "ms_per_round",
         "ms_per_prompt", "speedup", "speedup_limit", "greedy_tokens_per_s",
@@ -63,6 +67,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--captured-steps-on-cpu", action="store_true",
                         help="on the CPU, the steps CUDA compiles and captures, compiled and "
                         "replayed without graphs (to find a CUDA-path fault where tests run)")
+    parser.add_argument("--target", default=None,
+                        help="a target (target.model) instead of random SmolLM2-shaped weights")
+    parser.add_argument("--drafter", type=Path, default=None,
+                        help="an exported drafter directory for --target")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.captured_steps_on_cpu:
@@ -70,18 +78,22 @@ def main(argv: list[str] | None = None) -> None:
     if args.torch_topk:  # what kernel_works answers where the kernel failed its trial
         row_topk._kernel_works = False
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")  # progress, ETA
-    model = smollm2_shaped_target(args.device).to(getattr(torch, args.dtype))
-    engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
-                                       topk=args.topk, num_draft_tokens=args.draft_tokens,
-                                       cache=args.cache)
+    if args.target:
+        model, engine, prompts = real_parts(args)
+    else:
+        model = smollm2_shaped_target(args.device).to(getattr(torch, args.dtype))
+        engine = EmbeddedSpeculativeEngine(model, random_eagle3_drafter(model), num_steps=3,
+                                           topk=args.topk, num_draft_tokens=args.draft_tokens,
+                                           cache=args.cache)
+        prompts = dev_length_prompts(args.prompts)
     if args.eager_verdicts:
         engine.tree_verdicts = engine.tree_verdict_steps
     batch_sizes = [] if engine.is_tree else args.batch_sizes
-    prompts = dev_length_prompts(args.prompts)
-    cfg = BenchmarkConfig(num_prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+    cfg = BenchmarkConfig(num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                           warmup_prompts=1)
     plain = plain_decoding(engine.runner, prompts, cfg, None)
-    batch_one, _ = measure_embedded(engine, prompts, cfg, None, "random drafter", plain)
+    label = "drafter" if args.target else "random drafter"
+    batch_one, _ = measure_embedded(engine, prompts, cfg, None, label, plain)
     rows = [{"batch": 1, **{k: batch_one.get(k) for k in KEPT}}]
     rows += [{k: measured.get(k) for k in ("batch", *KEPT)}
              for measured in (measure_batched(engine, prompts, cfg, None, size,
@@ -93,7 +105,8 @@ def main(argv: list[str] | None = None) -> None:
         for row in rows:
             row.update(device=device, cache=engine.cache_kind, steps=engine.steps_ran(),
                        topk=engine.topk, num_draft_tokens=engine.num_draft_tokens,
-                       weights="random", dtype=args.dtype,
+                       weights=f"{args.target} + {args.drafter}" if args.target else "random",
+                       dtype=args.dtype,
                        prompts=args.prompts, max_new_tokens=args.max_new_tokens)
             if engine.is_tree:  # which of the tree's CUDA-only paths ran
                 row.update(tree_topk="triton" if row_topk.kernel_works(engine.device)
@@ -101,6 +114,23 @@ def main(argv: list[str] | None = None) -> None:
                            else "the engine's (captured on CUDA)")
             print(json.dumps(row), flush=True)
             f.write(json.dumps(row) + "\n")
+
+
+def real_parts(args: argparse.Namespace):
+    """The target, an engine over the exported drafter, and the suite's test prompts
+    (--prompts of each of chat, code and math)."""
+    if args.drafter is None:
+        raise SystemExit("--target needs --drafter: an exported drafter's directory")
+    descriptor = resolve_target(TargetConfig(model=args.target))
+    model = load_target_model(descriptor.path, args.device, args.dtype)
+    engine = EmbeddedSpeculativeEngine.load(model, args.drafter, 3, topk=args.topk,
+                                            num_draft_tokens=args.draft_tokens,
+                                            cache=args.cache)
+    suite = BenchmarkConfig.model_validate(
+        {"suite": ["chat", "code", "math"], "splits": ["test"],
+         "prompts_per_set": args.prompts})
+    prompts, _ = benchmark_prompts(suite, None, load_tokenizer(descriptor))
+    return model, engine, prompts
 
 
 if __name__ == "__main__":

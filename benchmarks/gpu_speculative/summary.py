@@ -7,7 +7,9 @@ interleaved pairs, benchmark.repeats) folded into one row (the median speedup an
 
 Each report's `summary.measured_on` says where it ran (device, target cache, whether the GPU was
 the measurement's alone); rows keep it. The summary is batch 1; each of the report's `batched`
-rows (benchmark.batch_sizes) is its batch's.
+rows (benchmark.batch_sizes) is its batch's. Each row names its drafting `config` ("chain, 3
+steps"); a benchmark.sweep point measured beside the deployed one (a tree: "tree 3x4/8") is a
+batch-1 row of its own, one pass without speed pairs.
 
 A benchmark stage on vLLM (deploy.engine=vllm) gives one row per concurrency, engine
 `vllm-gpu` (or `vllm-cpu`): acceptance from vLLM's counters, the speedup over the same server
@@ -53,18 +55,24 @@ def median_of(values: list[float | None]) -> float | None:
 def rows_of(reports: list[dict], drafter: str) -> list[dict]:
     """One row per (engine, target cache, batch) among `reports`: medians over the repeats,
     the speedup's spread, and every repeat's identity."""
-    groups: dict[tuple[str, str, str | None, int], list[dict]] = {}
+    groups: dict[tuple[str, str, str | None, int, str | None], list[dict]] = {}
     for report in reports:
         summary = report["summary"]
         where = summary.get("measured_on") or {}
         key = summary["engine"], where.get("target_cache", "?"), where.get("steps")
-        groups.setdefault((*key, 1), []).append(summary)
+        deployed = summary.get("config")  # reports from before the sweep do not name it
+        groups.setdefault((*key, 1, deployed), []).append(summary)
         for batched in report.get("batched") or []:  # the dtype, and where unless it says
-            groups.setdefault((*key, batched["batch"]), []).append(
+            groups.setdefault((*key, batched["batch"], deployed), []).append(
                 {**batched, "target_dtype": summary.get("target_dtype"),
                  "measured_on": batched.get("measured_on") or where})
+        for point in report.get("configs") or []:  # the sweep's other points, at batch 1
+            if point["config"] != deployed:
+                groups.setdefault((*key, 1, point["config"]), []).append(
+                    {**point, "target_dtype": summary.get("target_dtype"),
+                     "measured_on": where})
     rows = []
-    for (engine, cache, steps, batch), runs in groups.items():
+    for (engine, cache, steps, batch, config), runs in groups.items():
         rounds = [r["ms_per_round"] for r in runs if r.get("ms_per_round")]
         prompts = [r["ms_per_prompt"] for r in runs if r.get("ms_per_prompt")]  # since 16ff8d4
         # A report of benchmark.repeats > 1 holds its interleaved pairs: each is a repeat.
@@ -73,7 +81,7 @@ def rows_of(reports: list[dict], drafter: str) -> list[dict]:
                     or [r["speedup"]]]
         where = runs[0].get("measured_on") or {}
         rows.append({
-            "engine": engine, "drafter": drafter, "batch": batch,
+            "engine": engine, "drafter": drafter, "config": config, "batch": batch,
             "dtype": runs[0].get("target_dtype"), "target_cache": cache, "steps": steps,
             "acceptance": median_of([r["acceptance_length"] for r in runs]),
             "ms_per_plain_token": median_of([r.get("ms_per_plain_token") for r in runs]),
@@ -150,13 +158,13 @@ def read_reports(paths: list[Path]) -> list[dict]:
 
 
 def merge_rows(path: Path, new: list[dict]) -> list[dict]:
-    """The file's rows, those of the same engine, drafter, target cache, batch (or
-    concurrency) and dtype replaced."""
+    """The file's rows, those of the same engine, drafter, drafting config, target cache,
+    batch (or concurrency) and dtype replaced."""
     rows = json.loads(path.read_text()) if path.is_file() else []
 
     def key(row: dict) -> tuple:
-        return (row["engine"], row["drafter"], row.get("target_cache"), row.get("batch"),
-                row.get("concurrency"), row.get("dtype"))
+        return (row["engine"], row["drafter"], row.get("config"), row.get("target_cache"),
+                row.get("batch"), row.get("concurrency"), row.get("dtype"))
 
     replaced = {key(r) for r in new}
     rows = [r for r in rows if key(r) not in replaced] + new
@@ -180,8 +188,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += vllm_rows_of(report, args.drafter, args.device, args.dtype)
     merge_rows(args.summary, rows)
     for row in rows:
-        print(json.dumps({k: row.get(k) for k in (*FIELDS, "concurrency", "target_cache",
-                                                  "speedup_spread")}))
+        print(json.dumps({k: row.get(k) for k in (*FIELDS, "config", "concurrency",
+                                                  "target_cache", "speedup_spread")}))
 
 
 if __name__ == "__main__":
