@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
                        topk=engine.topk, num_draft_tokens=engine.num_draft_tokens,
                        weights=f"{args.target} + {args.drafter}" if args.target else "random",
                        dtype=args.dtype,
-                       prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+                       prompts=len(prompts), max_new_tokens=args.max_new_tokens)
             if engine.is_tree:  # which of the tree's CUDA-only paths ran
                 row.update(tree_topk="triton" if row_topk.kernel_works(engine.device)
                            else "torch", tree_verdicts="eager" if args.eager_verdicts

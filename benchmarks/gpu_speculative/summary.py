@@ -53,8 +53,9 @@ def median_of(values: list[float | None]) -> float | None:
 
 
 def rows_of(reports: list[dict], drafter: str) -> list[dict]:
-    """One row per (engine, target cache, batch) among `reports`: medians over the repeats,
-    the speedup's spread, and every repeat's identity."""
+    """One row per (engine, target cache, batch, drafting config) among `reports`: medians
+    over the repeats, the speedup's spread, and every repeat's identity. A report's other
+    configs (sweep points; a sampled run, named with its temperature) are batch-1 rows."""
     groups: dict[tuple[str, str, str | None, int, str | None], list[dict]] = {}
     for report in reports:
         summary = report["summary"]
