@@ -494,6 +494,32 @@ def test_the_single_pass_step_is_torchs_adamw_with_clipping():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
+def test_the_schedule_sees_each_step_whichever_path_updates(single_pass):
+    """The trainer's LambdaLR steps after every optimizer step. The single pass (the GPU's
+    default) updates the masters without torch's AdamW.step, which the scheduler watches: it
+    must still count as a step, or torch warns on every GPU run that the schedule's first
+    value was skipped. And the rate each step uses is the schedule's, from its first value."""
+    import warnings
+
+    from draftsmith.train.optim import MasterWeightAdamW, lr_factor
+
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(7, 5).bfloat16())]
+    opt = MasterWeightAdamW(params, lr=1e-2, weight_decay=0.0, single_pass=single_pass)
+    factor = lr_factor(0.5, "cosine", 4)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt.optimizer, factor)
+    rates = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # any scheduler warning fails the test
+        for _ in range(4):
+            params[0].grad = torch.ones_like(params[0])
+            rates.append(opt.optimizer.param_groups[0]["lr"])
+            opt.step(1.0)
+            scheduler.step()
+    assert rates == pytest.approx([1e-2 * factor(i) for i in range(4)])
+
+
 # --------------------------------------------------------------------------- packing plan
 
 

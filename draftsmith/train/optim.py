@@ -83,6 +83,10 @@ class MasterWeightAdamW:
                 p.grad = torch.zeros_like(p)
         if self.single_pass:
             norm = self._single_pass_step(grad_clip)
+            # A step of torch's optimizer state all the same: the learning-rate scheduler
+            # learns of steps from the flag torch's own step() sets, and without it warns on
+            # every run that the schedule's first value was skipped (it was not).
+            self.optimizer._opt_called = True
         else:
             norm = self._torch_step(grad_clip)
         for p in self.params:
