@@ -71,9 +71,6 @@ def main(argv: list[str] | None = None) -> None:
                         help="a target (target.model) instead of random SmolLM2-shaped weights")
     parser.add_argument("--drafter", type=Path, default=None,
                         help="an exported drafter directory for --target")
-    parser.add_argument("--after-chain", action="store_true",
-                        help="measure the chain first, then the tree on the same model with "
-                        "the chain's engine still open, as the benchmark stage's sweep does")
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.captured_steps_on_cpu:
@@ -89,29 +86,15 @@ def main(argv: list[str] | None = None) -> None:
                                            topk=args.topk, num_draft_tokens=args.draft_tokens,
                                            cache=args.cache)
         prompts = dev_length_prompts(args.prompts)
-    cfg = BenchmarkConfig(num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-                          warmup_prompts=1)
-    label = "drafter" if args.target else "random drafter"
-    rows = []
-    if args.after_chain:  # the deployed chain, then the sweep's tree, as run_benchmark does
-        engine.runner.close()  # first: closing restores the attention it found
-        chain = EmbeddedSpeculativeEngine(model, engine.drafter, 3, 1, None, args.cache)
-        plain = plain_decoding(chain.runner, prompts, cfg, None)
-        measured, _ = measure_embedded(chain, prompts, cfg, None, f"{label}, chain", plain)
-        rows.append({"batch": 1, "engine_order": "chain, before the tree",
-                     **{k: measured.get(k) for k in KEPT}, "steps": chain.steps_ran(),
-                     "topk": chain.topk, "num_draft_tokens": chain.num_draft_tokens})
-        engine = EmbeddedSpeculativeEngine(model, chain.drafter, 3, args.topk,
-                                           args.draft_tokens, args.cache)
-    else:
-        plain = plain_decoding(engine.runner, prompts, cfg, None)
     if args.eager_verdicts:
         engine.tree_verdicts = engine.tree_verdict_steps
     batch_sizes = [] if engine.is_tree else args.batch_sizes
+    cfg = BenchmarkConfig(num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+                          warmup_prompts=1)
+    plain = plain_decoding(engine.runner, prompts, cfg, None)
+    label = "drafter" if args.target else "random drafter"
     batch_one, _ = measure_embedded(engine, prompts, cfg, None, label, plain)
-    rows.append({"batch": 1, **({"engine_order": "after the chain, its engine open"}
-                                if args.after_chain else {}),
-                 **{k: batch_one.get(k) for k in KEPT}})
+    rows = [{"batch": 1, **{k: batch_one.get(k) for k in KEPT}}]
     rows += [{k: measured.get(k) for k in ("batch", *KEPT)}
              for measured in (measure_batched(engine, prompts, cfg, None, size,
                                                               [run.tokens for run in plain])
@@ -120,13 +103,12 @@ def main(argv: list[str] | None = None) -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with open(args.out, "a") as f:
         for row in rows:
-            common = dict(device=device, cache=engine.cache_kind, steps=engine.steps_ran(),
-                          topk=engine.topk, num_draft_tokens=engine.num_draft_tokens,
-                          weights=f"{args.target} + {args.drafter}" if args.target
-                          else "random", dtype=args.dtype,
-                          prompts=len(prompts), max_new_tokens=args.max_new_tokens)
-            row.update({k: v for k, v in common.items() if k not in row})  # the chain's own
-            if row["topk"] > 1:  # which of the tree's CUDA-only paths ran
+            row.update(device=device, cache=engine.cache_kind, steps=engine.steps_ran(),
+                       topk=engine.topk, num_draft_tokens=engine.num_draft_tokens,
+                       weights=f"{args.target} + {args.drafter}" if args.target else "random",
+                       dtype=args.dtype,
+                       prompts=len(prompts), max_new_tokens=args.max_new_tokens)
+            if engine.is_tree:  # which of the tree's CUDA-only paths ran
                 row.update(tree_topk="triton" if row_topk.kernel_works(engine.device)
                            else "torch", tree_verdicts="eager" if args.eager_verdicts
                            else "the engine's (captured on CUDA)")
