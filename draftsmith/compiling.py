@@ -19,6 +19,12 @@ log = logging.getLogger(__name__)
 
 _COMPILED: dict[tuple, Callable] = {}
 
+# The graphs a compiled function under CapturedStep may hold: one per set of input shapes it
+# is captured at (batch sizes, widths, cache lengths, and one engine per point of a
+# benchmark's sweep). Past dynamo's default of 8, a function runs eagerly from then on, with
+# a warning in the log only.
+GRAPHS_PER_COMPILED_STEP = 64
+
 
 def compiled_once(fn: Callable, **options: Any) -> Callable:
     """torch.compile(fn, **options), made once for each (fn, options)."""
@@ -143,7 +149,8 @@ class CapturedStep:
 
     def _run(self, buffers: list[Any], spec: Any) -> Any:
         args, kwargs = tree_unflatten(buffers, spec)
-        return self.fn(*args, **kwargs)
+        with torch._dynamo.config.patch(recompile_limit=GRAPHS_PER_COMPILED_STEP):
+            return self.fn(*args, **kwargs)
 
     def _capture(self, leaves: list[Any], spec: Any, args: tuple, kwargs: dict) -> _Capture:
         buffers = [x.clone() if isinstance(x, torch.Tensor) and not is_fixed(x) else x

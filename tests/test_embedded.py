@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from contextlib import contextmanager
@@ -1097,6 +1098,86 @@ def test_the_compiled_steps_give_what_the_eager_ones_give(target_model, exported
             assert plain_generate(static.runner, prompt, 6, None).tokens == \
                 plain_generate(dynamic.runner, prompt, 6, None).tokens
         assert set(widths) == {1, NUM_STEPS + 1}
+
+
+def test_each_captured_width_compiles_a_graph_of_its_own_fixed_shapes(target_model, prompts,
+                                                                       monkeypatch):
+    """The target's compiled forward meets a width per drafting config, on one model in a
+    benchmark's sweep: 1 for plain decoding, num_steps + 1 for the deployed chain, then a
+    tree's node count, with the chain's runner still open. Each width gets a graph of its own
+    fixed shapes, compiled once. (torch.compile's default made the third width's graph
+    symbolic in every size, and the chain's hooks, traced into it, made it compile twice: a
+    tree of 8 verified after a chain cost 1.14 plain steps on an H100, the chain's own
+    verify 1.02.) Each width's logits and aux states are the eager forward's."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    from draftsmith.serve import embedded
+
+    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **options: torch.compile(
+        fn, backend="aot_eager", **options))  # the options kept: dynamic=False is the point
+    reference = TargetRunner(target_model, AUX_IDS)
+    chain = StaticTargetRunner(target_model, AUX_IDS, (1, 4), compile_steps=True)
+    tree = StaticTargetRunner(target_model, AUX_IDS, (1, 4, 8), compile_steps=True)
+    seen = len(get_compilation_metrics())
+    try:
+        for runner, width in [(chain, 1), (chain, 4), (tree, 8), (chain, 4)]:
+            ids = prompts[1][:width]
+            logits, aux = runner.forward(ids, runner.new_cache(64))  # [T, V], [1, T, K*H]
+            want_logits, want_aux = reference.forward(ids, DynamicCache())
+            torch.testing.assert_close(logits, want_logits, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(aux, want_aux, rtol=1e-4, atol=1e-4)
+    finally:
+        for runner in (tree, chain, reference):
+            runner.close()
+    shapes = [m.graph_node_shapes for m in get_compilation_metrics()[seen:]
+              if "input_ids" in (m.graph_node_shapes or "")]
+    compiled_widths = [re.search(r"input_ids_': \[1, ([^\]]+)\]", s).group(1) for s in shapes]
+    assert compiled_widths == ["1", "4", "8"], shapes
+    symbolic = [s for s in shapes if re.search(r"'s\d+'", s)]
+    assert not symbolic, symbolic[0]
+
+
+def test_runners_on_one_target_share_its_hooks_until_the_last_closes(random_target, prompts):
+    """A sweep point's runner closes while the deployed engine's runner goes on: the hooks
+    stay for it, each forward records once, and they come off with the last runner (closing a
+    runner twice lets go once)."""
+    target = load_target_model(random_target.path)  # no other runner's hooks on it
+    layer = target.model.layers[AUX_IDS[0]]
+    deployed = TargetRunner(target, AUX_IDS)
+    point = TargetRunner(target, AUX_IDS)
+    assert len(layer._forward_hooks) == 1
+    _, want_aux = point.forward(prompts[0], DynamicCache())
+    point.close()
+    point.close()
+    _, aux = deployed.forward(prompts[0], DynamicCache())
+    torch.testing.assert_close(aux, want_aux)
+    deployed.close()
+    assert len(layer._forward_hooks) == 0
+
+
+def test_a_captured_step_compiles_past_dynamos_default_limit_of_graphs():
+    """A benchmark captures a compiled step at many shapes (batch sizes, widths, cache lengths,
+    an engine per sweep point). Past dynamo's default of 8 graphs a function would run
+    eagerly from then on, with a warning in the log only; under CapturedStep every shape up
+    to GRAPHS_PER_COMPILED_STEP is compiled."""
+    from torch._dynamo.utils import get_compilation_metrics
+
+    from draftsmith.compiling import GRAPHS_PER_COMPILED_STEP, CapturedStep
+
+    def square_plus_one(x: torch.Tensor) -> torch.Tensor:
+        return x * x + 1
+
+    step = CapturedStep(torch.compile(square_plus_one, backend="eager", dynamic=False),
+                        graphs=False)
+    seen = len(get_compilation_metrics())
+    rows = range(1, 13)
+    assert len(rows) > torch._dynamo.config.recompile_limit
+    assert len(rows) <= GRAPHS_PER_COMPILED_STEP
+    for n in rows:
+        assert torch.equal(step(torch.full((n,), 2.0)), torch.full((n,), 5.0))
+    compiled = [m for m in get_compilation_metrics()[seen:] if m.co_name == "square_plus_one"]
+    assert len(compiled) == len(rows)
+    assert all(m.fail_type is None for m in compiled)
 
 
 def recording_drafts(engine) -> list[list[int]]:

@@ -176,11 +176,15 @@ class TargetRunner:
         # transformers renamed `past_key_values` to `cache` in 5.x; accept both.
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._aux = AuxLayerHooks(decoder_of(model), aux_layer_ids)
+        self._aux = AuxLayerHooks.shared(decoder_of(model), aux_layer_ids)
+        self._closed = False
 
     def close(self) -> None:
-        """Take the hooks off the target, so the model can be reused by another runner."""
-        self._aux.remove()
+        """Let go of the hooks (off the target once no other runner holds them), so the model
+        can be reused. A second close does nothing: the hooks may be another runner's now."""
+        if not self._closed:
+            self._closed = True
+            self._aux.remove()
 
     @torch.inference_mode()
     def forward(self, input_ids: list[int] | torch.Tensor, cache: DynamicCache,
@@ -295,8 +299,13 @@ class StaticTargetRunner(TargetRunner):
             compile_steps = cuda_graphs(model.device)
         self._step_widths = set(step_widths) if compile_steps else set()
         # One compiled forward per model (the benchmark's sweep makes an engine per point),
-        # under the runner's captured step: a graph per width, batch size and cache.
-        self._forward = compiled_once(model.forward) if self._step_widths else model.forward
+        # under the runner's captured step: a graph per width, batch size and cache, each of
+        # fixed shapes. By default torch.compile makes a function's graph symbolic in every
+        # size that changed since its first call ("automatic dynamic shapes"): a tree's
+        # verify after the plain and chain widths became one graph for any width, whose
+        # kernels cost more than fixed-shape ones (a captured graph replays one shape anyway).
+        self._forward = (compiled_once(model.forward, dynamic=False) if self._step_widths
+                         else model.forward)
         self._captured = captured_step(self._compiled_step, "embedded target step",
                                        model.device, state=_cache_counters, eager=self.step)
         self._tree_captured = captured_step(self._compiled_tree_step, "embedded target tree step",
@@ -312,8 +321,9 @@ class StaticTargetRunner(TargetRunner):
                                               model.device, state=_cache_counters)
 
     def close(self) -> None:
+        if not self._closed:
+            self.model.set_attn_implementation(self._attention_before)
         super().close()
-        self.model.set_attn_implementation(self._attention_before)
 
     def new_cache(self, capacity: int) -> StaticTargetCache:
         """The runner's StaticCache, emptied, when it holds `capacity` positions; a longer one
@@ -803,18 +813,20 @@ class EmbeddedSpeculativeEngine:
         # once per width), or eager at the prompt's own width.
         self.prompt_step = None
         if self.cache_kind == "static" and cuda_graphs(self.device):
+            # Fixed shapes, a graph per capture, as the target's steps (StaticTargetRunner).
             self.step_functions = tuple(
-                captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
+                captured_step(compiled_once(f, dynamic=False),
+                              f"embedded drafter step {f.__name__}",
                               self.device, eager=f)
                 for f in self.step_functions)
             if self.kind.drafting != "block":  # DFlash drafts a block, no chain
                 self.greedy_round = captured_step(
-                    compiled_once(self.round_steps),
+                    compiled_once(self.round_steps, dynamic=False),
                     f"embedded drafter {self.round_steps.__name__}", self.device,
                     eager=self.round_steps)
             if self.is_tree:
                 self.tree_verdicts = captured_step(
-                    compiled_once(self.tree_verdict_steps), "embedded tree verdicts",
+                    compiled_once(self.tree_verdict_steps, dynamic=False), "embedded tree verdicts",
                     self.device, state=_cache_counters, eager=self.tree_verdict_steps)
                 self.runner.one_row_cache_users.append(self.tree_verdicts)
             prompt_step = self.context_kv if self.kind.drafting == "block" else \
