@@ -66,7 +66,7 @@ def test_no_measured_prompt_makes_a_static_cache(target_model, exported_drafter,
                                             cache="static")
     try:
         cfg = BenchmarkConfig(max_new_tokens=6, warmup_prompts=1)
-        plain = plain_decoding(engine.runner, PROMPTS, cfg, None)
+        plain = plain_decoding(engine, PROMPTS, cfg, None)
         start_warm_up()
         _, per_prompt = measure_embedded(engine, PROMPTS, cfg, None, "chain", plain)
         start_warm_up()
@@ -81,3 +81,41 @@ def test_no_measured_prompt_makes_a_static_cache(target_model, exported_drafter,
     for label in ("benchmark plain decoding", "benchmark chain", "benchmark batch 2"):
         assert any(m.startswith(f"{label}: warming up") for m in said), (label, said)
         assert any(m.startswith(f"{label}: warm after") for m in said), (label, said)
+
+
+def test_plain_decoding_runs_over_the_cache_a_tree_decodes_over(
+        target_model, exported_drafter, monkeypatch):  # noqa: F811
+    """A tree's generation takes a larger target cache than plain decoding (its rejected
+    nodes' slots stay behind). Plain decoding, measured first, runs over that cache from its
+    warm-up on, so that no later pass, the speed pairs' plain ones included, meets a cache
+    its step has not run over. (Plain decoding once ran over a smaller cache, which the
+    tree's first generation replaced: on an H200 the plain step was compiled again for it
+    inside the second speed pair's plain pass, 43 s, and that pair said 4.4x.)"""
+    made, used = [], []  # the static caches made, and each plain generation's
+    plain_generate = benchmark.plain_generate
+    target_cache = embedded.StaticTargetRunner._static_cache
+
+    def record_plain(runner, *args, **kwargs):
+        generation = plain_generate(runner, *args, **kwargs)
+        used.append(id(runner._kv[1]))
+        return generation
+
+    def record_cache(self, rows, capacity):
+        made.append(capacity)
+        return target_cache(self, rows, capacity)
+
+    monkeypatch.setattr(benchmark, "plain_generate", record_plain)
+    monkeypatch.setattr(embedded.StaticTargetRunner, "_static_cache", record_cache)
+    engine = EmbeddedSpeculativeEngine.load(target_model, exported_drafter, NUM_STEPS, topk=2,
+                                            num_draft_tokens=6, cache="static")
+    try:
+        # 300 + 80 plain positions fit 512 slots; the tree's 300 + 80 * 3 + 6 do not.
+        cfg = BenchmarkConfig(max_new_tokens=80, warmup_prompts=1, repeats=2)
+        plain = plain_decoding(engine, PROMPTS, cfg, None)
+        summary, per_prompt = measure_embedded(engine, PROMPTS, cfg, None, "tree", plain)
+        benchmark.repeated_speedups(engine, PROMPTS, cfg, None, summary)
+    finally:
+        engine.runner.close()
+    assert all(row["identical"] for row in per_prompt)
+    assert made == [300 + 80 * 3 + 6], made  # one cache, the tree's, before plain decoding
+    assert len(set(used)) == 1 and len(used) == 1 + 2 * len(PROMPTS), used

@@ -83,7 +83,7 @@ def measure(variant: str, args) -> dict:
                               warmup_prompts=1)
 
         def measured(prompts: list[list[int]]) -> tuple[dict, list]:
-            plain = plain_decoding(engine.runner, prompts, cfg, None)
+            plain = plain_decoding(engine, prompts, cfg, None)
             return measure_embedded(engine, prompts, cfg, None, variant, plain)[0], plain
 
         started = time.perf_counter()

@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
               f"({entry['compile_s']} s)", flush=True)
         return value
 
-    plain = phase("b1 plain", lambda: plain_decoding(engine.runner, prompts, cfg, None))
+    plain = phase("b1 plain", lambda: plain_decoding(engine, prompts, cfg, None))
     result["b1_plain_identical_to_eager"] = sum(
         g.tokens == e.tokens for g, e in zip(plain, eager, strict=True))
     summary, _ = phase("b1 speculative",

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
     batch_sizes = [] if engine.is_tree else args.batch_sizes
     cfg = BenchmarkConfig(num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                           warmup_prompts=1)
-    plain = plain_decoding(engine.runner, prompts, cfg, None)
+    plain = plain_decoding(engine, prompts, cfg, None)
     label = "drafter" if args.target else "random drafter"
     batch_one, _ = measure_embedded(engine, prompts, cfg, None, label, plain)
     rows = [{"batch": 1, **{k: batch_one.get(k) for k in KEPT}}]

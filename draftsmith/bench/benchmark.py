@@ -153,10 +153,16 @@ def decode_each(prompts: list[list[int]], cfg: BenchmarkConfig, label: str,
     return out
 
 
-def plain_decoding(runner, prompts: list[list[int]], cfg: BenchmarkConfig,
+def plain_decoding(engine, prompts: list[list[int]], cfg: BenchmarkConfig,
                    eos: int | None) -> list[Generation]:
-    """The baseline: every prompt decoded without speculation, at cfg.temperature (measured
-    once per temperature and shared by every drafting config)."""
+    """The baseline: every prompt decoded without speculation by the engine's target, at
+    cfg.temperature (measured once per temperature and shared by every drafting config).
+    It runs over the target's cache at the size the engine's own generations of these prompts
+    take: a tree's is larger, and when its first generation replaced a smaller one, the
+    plain step was compiled again for the new cache inside a later measured pass (43 s in
+    one plain pass of an H200's speed pairs, which then said 4.4x)."""
+    engine.size_target_cache(max(map(len, prompts)), cfg.max_new_tokens)
+    runner = engine.runner
     with warming_up("benchmark plain decoding", cfg):
         for prompt in longest_first(prompts, cfg.warmup_prompts):
             plain_generate(runner, prompt, cfg.max_new_tokens, eos)
@@ -500,7 +506,7 @@ def sampled_run(engine, prompts: list[list[int]], cfg: BenchmarkConfig, eos: int
     """The deployed config again at benchmark.sampled_temperature, against plain decoding at
     that temperature."""
     sampled_cfg = cfg.model_copy(update={"temperature": cfg.sampled_temperature})
-    sampled_plain = plain_decoding(engine.runner, prompts, sampled_cfg, eos)
+    sampled_plain = plain_decoding(engine, prompts, sampled_cfg, eos)
     return {**measure_embedded(engine, prompts, sampled_cfg, eos,
                                f"{label} @ T={cfg.sampled_temperature}", sampled_plain)[0],
             "temperature": cfg.sampled_temperature}
@@ -548,7 +554,7 @@ def run_benchmark(cfg: BenchmarkConfig, target_cfg: TargetConfig, deployment: De
     parts = BenchmarkParts(plan, cfg, {**material, "device": device_label(engine.device)},
                            known(merged, target))
     # Plain decoding's timings, once, if a part measured now needs them.
-    plain = functools.cache(lambda: plain_decoding(engine.runner, prompts, cfg, eos))
+    plain = functools.cache(lambda: plain_decoding(engine, prompts, cfg, eos))
     # The report's summary fields that are not measured, kept in the part: a part file alone
     # says what it is (benchmarks/gpu_speculative/summary.py reads a cut-off stage's parts).
     described = {"engine": spec["engine"], "temperature": cfg.temperature,

@@ -1355,6 +1355,12 @@ class EmbeddedSpeculativeEngine:
         result.seconds = time.perf_counter() - started
         return result
 
+    def size_target_cache(self, prompt_length: int, max_new_tokens: int) -> None:
+        """Make the target's cache now at the size this engine's generations of prompts up
+        to prompt_length take, so that plain decoding over the same runner runs over the
+        cache the speculative generations will use rather than a smaller one they replace."""
+        self._new_target_cache(prompt_length, max_new_tokens)
+
     def _new_target_cache(self, prompt_length: int, max_new_tokens: int):
         """The target's cache for a generation. A chain's verify writes num_steps + 1
         positions past its last known token; a static tree's leaves its rejected nodes'
