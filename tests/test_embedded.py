@@ -1113,8 +1113,9 @@ def test_each_captured_width_compiles_a_graph_of_its_own_fixed_shapes(target_mod
 
     from draftsmith.serve import embedded
 
-    monkeypatch.setattr(embedded, "compiled_once", lambda fn, **options: torch.compile(
-        fn, backend="aot_eager", **options))  # the options kept: dynamic=False is the point
+    monkeypatch.setattr(embedded, "compiled_once",
+                        lambda fn, **_options: torch.compile(fn, backend="aot_eager"))
+    torch._dynamo.reset()  # no graph of the forward that an earlier test compiled
     reference = TargetRunner(target_model, AUX_IDS)
     chain = StaticTargetRunner(target_model, AUX_IDS, (1, 4), compile_steps=True)
     tree = StaticTargetRunner(target_model, AUX_IDS, (1, 4, 8), compile_steps=True)
@@ -1159,7 +1160,7 @@ def test_a_captured_step_compiles_past_dynamos_default_limit_of_graphs():
     """A benchmark captures a compiled step at many shapes (batch sizes, widths, cache lengths,
     an engine per sweep point). Past dynamo's default of 8 graphs a function would run
     eagerly from then on, with a warning in the log only; under CapturedStep every shape up
-    to GRAPHS_PER_COMPILED_STEP is compiled."""
+    to GRAPHS_PER_COMPILED_STEP is compiled, each to a graph of its own fixed shapes."""
     from torch._dynamo.utils import get_compilation_metrics
 
     from draftsmith.compiling import GRAPHS_PER_COMPILED_STEP, CapturedStep
@@ -1167,8 +1168,7 @@ def test_a_captured_step_compiles_past_dynamos_default_limit_of_graphs():
     def square_plus_one(x: torch.Tensor) -> torch.Tensor:
         return x * x + 1
 
-    step = CapturedStep(torch.compile(square_plus_one, backend="eager", dynamic=False),
-                        graphs=False)
+    step = CapturedStep(torch.compile(square_plus_one, backend="eager"), graphs=False)
     seen = len(get_compilation_metrics())
     rows = range(1, 13)
     assert len(rows) > torch._dynamo.config.recompile_limit
@@ -1178,6 +1178,7 @@ def test_a_captured_step_compiles_past_dynamos_default_limit_of_graphs():
     compiled = [m for m in get_compilation_metrics()[seen:] if m.co_name == "square_plus_one"]
     assert len(compiled) == len(rows)
     assert all(m.fail_type is None for m in compiled)
+    assert all(f"'l_x_': [{n}]" in m.graph_node_shapes for m, n in zip(compiled, rows, strict=True))
 
 
 def recording_drafts(engine) -> list[list[int]]:

@@ -12,8 +12,9 @@ are checked against eager plain greedy decoding (a dynamic cache, nothing compil
 Off CUDA the engine compiles nothing (compiling.cuda_graphs); --force-compile (the default)
 patches embedded.cuda_graphs to say yes, so the steps are compiled as on CUDA and replayed
 without graphs (CapturedStep with graphs=False). --variant tries a fix without touching the
-engine's code: `static` compiles with dynamic=False, `dynamic` with dynamic=True, `mark-batch`
-marks the batch dim (and the static caches') dynamic before a batched step's first call.
+engine's code: `dynamic` compiles with dynamic=True, `mark-batch` marks the batch dim (and the
+static caches') dynamic before a batched step's first call. (A `static` variant, dynamic=False,
+is what the engine's CapturedStep does since 2026-12-07.)
 
     TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) PYTHONPATH=. python \\
         benchmarks/gpu_speculative/compile_counts.py --variant baseline --out /tmp/cc.json
@@ -58,7 +59,7 @@ from draftsmith.serve.embedded import (  # noqa: E402
     plain_generate,
 )
 
-VARIANTS = ("baseline", "static", "dynamic", "mark-batch", "regional")
+VARIANTS = ("baseline", "dynamic", "mark-batch", "regional")
 
 
 def parts(layers: int) -> tuple[LlamaForCausalLM, Eagle3Drafter]:
@@ -135,9 +136,7 @@ def patch(variant: str, force: bool) -> None:
     if force:
         embedded.cuda_graphs = lambda device: True  # steps compiled; CapturedStep graphs=False
     real = compiling.compiled_once
-    if variant == "static":
-        embedded.compiled_once = lambda fn, **o: real(fn, dynamic=False, **o)
-    elif variant == "dynamic":
+    if variant == "dynamic":
         embedded.compiled_once = lambda fn, **o: real(fn, dynamic=True, **o)
     elif variant == "mark-batch":
         embedded.compiled_once = lambda fn, **o: marking_batch(real(fn, **o))

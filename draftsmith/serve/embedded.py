@@ -299,13 +299,9 @@ class StaticTargetRunner(TargetRunner):
             compile_steps = cuda_graphs(model.device)
         self._step_widths = set(step_widths) if compile_steps else set()
         # One compiled forward per model (the benchmark's sweep makes an engine per point),
-        # under the runner's captured step: a graph per width, batch size and cache, each of
-        # fixed shapes. By default torch.compile makes a function's graph symbolic in every
-        # size that changed since its first call ("automatic dynamic shapes"): a tree's
-        # verify after the plain and chain widths became one graph for any width, whose
-        # kernels cost more than fixed-shape ones (a captured graph replays one shape anyway).
-        self._forward = (compiled_once(model.forward, dynamic=False) if self._step_widths
-                         else model.forward)
+        # under the runner's captured step: a graph of fixed shapes per width, batch size and
+        # cache (CapturedStep).
+        self._forward = compiled_once(model.forward) if self._step_widths else model.forward
         self._captured = captured_step(self._compiled_step, "embedded target step",
                                        model.device, state=_cache_counters, eager=self.step)
         self._tree_captured = captured_step(self._compiled_tree_step, "embedded target tree step",
@@ -813,20 +809,18 @@ class EmbeddedSpeculativeEngine:
         # once per width), or eager at the prompt's own width.
         self.prompt_step = None
         if self.cache_kind == "static" and cuda_graphs(self.device):
-            # Fixed shapes, a graph per capture, as the target's steps (StaticTargetRunner).
             self.step_functions = tuple(
-                captured_step(compiled_once(f, dynamic=False),
-                              f"embedded drafter step {f.__name__}",
+                captured_step(compiled_once(f), f"embedded drafter step {f.__name__}",
                               self.device, eager=f)
                 for f in self.step_functions)
             if self.kind.drafting != "block":  # DFlash drafts a block, no chain
                 self.greedy_round = captured_step(
-                    compiled_once(self.round_steps, dynamic=False),
+                    compiled_once(self.round_steps),
                     f"embedded drafter {self.round_steps.__name__}", self.device,
                     eager=self.round_steps)
             if self.is_tree:
                 self.tree_verdicts = captured_step(
-                    compiled_once(self.tree_verdict_steps, dynamic=False), "embedded tree verdicts",
+                    compiled_once(self.tree_verdict_steps), "embedded tree verdicts",
                     self.device, state=_cache_counters, eager=self.tree_verdict_steps)
                 self.runner.one_row_cache_users.append(self.tree_verdicts)
             prompt_step = self.context_kv if self.kind.drafting == "block" else \
